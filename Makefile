@@ -1,0 +1,52 @@
+# The two set-up commands of the README are `make train` and `make test`; both create .venv on
+# first use and install nothing on later calls (the stamp depends on pyproject.toml only).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+UI_PORT ?= 5000
+SERVER_PORT ?= 5001
+SERVER_HOST ?= 127.0.0.1
+PYTEST_ARGS ?=
+
+.PHONY: setup train test test-fast lint ui mlflow-server bench cluster-up cluster-down clean
+
+setup: $(STAMP)
+
+# torch and torchvision first, pinned, through plain pip: pip's local wheel store holds these
+# builds, and installing them alone keeps the resolver from choosing another torch later.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet torch==2.14.1 torchvision==0.29.1
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+# The main job on the embedded defaults: digits, the small CNN, 2 local gloo ranks.
+train: setup
+	$(PY) -m train distributed.nproc_per_node=2
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The quick half of the suite: no multi-process end-to-end runs, no Slurm, no browser.
+test-fast: setup
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check train tests bench
+
+# The MLflow UI over the embedded store (mlruns/), on this machine only.
+ui: setup
+	@echo "MLflow UI: http://127.0.0.1:$(UI_PORT)  (embedded store $(CURDIR)/mlruns/mlflow.db)"
+	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlruns/mlflow.db \
+	  --default-artifact-root $(CURDIR)/mlruns/artifacts --host 127.0.0.1 --port $(UI_PORT)
+
+cluster-up:
+	bash slurm/cluster-up.sh
+
+cluster-down:
+	bash slurm/cluster-down.sh
+
+clean:
+	rm -rf outputs multirun .pytest_cache .ruff_cache

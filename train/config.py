@@ -1,0 +1,276 @@
+"""Typed configuration: one dataclass per config group, registered as Hydra's schema.
+
+`conf/train.yaml` lists `train_schema` first in its defaults, so every YAML file of a group
+is merged onto these dataclasses: a misspelt key or a value of the wrong type is refused by
+OmegaConf while composing; `validate()` then checks what types cannot express (ranges, names,
+divisibility) before any process starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+# The registries in train/models.py and train/data.py are keyed by exactly these names; they are
+# repeated here so validation (and --help) need not import torch.
+MODEL_NAMES = ("cnn", "mlp", "resnet18", "torchvision")
+DATASET_NAMES = ("digits", "synthetic", "mnist", "fashion_mnist", "cifar10")
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
+OPTIMIZERS = ("sgd", "adamw")
+SCHEDULES = ("cosine", "constant")
+BACKENDS = ("auto", "gloo", "nccl")
+DIRECTIONS = ("maximize", "minimize")
+
+
+class ConfigError(ValueError):
+    """A configuration the service refuses; its message is shown to the user as is."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "cnn"
+    """Registry name: cnn, mlp, resnet18, or torchvision (then `arch` picks the builder)."""
+    arch: str | None = None
+    """For name=torchvision: any torchvision.models classification builder, e.g. resnet50."""
+    width: int = 32
+    """cnn: channels of the first conv layer; mlp: hidden units."""
+    depth: int = 2
+    """mlp: hidden layers."""
+    dropout: float = 0.0
+    """Dropout before the classifier."""
+
+
+@dataclass
+class DataConfig:
+    name: str = "digits"
+    """Registry name: digits, synthetic, mnist, fashion_mnist, cifar10."""
+    batch_size: int = 64
+    """GLOBAL batch size, split evenly over all ranks."""
+    val_fraction: float = 0.2
+    """Share of the training split held out for validation (fixed split seed)."""
+    split_seed: int = 0
+    """Seed of the train/val split; the same for every rank and every restart."""
+    root: str = "${oc.env:TRAIN_DATA_ROOT,data}"
+    """Where torchvision data sets live (env TRAIN_DATA_ROOT overrides)."""
+    download: bool = False
+    """Download missing torchvision data sets (compute nodes are often offline)."""
+    num_workers: int | None = None
+    """DataLoader workers per rank; null = what the CPUs available to each rank allow."""
+    on_device: bool = True
+    """Keep the in-memory data set on the GPU (shuffle, augment and batch there)."""
+    augment: bool = False
+    """Random crop (pad 4) and horizontal flip of training batches (for CIFAR-style data)."""
+    num_samples: int = 4096
+    """synthetic: number of samples."""
+    channels: int = 3
+    """synthetic: image channels."""
+    image_size: int = 32
+    """synthetic: image height and width."""
+    num_classes: int = 10
+    """synthetic: number of classes."""
+
+
+@dataclass
+class OptimConfig:
+    name: str = "sgd"
+    """sgd or adamw."""
+    lr: float = 0.05
+    """Peak learning rate."""
+    momentum: float = 0.9
+    """sgd: momentum."""
+    nesterov: bool = True
+    """sgd: Nesterov momentum."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """adamw: betas."""
+    weight_decay: float = 5e-4
+    """Decoupled (adamw) or L2 (sgd) weight decay."""
+    schedule: str = "cosine"
+    """cosine (with linear warm-up) or constant."""
+    warmup_epochs: float = 0.0
+    """Linear warm-up length in epochs (fractions allowed)."""
+    min_lr_ratio: float = 0.0
+    """cosine: final lr as a fraction of the peak."""
+    grad_clip: float | None = None
+    """Clip the global gradient norm to this value; null = no clipping."""
+
+
+@dataclass
+class TrainerConfig:
+    epochs: int = 10
+    """Passes over the training set."""
+    seed: int = 0
+    """Seed for weights and shuffling (each rank adds its rank)."""
+    precision: str = "fp32"
+    """fp32, bf16-mixed or fp16-mixed (fp16 uses a GradScaler)."""
+    eval_every: int = 1
+    """Validate every N epochs (and always after the last)."""
+    log_every_n_steps: int = 10
+    """Log train/step_loss every N optimiser steps; the only steps that sync with the host."""
+    channels_last: bool = False
+    """Use channels_last memory format (faster convolutions on recent GPUs)."""
+    compile: bool = False
+    """torch.compile the model."""
+    objective: str = "val/accuracy"
+    """Metric the task function returns to Hydra sweepers."""
+    objective_direction: str = "maximize"
+    """maximize or minimize (for sweepers)."""
+
+
+@dataclass
+class DistributedConfig:
+    backend: str = "auto"
+    """auto (nccl with CUDA, else gloo), gloo or nccl."""
+    nproc_per_node: int = 1
+    """Ranks `python -m train` starts on this machine (ignored under torchrun/Slurm)."""
+    timeout_s: int = 120
+    """Collective timeout: a rank stuck longer than this ends the job."""
+    device: str = "auto"
+    """auto (cuda when available), cuda or cpu."""
+    find_unused_parameters: bool = False
+    """DDP: tolerate parameters that get no gradient."""
+    gradient_as_bucket_view: bool = True
+    """DDP: gradients alias the all-reduce buckets (saves memory and a copy)."""
+    static_graph: bool = False
+    """DDP: the graph is the same every step."""
+    bucket_cap_mb: float = 25.0
+    """DDP: all-reduce bucket size."""
+    sync_batchnorm: bool = False
+    """Convert BatchNorm layers to SyncBatchNorm."""
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = True
+    """Record the job as an MLflow run."""
+    uri: str | None = "${oc.env:MLFLOW_TRACKING_URI,null}"
+    """Tracking URI; null = the embedded SQLite store at <repo>/mlruns/mlflow.db."""
+    experiment: str = "train"
+    """MLflow experiment name."""
+    experiment_id: str | None = None
+    """Set by the submitting process so jobs never race to create the experiment."""
+    run_name: str | None = None
+    """MLflow run name; null = MLflow's generated name."""
+    log_model: bool = True
+    """Store the final weights as a run artifact."""
+
+
+@dataclass
+class ClusterConfig:
+    """Slurm resources; present only with `+cluster=slurm` (see conf/cluster/slurm.yaml)."""
+
+    nodes: int = 1
+    """Nodes per job."""
+    gpus_per_node: int = 0
+    """GPUs per node (one rank each by default)."""
+    tasks_per_node: int | None = None
+    """Ranks per node; null = gpus_per_node (1 on CPU partitions)."""
+    cpus_per_task: int = 1
+    """CPUs per rank."""
+    mem_gb: int | None = None
+    """Memory per node in GB; null = the partition default."""
+    time_min: int = 60
+    """Time limit in minutes."""
+    partition: str | None = None
+    """Slurm partition; null = the cluster default."""
+    account: str | None = None
+    """Slurm account."""
+    qos: str | None = None
+    """Slurm QOS."""
+    constraint: str | None = None
+    """Slurm node constraint."""
+    setup: list[str] = field(default_factory=list)
+    """Shell lines run before srun (module loads, venv activation)."""
+    sbatch_extra: dict[str, Any] = field(default_factory=dict)
+    """Further sbatch options, e.g. {mail-type: END}."""
+    job_name: str | None = None
+    """Job name; null = the experiment name."""
+    dry_run: bool = False
+    """Print the sbatch script that would be submitted and exit."""
+    wait: bool = True
+    """Follow the job until it ends."""
+    array_parallelism: int = 16
+    """Sweeps: array tasks running at once."""
+    submitit_folder: str = "${hydra:sweep.dir}/.submitit/%j"
+    """Where submitit keeps scripts, logs and results."""
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    cluster: ClusterConfig | None = None
+
+
+def register_schema() -> None:
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+def to_container(cfg: DictConfig) -> dict[str, Any]:
+    """Plain, resolved dict of the composed config: picklable and safe to send to ranks."""
+    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # type: ignore[return-value]
+
+
+def to_typed(cfg: DictConfig | dict[str, Any]) -> TrainConfig:
+    """The composed config as TrainConfig objects (attribute access, types checked)."""
+    schema = OmegaConf.structured(TrainConfig)
+    merged = OmegaConf.merge(schema, cfg)
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+
+
+def _require(ok: bool, message: str, problems: list[str]) -> None:
+    if not ok:
+        problems.append(message)
+
+
+def validate(cfg: TrainConfig, world_size: int) -> None:
+    """Refuse what the types allow but training cannot use; every problem in one message."""
+    p: list[str] = []
+    _require(cfg.model.name in MODEL_NAMES,
+             f"model={cfg.model.name!r} is not a model; choose one of {list(MODEL_NAMES)}.", p)
+    _require(cfg.model.name != "torchvision" or bool(cfg.model.arch),
+             "model=torchvision needs model.arch=<a torchvision.models builder, e.g. resnet50>.",
+             p)
+    _require(cfg.data.name in DATASET_NAMES,
+             f"data={cfg.data.name!r} is not a data set; choose one of {list(DATASET_NAMES)}.", p)
+    _require(cfg.optim.name in OPTIMIZERS,
+             f"optim.name={cfg.optim.name!r}; choose one of {list(OPTIMIZERS)}.", p)
+    _require(cfg.optim.schedule in SCHEDULES,
+             f"optim.schedule={cfg.optim.schedule!r}; choose one of {list(SCHEDULES)}.", p)
+    _require(cfg.trainer.precision in PRECISIONS,
+             f"trainer.precision={cfg.trainer.precision!r}; choose one of {list(PRECISIONS)}.", p)
+    _require(cfg.distributed.backend in BACKENDS,
+             f"distributed.backend={cfg.distributed.backend!r}; choose one of {list(BACKENDS)}.",
+             p)
+    _require(cfg.distributed.device in ("auto", "cuda", "cpu"),
+             f"distributed.device={cfg.distributed.device!r}; choose auto, cuda or cpu.", p)
+    _require(cfg.trainer.objective_direction in DIRECTIONS,
+             f"trainer.objective_direction must be one of {list(DIRECTIONS)}.", p)
+    _require(cfg.optim.lr > 0, f"optim.lr must be positive (got {cfg.optim.lr}).", p)
+    _require(cfg.trainer.epochs > 0, f"trainer.epochs must be positive (got {cfg.trainer.epochs}).",
+             p)
+    _require(cfg.trainer.eval_every > 0, "trainer.eval_every must be positive.", p)
+    _require(cfg.trainer.log_every_n_steps > 0, "trainer.log_every_n_steps must be positive.", p)
+    _require(cfg.data.batch_size > 0,
+             f"data.batch_size must be positive (got {cfg.data.batch_size}).", p)
+    _require(0 < cfg.data.val_fraction < 1,
+             f"data.val_fraction must be between 0 and 1 (got {cfg.data.val_fraction}).", p)
+    _require(cfg.distributed.nproc_per_node > 0, "distributed.nproc_per_node must be positive.", p)
+    _require(cfg.distributed.timeout_s > 0, "distributed.timeout_s must be positive.", p)
+    _require(cfg.optim.grad_clip is None or cfg.optim.grad_clip > 0,
+             "optim.grad_clip must be positive or null.", p)
+    if cfg.data.batch_size > 0 and world_size > 0:
+        suggestion = max(world_size, cfg.data.batch_size // world_size * world_size)
+        _require(cfg.data.batch_size % world_size == 0,
+                 f"data.batch_size={cfg.data.batch_size} is the GLOBAL batch and must split evenly "
+                 f"over the {world_size} ranks; use a multiple of {world_size}, e.g. "
+                 f"data.batch_size={suggestion}.",
+                 p)
+    if p:
+        raise ConfigError("Refusing to start: " + " ".join(p))

@@ -1,0 +1,107 @@
+"""Where this process sits in the job: the ONE module that reads the launch environment.
+
+No torch here (the launcher imports it before any rank starts). It understands three
+launchers and refuses a half-set environment:
+
+- torchrun, or this package's local launcher: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+  MASTER_ADDR, MASTER_PORT are all set;
+- a Slurm job step (`srun`, or submitit, which runs its tasks through srun): submitit's
+  JobEnvironment reads SLURM_* and TorchDistributedEnvironment derives MASTER_ADDR (first node)
+  and MASTER_PORT (seeded by the job id), which are then exported torchrun-style;
+- nothing: a plain `python -m train`, which the local launcher turns into N ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT")
+
+
+class DistEnvError(RuntimeError):
+    """The launch environment is inconsistent."""
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    launcher: str
+    """torchrun (also our local launcher), slurm (srun) or submitit."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def torchrun_env(rank: int, local_rank: int, world_size: int, local_world_size: int,
+                 master_addr: str, master_port: int) -> dict[str, str]:
+    """The variables torchrun sets for one rank (used by the local launcher)."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(local_world_size), "MASTER_ADDR": master_addr,
+            "MASTER_PORT": str(master_port)}
+
+
+def in_slurm_step(environ: Mapping[str, str] = os.environ) -> bool:
+    """True inside an `srun` step; False in the batch script itself or on a login node."""
+    return "SLURM_STEP_ID" in environ and "SLURM_PROCID" in environ and "SLURM_JOB_ID" in environ
+
+
+def external_world_size(environ: Mapping[str, str] = os.environ) -> int | None:
+    """World size when torchrun or Slurm started one process per rank; None otherwise."""
+    if "WORLD_SIZE" in environ:
+        return int(environ["WORLD_SIZE"])
+    if in_slurm_step(environ):
+        return int(environ.get("SLURM_STEP_NUM_TASKS", environ.get("SLURM_NTASKS", "1")))
+    return None
+
+
+def detect() -> DistEnv:
+    """Read this rank's place in the job from the environment, exporting torchrun-style vars."""
+    present = [v for v in TORCHRUN_VARS if v in os.environ]
+    if not present and in_slurm_step():
+        _export_from_slurm()
+        launcher = "submitit" if "SUBMITIT_FOLDER" in os.environ else "slurm"
+        present = list(TORCHRUN_VARS)
+    else:
+        launcher = "torchrun"
+    missing = [v for v in TORCHRUN_VARS if v not in os.environ]
+    if missing:
+        raise DistEnvError(
+            f"Half-set distributed environment: {', '.join(present)} set but "
+            f"{', '.join(missing)} missing. Launch with torchrun, srun, or plain `python -m train`"
+            " (which starts distributed.nproc_per_node ranks itself), or unset these variables.")
+    env = DistEnv(rank=int(os.environ["RANK"]), local_rank=int(os.environ["LOCAL_RANK"]),
+                  world_size=int(os.environ["WORLD_SIZE"]),
+                  local_world_size=int(os.environ["LOCAL_WORLD_SIZE"]),
+                  master_addr=os.environ["MASTER_ADDR"], master_port=int(os.environ["MASTER_PORT"]),
+                  launcher=launcher)
+    if not (0 <= env.rank < env.world_size and 0 <= env.local_rank < env.local_world_size):
+        raise DistEnvError(f"Inconsistent distributed environment: {env}.")
+    return env
+
+
+def _export_from_slurm() -> None:
+    # submitit's JobEnvironment knows how to read SLURM_* (node lists, local ids) and its
+    # TorchDistributedEnvironment derives the master address and a job-seeded port; a plain
+    # `srun python -m train` gets the same treatment by naming the slurm plugin.
+    os.environ.setdefault("SUBMITIT_EXECUTOR", "slurm")
+    from submitit.helpers import TorchDistributedEnvironment
+
+    # Keep every GPU visible: we pick cuda:<local_rank> ourselves.
+    TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+
+
+def free_port() -> int:
+    """A port no one listens on now; the OS picks from its ephemeral range."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

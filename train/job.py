@@ -1,0 +1,100 @@
+"""One rank of a training job, from environment to finished (or failed) MLflow run.
+
+`run_rank` is what every process runs, however it was started: by the local launcher, by
+torchrun, by srun or by submitit.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from train import data as data_lib
+from train import distenv, distributed, loop, models, optim
+from train.config import TrainConfig, to_typed
+from train.report import open_reporter
+
+log = logging.getLogger("train")
+
+
+def setup_logging(rank: int) -> None:
+    """Rank 0 tells the story; the other ranks speak only about problems."""
+    level = logging.INFO if rank == 0 else logging.WARNING
+    fmt = "[%(asctime)s][rank " + str(rank) + "][%(levelname)s] %(message)s"
+    logging.basicConfig(level=level, format=fmt, datefmt="%H:%M:%S", stream=sys.stderr,
+                        force=True)
+
+
+def _rank_info(device: torch.device) -> dict[str, str]:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {"host": socket.gethostname(), "device": name}
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def build_state(cfg: TrainConfig, bundle: data_lib.DataBundle,
+                device: torch.device) -> loop.TrainState:
+    spec = models.InputSpec(bundle.channels, bundle.image_size, bundle.num_classes)
+    model: torch.nn.Module = models.build(cfg.model, spec)
+    if cfg.distributed.sync_batchnorm:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model = model.to(device)
+    if cfg.trainer.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+              find_unused_parameters=cfg.distributed.find_unused_parameters,
+              gradient_as_bucket_view=cfg.distributed.gradient_as_bucket_view,
+              static_graph=cfg.distributed.static_graph,
+              bucket_cap_mb=cfg.distributed.bucket_cap_mb)
+    if cfg.trainer.compile:
+        ddp = torch.compile(ddp)  # type: ignore[assignment]
+    optimizer = optim.build_optimizer(cfg.optim, model)
+    scheduler = optim.build_scheduler(cfg.optim, optimizer, len(bundle.train), cfg.trainer.epochs)
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.trainer.precision == "fp16-mixed")
+    return loop.TrainState(ddp, optimizer, scheduler, scaler)
+
+
+def run_rank(config: dict[str, Any], output_dir: str) -> dict[str, float]:
+    """Train on this rank; rank 0 returns the final metrics, the other ranks an empty dict."""
+    env = distenv.detect()
+    setup_logging(env.rank)
+    cfg: TrainConfig = to_typed(config)
+    out = Path(output_dir)
+    device = distributed.select_device(cfg.distributed.device, env.local_rank)
+    backend = distributed.select_backend(cfg.distributed.backend, device)
+    distributed.init(env, backend, device, cfg.distributed.timeout_s)
+    reporter = open_reporter(cfg.tracking, cfg.trainer.epochs, env.is_main,
+                             out / "mlflow_run.json")
+    try:
+        torch.manual_seed(cfg.trainer.seed)  # identical initial weights on every rank
+        bundle = data_lib.build(cfg.data, env.rank, env.world_size, env.local_world_size, device,
+                                cfg.trainer.seed, cfg.trainer.channels_last)
+        ranks = distributed.gather_to_main(_rank_info(device))
+        reporter.start(config=config, ranks=ranks, backend=backend, output_dir=out,
+                       num_train=bundle.num_train, num_val=bundle.num_val,
+                       env=env, run_name=cfg.tracking.run_name,
+                       config_yaml=OmegaConf.to_yaml(config))
+        state = build_state(cfg, bundle, device)
+        torch.manual_seed(cfg.trainer.seed + env.rank)  # different augmentation per rank
+        loop.fit(cfg, state, bundle, device, reporter, env.rank)
+        reporter.save_model(state.model, out)
+        reporter.write_summary(out, distributed.gather_to_main(peak_rss_mb()))
+        reporter.finish()
+        return dict(reporter.final_metrics)
+    except BaseException as exc:
+        distributed.publish_failure(env, exc)
+        reason = distributed.first_failure() or f"rank {env.rank}: {type(exc).__name__}: {exc}"
+        reporter.finish(error=reason)
+        raise
+    finally:
+        distributed.shutdown()

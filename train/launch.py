@@ -1,0 +1,171 @@
+"""From a composed config to running ranks: pre-flight, then run in place or start N ranks.
+
+This module stays light (no torch, torchvision or mlflow at import time): `--help`, `--cfg` and
+a refused configuration answer in well under a second, and the ranks do the heavy imports in
+parallel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import queue
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig
+
+from train import config as config_lib
+from train import distenv
+from train.config import ConfigError, TrainConfig
+
+log = logging.getLogger("train")
+
+GRACE_S = 15.0
+"""After one rank fails, how long the others get to notice (closed connections) and exit."""
+
+
+class LaunchError(RuntimeError):
+    """Something the user must fix before the job can start."""
+
+
+@dataclass
+class RankOutcome:
+    rank: int
+    kind: str  # "error" or "result"
+    payload: Any
+    at: float
+
+
+def preflight(cfg: TrainConfig, world_size: int, local_ranks: int) -> None:
+    """Everything that can be refused before a rank starts, each with what to do about it."""
+    config_lib.validate(cfg, world_size)
+    if cfg.model.name == "torchvision":
+        import torchvision.models as tvm
+
+        if cfg.model.arch not in tvm.list_models(module=tvm):
+            raise ConfigError(f"model.arch={cfg.model.arch!r} is not a torchvision classification "
+                              f"model; choose one of {sorted(tvm.list_models(module=tvm))}.")
+    if cfg.data.name not in ("digits", "synthetic") and not cfg.data.download:
+        from train import data  # torch and torchvision: only for data sets on disk
+
+        try:
+            data.check_available(cfg.data)
+        except data.DataMissingError as e:
+            raise LaunchError(str(e)) from None
+    if cfg.distributed.backend == "nccl" or cfg.distributed.device == "cuda":
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if local_ranks > gpus:
+            raise LaunchError(
+                f"distributed.nproc_per_node={local_ranks} ranks need as many GPUs with "
+                f"backend={cfg.distributed.backend} device={cfg.distributed.device}, but this "
+                f"machine has {gpus}. Lower nproc_per_node, or use distributed.device=cpu "
+                "distributed.backend=gloo.")
+    if cfg.tracking.enabled:
+        from train.tracking import TrackingError, check_reachable, resolve_uri
+
+        try:
+            check_reachable(resolve_uri(cfg.tracking))
+        except TrackingError as e:
+            raise LaunchError(str(e)) from None
+
+
+def run(cfg: DictConfig, output_dir: str) -> float | None:
+    """Run the job this process was asked for; returns the objective for Hydra sweepers."""
+    config = config_lib.to_container(cfg)
+    typed = config_lib.to_typed(config)
+    external = distenv.external_world_size()
+    try:
+        if external is not None:
+            # torchrun / srun / submitit started every rank: each validates, then trains.
+            config_lib.validate(typed, external)
+            from train.job import run_rank
+
+            return objective(typed, run_rank(config, output_dir))
+        nproc = typed.distributed.nproc_per_node
+        preflight(typed, nproc, nproc)
+    except (ConfigError, LaunchError) as e:
+        print(f"\nerror: {e}\n", file=sys.stderr)
+        raise SystemExit(2) from None
+    return objective(typed, start_local_ranks(config, output_dir, nproc))
+
+
+def objective(cfg: TrainConfig, final: dict[str, float]) -> float | None:
+    return final.get(cfg.trainer.objective)
+
+
+def _rank_entry(config: dict[str, Any], output_dir: str, env: dict[str, str],
+                outcomes: mp.Queue) -> None:
+    os.environ.update(env)
+    rank = int(env["RANK"])
+    try:
+        from train.job import run_rank
+
+        result = run_rank(config, output_dir)
+        outcomes.put(RankOutcome(rank, "result", result, time.time()))
+    except BaseException as e:
+        outcomes.put(RankOutcome(rank, "error", "".join(traceback.format_exception(e)),
+                                 time.time()))
+        raise SystemExit(1) from None
+
+
+def start_local_ranks(config: dict[str, Any], output_dir: str, nproc: int) -> dict[str, float]:
+    """Start `nproc` ranks on this machine and supervise them until all end.
+
+    A rank that fails makes the others fail at their next collective (their connections to it
+    close); any still running after GRACE_S is killed. The earliest error is the root cause and
+    is what the user sees.
+    """
+    port = distenv.free_port()
+    ctx = mp.get_context("spawn")
+    outcomes: mp.Queue = ctx.Queue()
+    procs = []
+    for rank in range(nproc):
+        env = distenv.torchrun_env(rank, rank, nproc, nproc, "127.0.0.1", port)
+        p = ctx.Process(target=_rank_entry, args=(config, output_dir, env, outcomes),
+                        name=f"rank{rank}")
+        p.start()
+        procs.append(p)
+    deadline: float | None = None
+    try:
+        while any(p.is_alive() for p in procs):
+            # Bounded waits: exit codes are polled even if a sentinel is never signalled.
+            timeout = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
+            multiprocessing.connection.wait([p.sentinel for p in procs if p.is_alive()], timeout)
+            failed = [p for p in procs if p.exitcode not in (None, 0)]
+            if failed and deadline is None:
+                deadline = time.monotonic() + GRACE_S
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    results: list[RankOutcome] = []
+    with contextlib.suppress(queue.Empty):
+        while True:
+            results.append(outcomes.get(timeout=0.2))
+    errors = sorted((o for o in results if o.kind == "error"), key=lambda o: o.at)
+    failed = [p for p in procs if p.exitcode != 0]
+    if errors or failed:
+        if errors:
+            first = errors[0]
+            detail = f"rank {first.rank} failed first:\n{first.payload}"
+        else:
+            detail = ", ".join(f"{p.name} exited with code {p.exitcode}" for p in failed)
+        print(f"\nerror: the training job failed; {detail}", file=sys.stderr)
+        raise SystemExit(1)
+    return next((o.payload for o in results if o.kind == "result" and o.rank == 0), {})

@@ -1,0 +1,39 @@
+"""Optimiser and per-step learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from train.config import OptimConfig
+
+
+def build_optimizer(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas),  # type: ignore[arg-type]
+                                 weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
+                           nesterov=cfg.nesterov and cfg.momentum > 0,
+                           weight_decay=cfg.weight_decay)
+
+
+def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str,
+              min_ratio: float) -> float:
+    """Multiplier of the peak lr at optimiser step `step` (0-based)."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def build_scheduler(cfg: OptimConfig, optimizer: torch.optim.Optimizer, steps_per_epoch: int,
+                    epochs: int) -> torch.optim.lr_scheduler.LambdaLR:
+    total = steps_per_epoch * epochs
+    warmup = round(cfg.warmup_epochs * steps_per_epoch)
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, total, warmup, cfg.schedule, cfg.min_lr_ratio))

@@ -1,0 +1,178 @@
+"""Everything rank 0 shows or records, decided in one place.
+
+`open_reporter` gives rank 0 a Reporter (progress bar or log lines, plus the MLflow run) and
+every other rank a NullReporter, so the training loop calls the same methods on every rank and
+never asks which rank it is.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from train.config import TrackingConfig
+from train.distenv import DistEnv
+from train.metrics import Reduced
+from train.tracking import REPO_ROOT, NullTracker, flatten, open_tracker
+
+log = logging.getLogger("train")
+T = TypeVar("T")
+
+
+class NullReporter:
+    tracker: NullTracker = NullTracker()
+    final_metrics: dict[str, float] = {}
+
+    def start(self, **run_info: Any) -> None: ...
+    def save_model(self, model: Any, output_dir: Path) -> None: ...
+    def set_tags(self, tags: Mapping[str, Any]) -> None: ...
+    def step(self, metrics: Mapping[str, float], step: int) -> None: ...
+    def epoch(self, epoch: int, *, train: Reduced | None, val: Reduced | None,
+              train_time_s: float, epoch_time_s: float, lr: float) -> None: ...
+    def log_file(self, path: Path, artifact_path: str | None = None) -> None: ...
+    def finish(self, error: str | None = None) -> None: ...
+    def first_step_done(self) -> None: ...
+    def write_summary(self, output_dir: Path, peak_rss_mb: list[float] | None) -> None: ...
+
+    def progress(self, batches: Iterable[T], epoch: int, total: int) -> Iterable[T]:
+        return batches
+
+    def postfix(self, **values: float) -> None: ...
+
+
+class Reporter(NullReporter):
+    def __init__(self, tracking: TrackingConfig, epochs: int, run_id_file: Path | None) -> None:
+        self.tracker = open_tracker(tracking, True, run_id_file)
+        self.epochs = epochs
+        self.interactive = sys.stderr.isatty()
+        self.final_metrics = {}
+        self.first_step_at: float | None = None
+        self._bar: Any = None
+
+    def start(self, *, config: Mapping[str, Any], ranks: list[dict[str, str]] | None,
+              backend: str, env: DistEnv, num_train: int, num_val: int, output_dir: Path,
+              run_name: str | None, config_yaml: str) -> None:
+        assert ranks is not None, "rank 0 holds every rank's host and device"
+        params = flatten(config)
+        params.update({"data.num_train": str(num_train), "data.num_val": str(num_val)})
+        tags = {"world_size": env.world_size, "launcher": env.launcher, "backend": backend,
+                "hostnames": ",".join(sorted({r["host"] for r in ranks})),
+                "devices": ",".join(sorted({r["device"] for r in ranks})),
+                "torch_version": torch_version(), "git_commit": git_commit(),
+                "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+                "output_dir": str(output_dir), **slurm_tags(ranks)}
+        self.tracker.start(params=params, tags=tags, config_yaml=config_yaml, run_name=run_name)
+        log.info("training on %d rank(s) (%s, %s) over %s; %d train / %d val samples",
+                 env.world_size, backend, tags["devices"], tags["hostnames"], num_train, num_val)
+
+    def save_model(self, model: Any, output_dir: Path) -> None:
+        """Final weights (of the bare module) beside the job's outputs and in the run."""
+        import torch
+
+        bare = getattr(model, "module", model)
+        path = output_dir / "model.pt"
+        torch.save(bare.state_dict(), path)
+        self.tracker.log_file(path, "model")
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        self.tracker.set_tags(tags)
+
+    def step(self, metrics: Mapping[str, float], step: int) -> None:
+        self.tracker.log_metrics(metrics, step)
+        self.postfix(loss=metrics["train/step_loss"])
+
+    def progress(self, batches: Iterable[T], epoch: int, total: int) -> Iterator[T]:
+        if not self.interactive:
+            yield from batches
+            return
+        from tqdm import tqdm
+
+        with tqdm(batches, total=total, desc=f"epoch {epoch + 1}/{self.epochs}", leave=False,
+                  dynamic_ncols=True, file=sys.stderr) as bar:
+            self._bar = bar
+            yield from bar
+        self._bar = None
+
+    def postfix(self, **values: float) -> None:
+        if self._bar is not None:
+            self._bar.set_postfix({k: f"{v:.4g}" for k, v in values.items()}, refresh=False)
+
+    def epoch(self, epoch: int, *, train: Reduced | None, val: Reduced | None,
+              train_time_s: float, epoch_time_s: float, lr: float) -> None:
+        assert train is not None, "rank 0 always holds the reduced metrics"
+        metrics = {"train/loss": train.loss, "train/accuracy": train.accuracy,
+                   "train/samples": float(train.samples),
+                   "train/samples_per_sec": train.samples / train_time_s,
+                   "lr": lr, "epoch_time_s": epoch_time_s}
+        if val is not None:
+            metrics.update({"val/loss": val.loss, "val/accuracy": val.accuracy,
+                            "val/samples": float(val.samples)})
+        self.tracker.log_metrics(metrics, step=epoch)
+        self.final_metrics.update(metrics)
+        shown = "  ".join(f"{k}={v:.4g}" for k, v in metrics.items()
+                          if k in ("train/loss", "train/accuracy", "val/loss", "val/accuracy",
+                                   "train/samples_per_sec", "epoch_time_s"))
+        log.info("epoch %d/%d  %s", epoch + 1, self.epochs, shown)
+
+    def log_file(self, path: Path, artifact_path: str | None = None) -> None:
+        self.tracker.log_file(path, artifact_path)
+
+    def first_step_done(self) -> None:
+        self.first_step_at = time.time()
+
+    def write_summary(self, output_dir: Path, peak_rss_mb: list[float] | None) -> None:
+        """summary.json beside the job's outputs: what scripts (and `make bench`) read back."""
+        assert peak_rss_mb is not None, "rank 0 holds every rank's peak memory"
+        self.tracker.log_metrics({"peak_rss_mb_max": max(peak_rss_mb)}, step=self.epochs)
+        self.tracker.flush()
+        summary = {"run_id": self.tracker.run_id, "metrics": self.final_metrics,
+                   "first_step_at": self.first_step_at, "peak_rss_mb": peak_rss_mb}
+        (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+
+    def finish(self, error: str | None = None) -> None:
+        started = time.monotonic()
+        self.tracker.finish(error)
+        if self.tracker.run_id and error is None:
+            log.info("MLflow run %s FINISHED (flushed in %.1f s)", self.tracker.run_id,
+                     time.monotonic() - started)
+        elif self.tracker.run_id:
+            log.error("MLflow run %s marked FAILED: %s", self.tracker.run_id, error)
+
+
+def torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                             text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 else "unknown"
+
+
+def slurm_tags(ranks: list[dict[str, str]]) -> dict[str, str]:
+    """Where a Slurm job ran; empty outside Slurm."""
+    if "SLURM_JOB_ID" not in os.environ:
+        return {}
+    tags = {"slurm.job_id": os.environ.get("SLURM_ARRAY_JOB_ID", os.environ["SLURM_JOB_ID"]),
+            "slurm.nodes": ",".join(sorted({r["host"] for r in ranks})),
+            "slurm.partition": os.environ.get("SLURM_JOB_PARTITION", "")}
+    if "SLURM_ARRAY_TASK_ID" in os.environ:
+        tags["slurm.array_task_id"] = os.environ["SLURM_ARRAY_TASK_ID"]
+    return tags
+
+
+def open_reporter(tracking: TrackingConfig, epochs: int, is_main: bool,
+                  run_id_file: Path | None) -> NullReporter:
+    return Reporter(tracking, epochs, run_id_file) if is_main else NullReporter()

@@ -1,0 +1,228 @@
+"""MLflow tracking: the only module that imports mlflow.
+
+Two halves:
+- `prepare()` runs in the process that launches or submits the job, before any rank starts: it
+  checks the tracking URI is reachable, initialises (migrates) an embedded SQLite store and
+  creates the experiment, so parallel ranks or jobs never race on either.
+- `RunTracker` lives on rank 0 only (`open_tracker` decides, in one place). It sends everything
+  from one background thread, one batched request per logging point, so the training loop never
+  waits on MLflow; a request that fails is retried until the server answers again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from train.config import TrackingConfig
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+EMBEDDED_STORE_DIR = REPO_ROOT / "mlruns"
+"""The embedded store: mlruns/mlflow.db (runs, params, metrics) and mlruns/artifacts/."""
+
+
+FLUSH_TIMEOUT_S = 120
+"""How long the end of a run waits for MLflow to accept what is still queued."""
+
+
+class TrackingError(RuntimeError):
+    """The tracking store cannot be used; the message says why and what to do."""
+
+
+def embedded_uri() -> str:
+    return f"sqlite:///{EMBEDDED_STORE_DIR / 'mlflow.db'}"
+
+
+def resolve_uri(cfg: TrackingConfig) -> str:
+    return cfg.uri or embedded_uri()
+
+
+def is_local_path_uri(uri: str) -> bool:
+    """A store that lives in this machine's filesystem (compute nodes must share it)."""
+    return uri.startswith(("sqlite:", "file:", "/")) or "://" not in uri
+
+
+def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
+    """Refuse an unusable tracking URI before any rank starts (no mlflow import needed)."""
+    if uri.startswith(("http://", "https://")):
+        try:
+            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s) as r:
+                if r.status == 200:
+                    return
+                problem = f"it answered HTTP {r.status}"
+        except (urllib.error.URLError, OSError) as e:
+            problem = f"it cannot be reached ({getattr(e, 'reason', e)})"
+        raise TrackingError(
+            f"MLflow tracking server {uri} is not usable: {problem}. Start it (`make "
+            "mlflow-server`), fix MLFLOW_TRACKING_URI / tracking.uri, or run with "
+            "tracking.enabled=false.")
+    if uri.startswith("sqlite:///"):
+        directory = Path(uri.removeprefix("sqlite:///")).parent
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise TrackingError(f"Cannot create the MLflow store directory {directory}: {e}.") \
+                from None
+        if not os.access(directory, os.W_OK):
+            raise TrackingError(f"The MLflow store directory {directory} is not writable.")
+
+
+def _artifact_location(uri: str) -> str | None:
+    # The embedded store keeps artifacts beside its database, not in the caller's cwd.
+    return (EMBEDDED_STORE_DIR / "artifacts").as_uri() if uri == embedded_uri() else None
+
+
+def prepare(cfg: TrackingConfig) -> str:
+    """Check the store, migrate it if new, and return the experiment id (created if needed)."""
+    uri = resolve_uri(cfg)
+    check_reachable(uri)
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    client = MlflowClient(tracking_uri=uri)
+    if cfg.experiment_id:
+        return cfg.experiment_id
+    experiment = client.get_experiment_by_name(cfg.experiment)
+    if experiment is not None:
+        return str(experiment.experiment_id)
+    try:
+        return str(client.create_experiment(cfg.experiment, _artifact_location(uri)))
+    except MlflowException:  # created meanwhile by someone else
+        experiment = client.get_experiment_by_name(cfg.experiment)
+        if experiment is None:
+            raise
+        return str(experiment.experiment_id)
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """{"optim": {"lr": 0.1}} -> {"optim.lr": "0.1"}; lists and None as their text."""
+    flat: dict[str, str] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            flat.update(flatten(value, name + "."))
+        else:
+            flat[name] = str(value)
+    return flat
+
+
+class NullTracker:
+    """What every rank but 0 (and a run with tracking.enabled=false) gets."""
+
+    run_id: str | None = None
+
+    def start(self, **_: Any) -> None: ...
+    def set_tags(self, tags: Mapping[str, Any]) -> None: ...
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
+    def log_file(self, path: Path, artifact_path: str | None = None) -> None: ...
+    def flush(self) -> None: ...
+    def finish(self, error: str | None = None) -> None: ...
+
+
+class RunTracker(NullTracker):
+    """One MLflow run, fed from a background thread in the order calls were made."""
+
+    def __init__(self, cfg: TrackingConfig, run_id_file: Path | None) -> None:
+        self.cfg = cfg
+        self.uri = resolve_uri(cfg)
+        self.run_id_file = run_id_file
+        self.run_id: str | None = None
+        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._sender = threading.Thread(target=self._send_loop, name="mlflow-sender", daemon=True)
+        self._sender.start()
+        self._client: Any = None
+
+    # -- called by the training loop: never blocks on MLflow --------------------------------
+    def start(self, *, params: Mapping[str, str], tags: Mapping[str, Any], config_yaml: str,
+              run_name: str | None) -> None:
+        self._queue.put(lambda: self._create_run(params, tags, config_yaml, run_name))
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        from_tags = [(k, str(v)) for k, v in tags.items()]
+        self._queue.put(lambda: self._log_batch(tags=from_tags))
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        stamp = int(time.time() * 1000)
+        rows = [(k, float(v), stamp, step) for k, v in metrics.items()]
+        self._queue.put(lambda: self._log_batch(metrics=rows))
+
+    def log_file(self, path: Path, artifact_path: str | None = None) -> None:
+        self._queue.put(lambda: self._client.log_artifact(self.run_id, str(path), artifact_path))
+
+    def flush(self) -> None:
+        """Wait until everything queued so far has been sent (the run id is known after it)."""
+        done = threading.Event()
+        self._queue.put(done.set)
+        done.wait(FLUSH_TIMEOUT_S)
+
+    def finish(self, error: str | None = None) -> None:
+        """End the run FINISHED, or FAILED with `error` as a tag; waits for the queue to drain."""
+        def end() -> None:
+            if error is not None:
+                self._log_batch(tags=[("error", error[-5000:])])
+            self._client.set_terminated(self.run_id, "FAILED" if error else "FINISHED")
+
+        self._queue.put(end)
+        self._queue.put(None)
+        self._sender.join(timeout=FLUSH_TIMEOUT_S)
+        if self._sender.is_alive():
+            log.error("MLflow did not accept the run's last %d updates within %d s; the run "
+                      "may show as RUNNING with metrics missing.", self._queue.qsize() + 1,
+                      FLUSH_TIMEOUT_S)
+
+    # -- the sender thread --------------------------------------------------------------------
+    def _send_loop(self) -> None:
+        while (task := self._queue.get()) is not None:
+            delay = 0.5
+            while True:
+                try:
+                    task()
+                    break
+                except Exception as e:  # noqa: BLE001 - a tracking outage must not stop training
+                    log.warning("MLflow request failed (%s); retrying in %.0f s", e, delay)
+                    time.sleep(delay)
+                    delay = min(delay * 2, 30.0)
+
+    def _create_run(self, params: Mapping[str, str], tags: Mapping[str, Any], config_yaml: str,
+                    run_name: str | None) -> None:
+        from mlflow import MlflowClient
+
+        self._client = MlflowClient(tracking_uri=self.uri)
+        experiment_id = prepare(self.cfg)
+        run = self._client.create_run(experiment_id, run_name=run_name,
+                                      tags={k: str(v) for k, v in tags.items()})
+        self.run_id = run.info.run_id
+        if self.run_id_file is not None:
+            self.run_id_file.write_text(json.dumps(
+                {"run_id": self.run_id, "experiment_id": experiment_id, "tracking_uri": self.uri}))
+        items = [(k, v[:6000]) for k, v in params.items()]
+        for i in range(0, len(items), 100):  # MLflow takes at most 100 params per request
+            self._log_batch(params=items[i:i + 100])
+        self._client.log_text(self.run_id, config_yaml, "config.yaml")
+
+    def _log_batch(self, metrics: list[tuple[str, float, int, int]] = (),  # type: ignore[assignment]
+                   params: list[tuple[str, str]] = (),  # type: ignore[assignment]
+                   tags: list[tuple[str, str]] = ()) -> None:  # type: ignore[assignment]
+        from mlflow.entities import Metric, Param, RunTag
+
+        self._client.log_batch(self.run_id, metrics=[Metric(*m) for m in metrics],
+                               params=[Param(*p) for p in params],
+                               tags=[RunTag(*t) for t in tags], synchronous=True)
+
+
+def open_tracker(cfg: TrackingConfig, is_main: bool, run_id_file: Path | None) -> NullTracker:
+    """Rank 0 of an enabled run talks to MLflow; everyone else gets a tracker that does nothing."""
+    if cfg.enabled and is_main:
+        return RunTracker(cfg, run_id_file)
+    return NullTracker()
