@@ -76,14 +76,15 @@ def run_rank(config: dict[str, Any], output_dir: str) -> dict[str, float]:
     reporter = open_reporter(cfg.tracking, cfg.trainer.epochs, env.is_main,
                              out / "mlflow_run.json")
     try:
-        torch.manual_seed(cfg.trainer.seed)  # identical initial weights on every rank
+        # The run exists before anything that can fail on one node (data, model): such a
+        # failure then shows in MLflow as a FAILED run with the failing rank's error.
+        ranks = distributed.gather_to_main(_rank_info(device))
+        reporter.start(config=config, ranks=ranks, backend=backend, output_dir=out, env=env,
+                       run_name=cfg.tracking.run_name, config_yaml=OmegaConf.to_yaml(config))
         bundle = data_lib.build(cfg.data, env.rank, env.world_size, env.local_world_size, device,
                                 cfg.trainer.seed, cfg.trainer.channels_last)
-        ranks = distributed.gather_to_main(_rank_info(device))
-        reporter.start(config=config, ranks=ranks, backend=backend, output_dir=out,
-                       num_train=bundle.num_train, num_val=bundle.num_val,
-                       env=env, run_name=cfg.tracking.run_name,
-                       config_yaml=OmegaConf.to_yaml(config))
+        reporter.log_params({"data.num_train": bundle.num_train, "data.num_val": bundle.num_val})
+        torch.manual_seed(cfg.trainer.seed)  # identical initial weights on every rank
         state = build_state(cfg, bundle, device)
         torch.manual_seed(cfg.trainer.seed + env.rank)  # different augmentation per rank
         loop.fit(cfg, state, bundle, device, reporter, env.rank)

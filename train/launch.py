@@ -13,6 +13,7 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import queue
+import signal
 import sys
 import time
 import traceback
@@ -131,23 +132,24 @@ def start_local_ranks(config: dict[str, Any], output_dir: str, nproc: int) -> di
     for rank in range(nproc):
         env = distenv.torchrun_env(rank, rank, nproc, nproc, "127.0.0.1", port)
         p = ctx.Process(target=_rank_entry, args=(config, output_dir, env, outcomes),
-                        name=f"rank{rank}")
+                        name=f"rank {rank}")
         p.start()
         procs.append(p)
     deadline: float | None = None
+    stopped_by_us: set[str] = set()
     try:
         while any(p.is_alive() for p in procs):
             # Bounded waits: exit codes are polled even if a sentinel is never signalled.
             timeout = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
             multiprocessing.connection.wait([p.sentinel for p in procs if p.is_alive()], timeout)
-            failed = [p for p in procs if p.exitcode not in (None, 0)]
-            if failed and deadline is None:
+            if deadline is None and any(p.exitcode not in (None, 0) for p in procs):
                 deadline = time.monotonic() + GRACE_S
             if deadline is not None and time.monotonic() >= deadline:
                 break
     finally:
         for p in procs:
             if p.is_alive():
+                stopped_by_us.add(p.name)
                 p.terminate()
         for p in procs:
             p.join(5)
@@ -158,14 +160,25 @@ def start_local_ranks(config: dict[str, Any], output_dir: str, nproc: int) -> di
     with contextlib.suppress(queue.Empty):
         while True:
             results.append(outcomes.get(timeout=0.2))
+    if all(p.exitcode == 0 for p in procs):
+        return next((o.payload for o in results if o.kind == "result" and o.rank == 0), {})
+    print(f"\nerror: the training job failed; {root_cause(procs, results, stopped_by_us)}",
+          file=sys.stderr)
+    raise SystemExit(1)
+
+
+def root_cause(procs: list, results: list[RankOutcome], stopped_by_us: set[str]) -> str:
+    """A rank killed by a signal (not ours) caused the rest; else the earliest Python error."""
+    killed = [p for p in procs
+              if p.exitcode is not None and p.exitcode < 0 and p.name not in stopped_by_us]
     errors = sorted((o for o in results if o.kind == "error"), key=lambda o: o.at)
-    failed = [p for p in procs if p.exitcode != 0]
-    if errors or failed:
+    if killed:
+        p = killed[0]
+        cause = f"{p.name} was killed by {signal.Signals(-p.exitcode).name}"
         if errors:
-            first = errors[0]
-            detail = f"rank {first.rank} failed first:\n{first.payload}"
-        else:
-            detail = ", ".join(f"{p.name} exited with code {p.exitcode}" for p in failed)
-        print(f"\nerror: the training job failed; {detail}", file=sys.stderr)
-        raise SystemExit(1)
-    return next((o.payload for o in results if o.kind == "result" and o.rank == 0), {})
+            last_line = errors[0].payload.strip().splitlines()[-1]
+            cause += f"; then rank {errors[0].rank} stopped: {last_line}"
+        return cause
+    if errors:
+        return f"rank {errors[0].rank} failed first:\n{errors[0].payload}"
+    return ", ".join(f"{p.name} exited with code {p.exitcode}" for p in procs if p.exitcode)

@@ -31,6 +31,7 @@ class NullReporter:
     final_metrics: dict[str, float] = {}
 
     def start(self, **run_info: Any) -> None: ...
+    def log_params(self, params: Mapping[str, Any]) -> None: ...
     def save_model(self, model: Any, output_dir: Path) -> None: ...
     def set_tags(self, tags: Mapping[str, Any]) -> None: ...
     def step(self, metrics: Mapping[str, float], step: int) -> None: ...
@@ -57,11 +58,10 @@ class Reporter(NullReporter):
         self._bar: Any = None
 
     def start(self, *, config: Mapping[str, Any], ranks: list[dict[str, str]] | None,
-              backend: str, env: DistEnv, num_train: int, num_val: int, output_dir: Path,
-              run_name: str | None, config_yaml: str) -> None:
+              backend: str, env: DistEnv, output_dir: Path, run_name: str | None,
+              config_yaml: str) -> None:
         assert ranks is not None, "rank 0 holds every rank's host and device"
         params = flatten(config)
-        params.update({"data.num_train": str(num_train), "data.num_val": str(num_val)})
         tags = {"world_size": env.world_size, "launcher": env.launcher, "backend": backend,
                 "hostnames": ",".join(sorted({r["host"] for r in ranks})),
                 "devices": ",".join(sorted({r["device"] for r in ranks})),
@@ -69,8 +69,12 @@ class Reporter(NullReporter):
                 "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
                 "output_dir": str(output_dir), **slurm_tags(ranks)}
         self.tracker.start(params=params, tags=tags, config_yaml=config_yaml, run_name=run_name)
-        log.info("training on %d rank(s) (%s, %s) over %s; %d train / %d val samples",
-                 env.world_size, backend, tags["devices"], tags["hostnames"], num_train, num_val)
+        log.info("training on %d rank(s) (%s, %s) over %s", env.world_size, backend,
+                 tags["devices"], tags["hostnames"])
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        self.tracker.log_params({k: str(v) for k, v in params.items()})
+        log.info("data: %s", ", ".join(f"{k}={v}" for k, v in params.items()))
 
     def save_model(self, model: Any, output_dir: Path) -> None:
         """Final weights (of the bare module) beside the job's outputs and in the run."""

@@ -124,6 +124,7 @@ class NullTracker:
 
     def start(self, **_: Any) -> None: ...
     def set_tags(self, tags: Mapping[str, Any]) -> None: ...
+    def log_params(self, params: Mapping[str, str]) -> None: ...
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
     def log_file(self, path: Path, artifact_path: str | None = None) -> None: ...
     def flush(self) -> None: ...
@@ -142,15 +143,21 @@ class RunTracker(NullTracker):
         self._sender = threading.Thread(target=self._send_loop, name="mlflow-sender", daemon=True)
         self._sender.start()
         self._client: Any = None
+        self._started = False
 
     # -- called by the training loop: never blocks on MLflow --------------------------------
     def start(self, *, params: Mapping[str, str], tags: Mapping[str, Any], config_yaml: str,
               run_name: str | None) -> None:
+        self._started = True
         self._queue.put(lambda: self._create_run(params, tags, config_yaml, run_name))
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         from_tags = [(k, str(v)) for k, v in tags.items()]
         self._queue.put(lambda: self._log_batch(tags=from_tags))
+
+    def log_params(self, params: Mapping[str, str]) -> None:
+        rows = [(k, v[:6000]) for k, v in params.items()]
+        self._queue.put(lambda: self._log_batch(params=rows))
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         stamp = int(time.time() * 1000)
@@ -168,6 +175,10 @@ class RunTracker(NullTracker):
 
     def finish(self, error: str | None = None) -> None:
         """End the run FINISHED, or FAILED with `error` as a tag; waits for the queue to drain."""
+        if not self._started:
+            self._queue.put(None)
+            return
+
         def end() -> None:
             if error is not None:
                 self._log_batch(tags=[("error", error[-5000:])])

@@ -1,0 +1,151 @@
+"""Config composition, typing and validation, through Hydra's compose API and the real CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+from omegaconf.errors import ValidationError
+
+from tests.conftest import REPO, run_train, runs_in
+from train.config import ConfigError, register_schema, to_container, to_typed, validate
+
+GROUPS = ("model", "data", "optim", "trainer", "distributed", "tracking")
+
+
+def composed(*overrides: str):
+    register_schema()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose(config_name="train", overrides=list(overrides))
+
+
+def test_defaults_compose_every_group_and_no_cluster() -> None:
+    cfg = composed()
+    for group in GROUPS:
+        assert group in cfg
+    assert cfg.cluster is None
+    typed = to_typed(to_container(cfg))
+    assert (typed.model.name, typed.data.name, typed.optim.name) == ("cnn", "digits", "sgd")
+    assert typed.distributed.nproc_per_node == 1
+    validate(typed, world_size=1)
+
+
+def test_group_options_and_values_override() -> None:
+    cfg = composed("model=resnet18", "optim=adamw", "optim.lr=0.003", "data=synthetic",
+                   "data.num_samples=100", "trainer.precision=bf16-mixed")
+    typed = to_typed(to_container(cfg))
+    assert typed.model.name == "resnet18"
+    assert typed.optim.name == "adamw" and typed.optim.lr == pytest.approx(0.003)
+    assert typed.data.num_samples == 100
+    assert typed.trainer.precision == "bf16-mixed"
+
+
+def test_wrong_type_is_refused_while_composing() -> None:
+    with pytest.raises((ConfigCompositionException, ValidationError)):
+        composed("data.batch_size=abc")
+
+
+def test_misspelt_key_is_refused() -> None:
+    with pytest.raises(ConfigCompositionException):
+        composed("optim.lrr=0.1")
+
+
+@pytest.mark.parametrize(("overrides", "world_size", "expected"), [
+    (("model.name=vgg",), 1, "choose one of ['cnn', 'mlp', 'resnet18', 'torchvision']"),
+    (("data.name=imagenet",), 1, "choose one of ['digits', 'synthetic'"),
+    (("optim.lr=0",), 1, "optim.lr must be positive"),
+    (("trainer.epochs=-1",), 1, "trainer.epochs must be positive"),
+    (("data.batch_size=0",), 1, "data.batch_size must be positive"),
+    (("data.batch_size=64",), 3, "must split evenly over the 3 ranks"),
+    (("trainer.precision=fp8",), 1, "trainer.precision='fp8'"),
+])
+def test_validation_refuses_with_a_clear_message(overrides: tuple[str, ...], world_size: int,
+                                                 expected: str) -> None:
+    typed = to_typed(to_container(composed(*overrides)))
+    with pytest.raises(ConfigError) as info:
+        validate(typed, world_size)
+    assert expected in str(info.value)
+
+
+def test_validation_lists_every_problem_at_once() -> None:
+    typed = to_typed(to_container(composed("optim.lr=-1", "trainer.epochs=0")))
+    with pytest.raises(ConfigError) as info:
+        validate(typed, 1)
+    assert "optim.lr" in str(info.value) and "trainer.epochs" in str(info.value)
+
+
+def test_help_lists_groups_without_importing_heavy_modules() -> None:
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "train", "--help"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for line in ("== Config groups ==", "model: cnn, mlp, resnet18, torchvision",
+                 "data: cifar10, digits, fashion_mnist, mnist, synthetic", "optim: adamw, sgd"):
+        assert line in out.stdout
+    imported = {row.rsplit("|", 1)[-1].strip() for row in out.stderr.splitlines()
+                if row.startswith("import time:")}
+    assert not {"torch", "torchvision", "mlflow"} & imported
+
+
+def test_cfg_job_prints_the_composed_config() -> None:
+    out = run_train("--cfg", "job", "model=mlp", "optim.lr=0.2", timeout=60)
+    assert out.returncode == 0, out.stderr
+    printed = yaml.safe_load(out.stdout)
+    assert printed["model"]["name"] == "mlp"
+    assert printed["optim"]["lr"] == 0.2
+    assert set(GROUPS) <= set(printed)
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    (("optim.lr=-0.1",), "optim.lr must be positive"),
+    (("data.batch_size=63", "distributed.nproc_per_node=2"), "must split evenly over the 2 ranks"),
+    (("model.name=vgg",), "choose one of"),
+    (("distributed.backend=nccl", "distributed.nproc_per_node=2"), "need as many GPUs"),
+    (("model=torchvision", "model.arch=not_a_net"), "not a torchvision classification model"),
+])
+def test_cli_refuses_bad_input_before_anything_starts(store: dict[str, str],
+                                                      overrides: tuple[str, ...],
+                                                      expected: str) -> None:
+    out = run_train(*overrides, "trainer.epochs=1", env=store, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert expected in out.stderr
+    assert "Traceback" not in out.stderr
+    assert runs_in(store["MLFLOW_TRACKING_URI"]) == []
+
+
+def test_cli_names_the_download_command_for_a_missing_data_set(store: dict[str, str],
+                                                               tmp_path: Path) -> None:
+    out = run_train("data=mnist", f"data.root={tmp_path / 'nothing'}", env=store, timeout=120)
+    assert out.returncode == 2
+    assert "MNIST(" in out.stderr and "download=True" in out.stderr
+    assert "data.download=true" in out.stderr
+    assert runs_in(store["MLFLOW_TRACKING_URI"]) == []
+
+
+def test_cli_refuses_an_unreachable_tracking_server() -> None:
+    from train.distenv import free_port
+
+    out = run_train("trainer.epochs=1",
+                    env={"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{free_port()}"}, timeout=120)
+    assert out.returncode == 2
+    assert "cannot be reached" in out.stderr and "make mlflow-server" in out.stderr
+
+
+def test_unknown_group_option_lists_the_choices() -> None:
+    out = run_train("model=vgg", timeout=60)
+    assert out.returncode != 0
+    assert "cnn" in out.stderr and "resnet18" in out.stderr
+
+
+def test_tracking_uri_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tracking.example:5000")
+    cfg = composed()
+    assert OmegaConf.to_container(cfg.tracking, resolve=True)["uri"] == \
+        "http://tracking.example:5000"
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    assert composed().tracking.uri is None

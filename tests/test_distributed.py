@@ -1,0 +1,180 @@
+"""The distributed environment, exact validation over real gloo ranks, and failing ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.conftest import REPO, history, runs_in
+from train import distenv
+
+TORCHRUN_KEYS = distenv.TORCHRUN_VARS
+
+
+def _clear(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Start from no launcher; whatever detect() exports is removed again after the test."""
+    for key in {*TORCHRUN_KEYS, "SUBMITIT_EXECUTOR"}:
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    for key in list(os.environ):
+        if key.startswith(("SLURM_", "SUBMITIT_")):
+            monkeypatch.delenv(key)
+
+
+def test_half_set_torchrun_env_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    _clear(monkeypatch)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(distenv.DistEnvError, match="LOCAL_RANK"):
+        distenv.detect()
+
+
+def test_torchrun_env_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    _clear(monkeypatch)
+    for key, value in distenv.torchrun_env(3, 1, 4, 2, "node1", 29500).items():
+        monkeypatch.setenv(key, value)
+    env = distenv.detect()
+    assert (env.rank, env.local_rank, env.world_size, env.local_world_size) == (3, 1, 4, 2)
+    assert (env.master_addr, env.master_port, env.launcher) == ("node1", 29500, "torchrun")
+
+
+def test_slurm_step_env_is_exported_torchrun_style(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What `srun -N2 --ntasks-per-node=2 python -m train` gives the task with PROCID 3."""
+    _clear(monkeypatch)
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": "3",
+             "SLURM_LOCALID": "1", "SLURM_NTASKS": "4", "SLURM_NNODES": "2", "SLURM_NODEID": "1",
+             "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_NUM_NODES": "2"}
+    for key, value in slurm.items():
+        monkeypatch.setenv(key, value)
+    assert distenv.external_world_size() == 4
+    env = distenv.detect()
+    assert (env.rank, env.local_rank, env.world_size, env.local_world_size) == (3, 1, 4, 2)
+    assert env.master_addr == "node1" and 20000 <= env.master_port <= 60000
+    assert env.launcher == "slurm"
+    assert os.environ["RANK"] == "3" and os.environ["MASTER_ADDR"] == "node1"
+    # Every task of the job derives the same port from the job id.
+    port = env.master_port
+    for key in TORCHRUN_KEYS:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_LOCALID", "0")
+    assert distenv.detect().master_port == port
+
+
+def test_outside_any_launcher_nothing_is_external(monkeypatch: pytest.MonkeyPatch) -> None:
+    _clear(monkeypatch)
+    monkeypatch.setenv("SLURM_JOB_ID", "7")  # a batch script, not an srun step
+    assert distenv.external_world_size() is None
+
+
+def _evaluate_on_rank(rank: int, world_size: int, port: int, results: mp.Queue) -> None:
+    """One rank: same seeded weights everywhere, evaluate its shard, reduce to rank 0."""
+    for key, value in distenv.torchrun_env(rank, rank, world_size, world_size, "127.0.0.1",
+                                           port).items():
+        os.environ[key] = value
+    from train import data, distributed, loop, metrics, models
+    from train.config import DataConfig, ModelConfig
+
+    env = distenv.detect()
+    device = torch.device("cpu")
+    distributed.init(env, "gloo", device, timeout_s=60)
+    try:
+        bundle = data.build(DataConfig(batch_size=30 * world_size), rank, world_size, world_size,
+                            device, seed=0)
+        torch.manual_seed(0)
+        model = models.build(ModelConfig(), models.InputSpec(1, 8, 10))
+        reduced = metrics.reduce_to_main(loop.evaluate(model, bundle.val, device, "fp32"))
+        if reduced is not None:
+            results.put((reduced.loss, reduced.accuracy, reduced.samples))
+    finally:
+        distributed.shutdown()
+
+
+@pytest.mark.slow
+def test_validation_is_exact_for_any_world_size() -> None:
+    """359 validation samples: 2 and 3 ranks don't divide them, yet every metric is equal."""
+    ctx = mp.get_context("spawn")
+    outcome = {}
+    for world_size in (1, 2, 3):
+        results = ctx.Queue()
+        mp.start_processes(_evaluate_on_rank, args=(world_size, distenv.free_port(), results),
+                           nprocs=world_size, start_method="spawn", join=True)
+        outcome[world_size] = results.get(timeout=10)
+    loss1, acc1, samples1 = outcome[1]
+    assert samples1 == 359
+    for world_size in (2, 3):
+        loss, acc, samples = outcome[world_size]
+        assert samples == 359
+        assert acc == acc1
+        assert loss == pytest.approx(loss1, rel=1e-6)
+
+
+def _wait_for_children(parent: psutil.Process, count: int, timeout: float) -> list:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ranks = [p for p in parent.children() if "spawn_main" in " ".join(p.cmdline())]
+        if len(ranks) >= count:
+            return ranks
+        time.sleep(0.2)
+    raise AssertionError("the ranks did not start")
+
+
+@pytest.mark.slow
+def test_a_killed_rank_ends_the_whole_job_and_fails_the_run(store: dict[str, str],
+                                                            tmp_path: Path) -> None:
+    out_dir = tmp_path / "job"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "train", "distributed.nproc_per_node=2", "trainer.epochs=200",
+         f"hydra.run.dir={out_dir}"], cwd=REPO, env={**os.environ, **store},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ranks = _wait_for_children(psutil.Process(proc.pid), 2, timeout=60)
+    # Let training start (the run exists once mlflow_run.json is written).
+    deadline = time.monotonic() + 60
+    while not (out_dir / "mlflow_run.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(2)
+    victim = max(ranks, key=lambda p: p.pid)  # started second: rank 1
+    victim.send_signal(signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=90)  # promptly, not after a collective timeout
+    assert proc.returncode == 1
+    assert "the training job failed; rank 1 was killed by SIGKILL" in stderr
+    run_id = json.loads((out_dir / "mlflow_run.json").read_text())["run_id"]
+    [run] = runs_in(store["MLFLOW_TRACKING_URI"])
+    assert run.info.run_id == run_id
+    assert run.info.status == "FAILED"
+    assert "error" in run.data.tags
+    assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.mark.slow
+def test_an_exception_in_one_rank_ends_all_ranks_with_its_error(store: dict[str, str],
+                                                               tmp_path: Path) -> None:
+    """Two ranks started torchrun-style by hand; rank 1's node cannot read its data."""
+    port = distenv.free_port()
+    procs = []
+    for rank in (0, 1):
+        data = ["data=digits"] if rank == 0 else ["data=mnist", f"data.root={tmp_path}/none"]
+        env = {**os.environ, **store, **distenv.torchrun_env(rank, rank, 2, 2, "127.0.0.1", port)}
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "train", *data, "trainer.epochs=1",
+             f"hydra.run.dir={tmp_path}/rank{rank}"], cwd=REPO, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] != [0, 0]
+    assert all(p.returncode != 0 for p in procs)
+    assert "DataMissingError" in errors[1]
+    [run] = runs_in(store["MLFLOW_TRACKING_URI"])
+    assert run.info.status == "FAILED"
+    assert "rank 1" in run.data.tags["error"]
+    assert "DataMissingError" in run.data.tags["error"]
+    assert history(store["MLFLOW_TRACKING_URI"], run.info.run_id, "train/loss") == []

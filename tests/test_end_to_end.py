@@ -1,0 +1,97 @@
+"""Whole jobs through the real CLI, read back from the real MLflow store."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from tests.conftest import history, run_train, runs_in
+
+pytestmark = pytest.mark.slow
+
+EPOCH_METRICS = ("train/loss", "train/accuracy", "train/samples", "train/samples_per_sec",
+                 "val/loss", "val/accuracy", "val/samples", "lr", "epoch_time_s")
+
+
+def test_two_rank_run_is_one_complete_mlflow_run(store: dict[str, str], tmp_path: Path) -> None:
+    out_dir = tmp_path / "job"
+    epochs, every = 3, 5
+    result = run_train("distributed.nproc_per_node=2", f"trainer.epochs={epochs}",
+                       f"trainer.log_every_n_steps={every}", "tracking.run_name=e2e",
+                       f"hydra.run.dir={out_dir}", env=store)
+    assert result.returncode == 0, result.stderr
+    uri = store["MLFLOW_TRACKING_URI"]
+    [run] = runs_in(uri)
+    assert run.info.status == "FINISHED"
+    assert run.info.run_name == "e2e"
+
+    params = run.data.params
+    assert params["optim.lr"] == "0.05" and params["model.name"] == "cnn"
+    assert params["distributed.nproc_per_node"] == "2"
+    assert (params["data.num_train"], params["data.num_val"]) == ("1438", "359")
+    tags = run.data.tags
+    assert tags["world_size"] == "2" and tags["backend"] == "gloo"
+    assert tags["torch_version"].startswith("2.14.1")
+    assert "distributed.nproc_per_node=2" in tags["command"]
+    assert tags["hostnames"] and tags["git_commit"]
+
+    for key in EPOCH_METRICS:
+        assert [step for step, _ in history(uri, run.info.run_id, key)] == list(range(epochs)), key
+    # Exact counts: every validation sample once; training covers the (evenly split) train set.
+    assert {v for _, v in history(uri, run.info.run_id, "val/samples")} == {359.0}
+    assert {v for _, v in history(uri, run.info.run_id, "train/samples")} == {1438.0}
+    steps_per_epoch = math.ceil(1438 / 2 / 32)
+    step_losses = history(uri, run.info.run_id, "train/step_loss")
+    assert [s for s, _ in step_losses] == list(range(every, epochs * steps_per_epoch + 1, every))
+    assert history(uri, run.info.run_id, "train/step_time_max_s")
+    val_acc = history(uri, run.info.run_id, "val/accuracy")
+    assert val_acc[-1][1] > 0.9
+
+    client = MlflowClient(tracking_uri=uri)
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "model"} <= artifacts
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "model")] == ["model/model.pt"]
+
+    # The job's directory and its run point at each other.
+    assert json.loads((out_dir / "mlflow_run.json").read_text())["run_id"] == run.info.run_id
+    assert tags["output_dir"] == str(out_dir)
+    summary = json.loads((out_dir / "summary.json").read_text())
+    assert summary["metrics"]["val/accuracy"] == pytest.approx(val_acc[-1][1])
+    assert len(summary["peak_rss_mb"]) == 2
+    assert f"MLflow run {run.info.run_id} FINISHED" in result.stderr
+
+
+def test_three_ranks_count_what_they_process(store: dict[str, str], tmp_path: Path) -> None:
+    """1438 training samples over 3 ranks: the sampler pads to 1440, validation stays exact."""
+    result = run_train("distributed.nproc_per_node=3", "data.batch_size=63", "trainer.epochs=1",
+                       f"hydra.run.dir={tmp_path}/job", env=store)
+    assert result.returncode == 0, result.stderr
+    uri = store["MLFLOW_TRACKING_URI"]
+    [run] = runs_in(uri)
+    assert run.data.tags["world_size"] == "3"
+    assert history(uri, run.info.run_id, "val/samples") == [(0, 359.0)]
+    assert history(uri, run.info.run_id, "train/samples") == [(0, 1440.0)]
+
+
+def test_torchrun_launch_works_unchanged(store: dict[str, str], tmp_path: Path) -> None:
+    result = run_train("--nproc_per_node=2", "-m", "train", "trainer.epochs=1",
+                       f"hydra.run.dir={tmp_path}/job", env=store,
+                       module=("-m", "torch.distributed.run"))
+    assert result.returncode == 0, result.stderr
+    [run] = runs_in(store["MLFLOW_TRACKING_URI"])
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["world_size"] == "2" and run.data.tags["launcher"] == "torchrun"
+    assert history(store["MLFLOW_TRACKING_URI"], run.info.run_id, "val/samples") == [(0, 359.0)]
+
+
+def test_tracking_disabled_leaves_mlflow_alone(store: dict[str, str], tmp_path: Path) -> None:
+    result = run_train("tracking.enabled=false", "trainer.epochs=1", "model=mlp",
+                       f"hydra.run.dir={tmp_path}/job", env=store)
+    assert result.returncode == 0, result.stderr
+    assert runs_in(store["MLFLOW_TRACKING_URI"]) == []
+    summary = json.loads((tmp_path / "job" / "summary.json").read_text())
+    assert summary["run_id"] is None and summary["metrics"]["val/samples"] == 359
