@@ -193,8 +193,6 @@ class ClusterConfig:
     """Follow the job until it ends."""
     array_parallelism: int = 16
     """Sweeps: array tasks running at once."""
-    submitit_folder: str = "${hydra:sweep.dir}/.submitit/%j"
-    """Where submitit keeps scripts, logs and results."""
 
 
 @dataclass
@@ -208,8 +206,18 @@ class TrainConfig:
     cluster: ClusterConfig | None = None
 
 
+def _ranks_per_node(tasks_per_node: int | None, gpus_per_node: int) -> int:
+    return tasks_per_node if tasks_per_node is not None else max(1, gpus_per_node)
+
+
 def register_schema() -> None:
+    """The schema and the resolvers the YAML files use (idempotent)."""
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    # ${ranks_per_node:tasks,gpus}: one rank per GPU unless tasks_per_node says otherwise.
+    OmegaConf.register_new_resolver("ranks_per_node", _ranks_per_node, replace=True)
+    # ${first_set:a,b}: a unless it is null.
+    OmegaConf.register_new_resolver("first_set", lambda a, b: b if a is None else a,
+                                    replace=True)
 
 
 def to_container(cfg: DictConfig) -> dict[str, Any]:

@@ -1,0 +1,1 @@
+"""Hydra only instantiates launchers from the hydra_plugins namespace: this is ours."""
