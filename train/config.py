@@ -113,6 +113,11 @@ class TrainerConfig:
     """Use channels_last memory format (faster convolutions on recent GPUs)."""
     compile: bool = False
     """torch.compile the model."""
+    fail_on_rank: int | None = None
+    """Drill: raise an error on this rank at step `fail_at_step`, to see how a job ends when one
+    rank fails (on a new cluster, say). null = never."""
+    fail_at_step: int = 1
+    """Drill: the optimiser step at which `fail_on_rank` raises."""
     objective: str = "val/accuracy"
     """Metric the task function returns to Hydra sweepers."""
     objective_direction: str = "maximize"

@@ -25,6 +25,10 @@ class NonFiniteLossError(FloatingPointError):
     """Training diverged."""
 
 
+class FailureDrill(RuntimeError):
+    """The failure asked for with trainer.fail_on_rank."""
+
+
 @dataclass
 class TrainState:
     model: nn.Module
@@ -74,6 +78,9 @@ def train_epoch(cfg: TrainConfig, state: TrainState, batches: Batches, device: t
         window_steps += 1
         if state.step == 1:
             reporter.first_step_done()
+        if state.step == cfg.trainer.fail_at_step and rank == cfg.trainer.fail_on_rank:
+            raise FailureDrill(f"trainer.fail_on_rank={rank}: failing on purpose at step "
+                               f"{state.step}")
         if state.step % every == 0:  # the only steps that wait for the device
             now = time.perf_counter()
             mean_loss, slowest, fastest = metrics.step_stats_to_all(
