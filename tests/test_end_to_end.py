@@ -53,8 +53,23 @@ def test_two_rank_run_is_one_complete_mlflow_run(store: dict[str, str], tmp_path
 
     client = MlflowClient(tracking_uri=uri)
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"config.yaml", "model"} <= artifacts
-    assert [a.path for a in client.list_artifacts(run.info.run_id, "model")] == ["model/model.pt"]
+    assert {"config.yaml", "weights", "confusion_matrix.png", "per_class_accuracy.json"} <= artifacts
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "weights")] == [
+        "weights/model.pt"]
+    table = json.loads(Path(client.download_artifacts(
+        run.info.run_id, "per_class_accuracy.json", str(tmp_path))).read_text())
+    assert sum(row[1] for row in table["data"]) == 359  # per-class samples add up
+    [dataset] = client.get_run(run.info.run_id).inputs.dataset_inputs
+    assert dataset.dataset.name == "digits-train" and dataset.dataset.digest
+    assert json.loads(dataset.dataset.profile)["targets_shape"] == [1438]
+    # The logged model loads back and predicts batches of any size.
+    import mlflow.pytorch
+    import torch
+
+    mlflow.set_tracking_uri(uri)
+    model = mlflow.pytorch.load_model(f"runs:/{run.info.run_id}/model")
+    for batch in (1, 5):
+        assert model(torch.randn(batch, 1, 8, 8)).shape == (batch, 10)
 
     # The job's directory and its run point at each other.
     assert json.loads((out_dir / "mlflow_run.json").read_text())["run_id"] == run.info.run_id

@@ -33,7 +33,11 @@ class ImageSet:
     labels: torch.Tensor
     scale: float
     """Divide raw pixel values by this to get [0, 1]."""
-    num_classes: int
+    class_names: list[str]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
 
     @property
     def channels(self) -> int:
@@ -58,7 +62,7 @@ def _digits(cfg: DataConfig) -> ImageSet:
     path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz"
     table = torch.from_numpy(np.loadtxt(path, delimiter=",", dtype=np.float32))
     images = table[:, :-1].reshape(-1, 1, 8, 8)
-    return ImageSet(images, table[:, -1].long(), 16.0, 10)
+    return ImageSet(images, table[:, -1].long(), 16.0, [str(i) for i in range(10)])
 
 
 def _synthetic(cfg: DataConfig) -> ImageSet:
@@ -66,7 +70,7 @@ def _synthetic(cfg: DataConfig) -> ImageSet:
     shape = (cfg.num_samples, cfg.channels, cfg.image_size, cfg.image_size)
     images = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
     labels = torch.randint(0, cfg.num_classes, (cfg.num_samples,), generator=g)
-    return ImageSet(images, labels, 255.0, cfg.num_classes)
+    return ImageSet(images, labels, 255.0, [str(i) for i in range(cfg.num_classes)])
 
 
 def _download_hint(name: str, cls: str, root: str) -> str:
@@ -100,7 +104,7 @@ def _torchvision(name: str, cls_name: str) -> Callable[[DataConfig], ImageSet]:
             np.ascontiguousarray(ds.data))
         images = data.unsqueeze(1) if data.ndim == 3 else data.permute(0, 3, 1, 2)
         labels = torch.as_tensor(ds.targets, dtype=torch.long)
-        return ImageSet(images.contiguous(), labels, 255.0, len(ds.classes))
+        return ImageSet(images.contiguous(), labels, 255.0, [str(c) for c in ds.classes])
 
     return load
 
@@ -211,7 +215,15 @@ class DataBundle:
     num_val: int
     channels: int
     image_size: int
-    num_classes: int
+    class_names: list[str]
+    source: ImageSet
+    """The whole data set as loaded (for the data set's MLflow input record)."""
+    train_index: torch.Tensor
+    """Rows of `source` in the training split."""
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
 
 
 def build(cfg: DataConfig, rank: int, world_size: int, local_world_size: int,
@@ -250,4 +262,5 @@ def build(cfg: DataConfig, rank: int, world_size: int, local_world_size: int,
         train=Batches(train_loader, sampler, device, augment=cfg.augment, **norm),
         val=Batches(val_loader, None, device, augment=False, **norm),
         num_train=len(parts.train_idx), num_val=len(parts.val_idx), channels=data.channels,
-        image_size=data.image_size, num_classes=data.num_classes)
+        image_size=data.image_size, class_names=data.class_names,
+        source=data, train_index=parts.train_idx)

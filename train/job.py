@@ -73,8 +73,7 @@ def run_rank(config: dict[str, Any], output_dir: str) -> dict[str, float]:
     device = distributed.select_device(cfg.distributed.device, env.local_rank)
     backend = distributed.select_backend(cfg.distributed.backend, device)
     distributed.init(env, backend, device, cfg.distributed.timeout_s)
-    reporter = open_reporter(cfg.tracking, cfg.trainer.epochs, env.is_main,
-                             out / "mlflow_run.json")
+    reporter = open_reporter(cfg.tracking, cfg.trainer.epochs, env.is_main, out)
     try:
         # The run exists before anything that can fail on one node (data, model): such a
         # failure then shows in MLflow as a FAILED run with the failing rank's error.
@@ -84,11 +83,14 @@ def run_rank(config: dict[str, Any], output_dir: str) -> dict[str, float]:
         bundle = data_lib.build(cfg.data, env.rank, env.world_size, env.local_world_size, device,
                                 cfg.trainer.seed, cfg.trainer.channels_last)
         reporter.log_params({"data.num_train": bundle.num_train, "data.num_val": bundle.num_val})
+        reporter.class_names = bundle.class_names
+        reporter.log_dataset(cfg.data.name, bundle.source, bundle.train_index)
         torch.manual_seed(cfg.trainer.seed)  # identical initial weights on every rank
         state = build_state(cfg, bundle, device)
         torch.manual_seed(cfg.trainer.seed + env.rank)  # different augmentation per rank
         loop.fit(cfg, state, bundle, device, reporter, env.rank)
-        reporter.save_model(state.model, out)
+        example = next(iter(bundle.val))[0][:4].cpu().numpy()  # batch > 1: any size loads back
+        reporter.save_model(state.model, out, example)
         reporter.write_summary(out, distributed.gather_to_main(peak_rss_mb()))
         reporter.finish()
         return dict(reporter.final_metrics)

@@ -93,11 +93,14 @@ def train_epoch(cfg: TrainConfig, state: TrainState, batches: Batches, device: t
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: Batches, device: torch.device,
-             precision: str) -> metrics.Totals:
-    """This rank's shard of the validation set, on the bare module (no DDP collectives)."""
+def evaluate(model: nn.Module, batches: Batches, device: torch.device, precision: str,
+             num_classes: int | None = None) -> metrics.Totals:
+    """This rank's shard of the validation set, on the bare module (no DDP collectives).
+
+    With `num_classes`, the confusion matrix is counted too.
+    """
     model.eval()
-    totals = metrics.Totals(device)
+    totals = metrics.Totals(device, num_classes)
     loss_fn = nn.CrossEntropyLoss()
     for images, labels in batches:
         with autocast(device, precision):
@@ -113,14 +116,15 @@ def fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.dev
     while state.epoch < epochs:
         started = time.perf_counter()
         train_totals = train_epoch(cfg, state, data.train, device, reporter, rank)
-        loss_sum, _, _ = train_totals.as_host()
+        loss_sum = train_totals.as_host()[0]
         _check_finite(loss_sum, rank, state.step, "the epoch's training loss")
         train_time = time.perf_counter() - started
         train = metrics.reduce_to_main(train_totals)
         last = state.epoch + 1 == epochs
         val = None
         if last or (state.epoch + 1) % cfg.trainer.eval_every == 0:
-            val = metrics.reduce_to_main(evaluate(bare, data.val, device, cfg.trainer.precision))
+            val = metrics.reduce_to_main(evaluate(bare, data.val, device, cfg.trainer.precision,
+                                                  data.num_classes if last else None))
         reporter.epoch(state.epoch, train=train, val=val, train_time_s=train_time,
                        epoch_time_s=time.perf_counter() - started,
                        lr=state.scheduler.get_last_lr()[0])

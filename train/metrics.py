@@ -10,25 +10,42 @@ from train import distributed
 
 
 class Totals:
-    """Loss x samples, correct predictions and samples, accumulated without host syncs."""
+    """Loss x samples, correct predictions and samples, accumulated without host syncs.
 
-    def __init__(self, device: torch.device) -> None:
+    With `num_classes`, also the confusion matrix (rows: true class, columns: predicted).
+    """
+
+    def __init__(self, device: torch.device, num_classes: int | None = None) -> None:
         # float64 so that sums over a long epoch stay exact enough to compare across world sizes
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.correct = torch.zeros((), dtype=torch.int64, device=device)
         self.samples = torch.zeros((), dtype=torch.int64, device=device)
+        self.num_classes = num_classes
+        self.confusion = (None if num_classes is None else
+                          torch.zeros(num_classes * num_classes, dtype=torch.int64, device=device))
+        self._host: tuple[float, int, int, list[int] | None] | None = None
 
     @torch.no_grad()
     def add(self, logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor) -> None:
         n = labels.shape[0]
+        predicted = logits.argmax(dim=1)
         self.loss_sum += loss.detach().double() * n
-        self.correct += (logits.argmax(dim=1) == labels).sum()
+        self.correct += (predicted == labels).sum()
         self.samples += n
+        if self.confusion is not None:
+            self.confusion += torch.bincount(labels * self.num_classes + predicted,
+                                             minlength=self.confusion.numel())
 
-    def as_host(self) -> tuple[float, int, int]:
-        """The one host sync of an epoch."""
+    def as_host(self) -> tuple[float, int, int, list[int] | None]:
+        """The one host sync of an epoch (call it once the epoch is over: the result is kept)."""
+        if self._host is None:
+            self._host = self._to_host()
+        return self._host
+
+    def _to_host(self) -> tuple[float, int, int, list[int] | None]:
         values = torch.stack([self.loss_sum, self.correct.double(), self.samples.double()]).tolist()
-        return values[0], int(values[1]), int(values[2])
+        confusion = None if self.confusion is None else self.confusion.tolist()
+        return values[0], int(values[1]), int(values[2]), confusion
 
 
 @dataclass
@@ -36,6 +53,8 @@ class Reduced:
     loss: float
     accuracy: float
     samples: int
+    confusion: list[list[int]] | None = None
+    """confusion[true][predicted], summed over ranks (final validation only)."""
 
 
 def reduce_to_main(totals: Totals) -> Reduced | None:
@@ -46,8 +65,13 @@ def reduce_to_main(totals: Totals) -> Reduced | None:
     loss_sum = sum(g[0] for g in gathered)
     correct = sum(g[1] for g in gathered)
     samples = sum(g[2] for g in gathered)
+    confusion = None
+    if totals.num_classes is not None:
+        c = totals.num_classes
+        flat = [sum(column) for column in zip(*(g[3] for g in gathered), strict=True)]
+        confusion = [flat[row * c:(row + 1) * c] for row in range(c)]
     return Reduced(loss=loss_sum / max(1, samples), accuracy=correct / max(1, samples),
-                   samples=samples)
+                   samples=samples, confusion=confusion)
 
 
 def step_stats_to_all(loss: torch.Tensor, step_time_s: float) -> tuple[float, float, float]:

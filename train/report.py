@@ -28,11 +28,13 @@ T = TypeVar("T")
 
 class NullReporter:
     tracker: NullTracker = NullTracker()
+    class_names: list[str] = []
     final_metrics: dict[str, float] = {}
 
     def start(self, **run_info: Any) -> None: ...
     def log_params(self, params: Mapping[str, Any]) -> None: ...
-    def save_model(self, model: Any, output_dir: Path) -> None: ...
+    def save_model(self, model: Any, output_dir: Path, input_example: Any) -> None: ...
+    def log_dataset(self, name: str, source: Any, train_index: Any) -> None: ...
     def set_tags(self, tags: Mapping[str, Any]) -> None: ...
     def step(self, metrics: Mapping[str, float], step: int) -> None: ...
     def epoch(self, epoch: int, *, train: Reduced | None, val: Reduced | None,
@@ -49,8 +51,11 @@ class NullReporter:
 
 
 class Reporter(NullReporter):
-    def __init__(self, tracking: TrackingConfig, epochs: int, run_id_file: Path | None) -> None:
-        self.tracker = open_tracker(tracking, True, run_id_file)
+    def __init__(self, tracking: TrackingConfig, epochs: int, output_dir: Path) -> None:
+        self.tracker = open_tracker(tracking, True, output_dir / "mlflow_run.json")
+        self.log_model = tracking.log_model
+        self.output_dir = output_dir
+        self.class_names: list[str] = []
         self.epochs = epochs
         self.interactive = sys.stderr.isatty()
         self.final_metrics = {}
@@ -76,14 +81,20 @@ class Reporter(NullReporter):
         self.tracker.log_params({k: str(v) for k, v in params.items()})
         log.info("data: %s", ", ".join(f"{k}={v}" for k, v in params.items()))
 
-    def save_model(self, model: Any, output_dir: Path) -> None:
-        """Final weights (of the bare module) beside the job's outputs and in the run."""
+    def log_dataset(self, name: str, source: Any, train_index: Any) -> None:
+        self.tracker.log_dataset(f"{name}-train", source.images[train_index].cpu().numpy(),
+                                 source.labels[train_index].cpu().numpy())
+
+    def save_model(self, model: Any, output_dir: Path, input_example: Any) -> None:
+        """Final weights beside the job's outputs and in the run, and the model as MLflow model."""
         import torch
 
         bare = getattr(model, "module", model)
         path = output_dir / "model.pt"
         torch.save(bare.state_dict(), path)
-        self.tracker.log_file(path, "model")
+        self.tracker.log_file(path, "weights")
+        if self.log_model:
+            self.tracker.log_model(bare, input_example)
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         self.tracker.set_tags(tags)
@@ -118,6 +129,8 @@ class Reporter(NullReporter):
         if val is not None:
             metrics.update({"val/loss": val.loss, "val/accuracy": val.accuracy,
                             "val/samples": float(val.samples)})
+            if val.confusion is not None:
+                self.tracker.log_confusion(val.confusion, self.class_names, self.output_dir)
         self.tracker.log_metrics(metrics, step=epoch)
         self.final_metrics.update(metrics)
         shown = "  ".join(f"{k}={v:.4g}" for k, v in metrics.items()
@@ -178,5 +191,5 @@ def slurm_tags(ranks: list[dict[str, str]]) -> dict[str, str]:
 
 
 def open_reporter(tracking: TrackingConfig, epochs: int, is_main: bool,
-                  run_id_file: Path | None) -> NullReporter:
-    return Reporter(tracking, epochs, run_id_file) if is_main else NullReporter()
+                  output_dir: Path) -> NullReporter:
+    return Reporter(tracking, epochs, output_dir) if is_main else NullReporter()

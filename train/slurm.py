@@ -124,7 +124,7 @@ def _log_paths(job: Any) -> tuple[Path, Path]:
 
 def announce(jobs: Sequence[Any], world_size: int, nodes: int) -> None:
     first = jobs[0]
-    ids = first.job_id.split("_")[0] + ("_[0-%d]" % (len(jobs) - 1) if len(jobs) > 1 else "")
+    ids = first.job_id.split("_")[0] + (f"_[0-{len(jobs) - 1}]" if len(jobs) > 1 else "")
     print(f"Submitted Slurm job {ids}: {len(jobs)} job(s), each {world_size} rank(s) on "
           f"{nodes} node(s).", flush=True)
     stdout, stderr = _log_paths(first)
@@ -164,7 +164,7 @@ def failing_log_tail(job: Any, lines: int = 40) -> str:
 
 
 def report_failures(jobs: Sequence[Any], states: Sequence[str]) -> None:
-    failed = [(job, state) for job, state in zip(jobs, states) if state != "COMPLETED"]
+    failed = [(job, state) for job, state in zip(jobs, states, strict=True) if state != "COMPLETED"]
     for job, state in failed:
         print(f"\njob {job.job_id} ended {state}.\n{failing_log_tail(job)}", file=sys.stderr)
     if failed:

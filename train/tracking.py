@@ -127,6 +127,10 @@ class NullTracker:
     def log_params(self, params: Mapping[str, str]) -> None: ...
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
     def log_file(self, path: Path, artifact_path: str | None = None) -> None: ...
+    def log_dataset(self, name: str, features: Any, targets: Any) -> None: ...
+    def log_confusion(self, confusion: list[list[int]], class_names: list[str],
+                      out_dir: Path) -> None: ...
+    def log_model(self, model: Any, input_example: Any) -> None: ...
     def flush(self) -> None: ...
     def finish(self, error: str | None = None) -> None: ...
 
@@ -166,6 +170,56 @@ class RunTracker(NullTracker):
 
     def log_file(self, path: Path, artifact_path: str | None = None) -> None:
         self._queue.put(lambda: self._client.log_artifact(self.run_id, str(path), artifact_path))
+
+    def log_dataset(self, name: str, features: Any, targets: Any) -> None:
+        """The training data as an MLflow input (name, digest, size) - numpy arrays."""
+        def send() -> None:
+            import mlflow.data
+            from mlflow.entities import DatasetInput, InputTag
+
+            dataset = mlflow.data.from_numpy(features, targets=targets, name=name)
+            context = InputTag(key="mlflow.data.context", value="training")
+            self._client.log_inputs(self.run_id, datasets=[
+                DatasetInput(dataset=dataset._to_mlflow_entity(), tags=[context])])
+
+        self._queue.put(send)
+
+    def log_confusion(self, confusion: list[list[int]], class_names: list[str],
+                      out_dir: Path) -> None:
+        """Confusion-matrix image and per-class accuracy table of the final validation."""
+        def send() -> None:
+            from train.figures import per_class_accuracy, render_confusion
+
+            png = render_confusion(confusion, class_names, out_dir / "confusion_matrix.png")
+            self._client.log_artifact(self.run_id, str(png))
+            self._client.log_table(self.run_id, per_class_accuracy(confusion, class_names),
+                                   "per_class_accuracy.json")
+
+        self._queue.put(send)
+
+    def log_model(self, model: Any, input_example: Any) -> None:
+        """The trained model as an MLflow model that loads back with mlflow.pytorch.load_model.
+
+        Pickle format: the default torch.export format fixes the batch size of the example.
+        """
+        def send() -> None:
+            import mlflow
+            import mlflow.pytorch
+            import torch
+
+            mlflow.set_tracking_uri(self.uri)
+            mlflow.start_run(run_id=self.run_id)
+            try:
+                mlflow.pytorch.log_model(
+                    model, name="model", serialization_format="pickle",
+                    input_example=input_example,
+                    # explicit: inferring requirements imports the model in a subprocess (slow)
+                    pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"])
+            finally:
+                # Leaves no active run behind; finish() sets the run's real final status next.
+                mlflow.end_run()
+
+        self._queue.put(send)
 
     def flush(self) -> None:
         """Wait until everything queued so far has been sent (the run id is known after it)."""
