@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from train.config import register_schema
@@ -18,6 +20,16 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    from train.launch import run
+    """Run one job; returns its objective (trainer.objective) for Hydra's sweepers."""
+    from train.config import ConfigError
+    from train.launch import JobFailedError, LaunchError, run
 
-    return run(cfg, HydraConfig.get().runtime.output_dir)
+    hydra_cfg = HydraConfig.get()
+    try:
+        return run(cfg, hydra_cfg.runtime.output_dir)
+    except (ConfigError, LaunchError, JobFailedError) as e:
+        if hydra_cfg.mode == RunMode.MULTIRUN:
+            raise  # Hydra marks this job FAILED; the other jobs of the sweep go on
+        # A single job: the message alone, no stack of Hydra frames around it.
+        print(f"\nerror: {e}\n", file=sys.stderr)
+        raise SystemExit(1 if isinstance(e, JobFailedError) else 2) from None

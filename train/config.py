@@ -154,8 +154,10 @@ class TrackingConfig:
     """Tracking URI; null = the embedded SQLite store at <repo>/mlruns/mlflow.db."""
     experiment: str = "train"
     """MLflow experiment name."""
-    experiment_id: str | None = None
+    experiment_id: str | None = "${oc.env:TRAIN_EXPERIMENT_ID,null}"
     """Set by the submitting process so jobs never race to create the experiment."""
+    parent_run_id: str | None = "${oc.env:TRAIN_PARENT_RUN_ID,null}"
+    """Set by the submitting process of a sweep: the run every job is a child of."""
     run_name: str | None = None
     """MLflow run name; null = MLflow's generated name."""
     log_model: bool = True

@@ -14,7 +14,6 @@ import multiprocessing.connection
 import os
 import queue
 import signal
-import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -34,6 +33,10 @@ GRACE_S = 15.0
 
 class LaunchError(RuntimeError):
     """Something the user must fix before the job can start."""
+
+
+class JobFailedError(RuntimeError):
+    """A rank failed; the message names the root cause."""
 
 
 @dataclass
@@ -84,18 +87,14 @@ def run(cfg: DictConfig, output_dir: str) -> float | None:
     config = config_lib.to_container(cfg)
     typed = config_lib.to_typed(config)
     external = distenv.external_world_size()
-    try:
-        if external is not None:
-            # torchrun / srun / submitit started every rank: each validates, then trains.
-            config_lib.validate(typed, external)
-            from train.job import run_rank
+    if external is not None:
+        # torchrun / srun / submitit started every rank: each validates, then trains.
+        config_lib.validate(typed, external)
+        from train.job import run_rank
 
-            return objective(typed, run_rank(config, output_dir))
-        nproc = typed.distributed.nproc_per_node
-        preflight(typed, nproc, nproc)
-    except (ConfigError, LaunchError) as e:
-        print(f"\nerror: {e}\n", file=sys.stderr)
-        raise SystemExit(2) from None
+        return objective(typed, run_rank(config, output_dir))
+    nproc = typed.distributed.nproc_per_node
+    preflight(typed, nproc, nproc)
     return objective(typed, start_local_ranks(config, output_dir, nproc))
 
 
@@ -162,9 +161,7 @@ def start_local_ranks(config: dict[str, Any], output_dir: str, nproc: int) -> di
             results.append(outcomes.get(timeout=0.2))
     if all(p.exitcode == 0 for p in procs):
         return next((o.payload for o in results if o.kind == "result" and o.rank == 0), {})
-    print(f"\nerror: the training job failed; {root_cause(procs, results, stopped_by_us)}",
-          file=sys.stderr)
-    raise SystemExit(1)
+    raise JobFailedError(f"the training job failed; {root_cause(procs, results, stopped_by_us)}")
 
 
 def root_cause(procs: list, results: list[RankOutcome], stopped_by_us: set[str]) -> str:

@@ -105,6 +105,45 @@ def prepare(cfg: TrackingConfig) -> str:
         return str(experiment.experiment_id)
 
 
+# -- sweeps: one parent run, created by the submitting process, every job a child -------------
+
+def start_parent_run(cfg: TrackingConfig, experiment_id: str, tags: Mapping[str, str]) -> str:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=resolve_uri(cfg))
+    run = client.create_run(experiment_id, tags=dict(tags), run_name=cfg.run_name)
+    return str(run.info.run_id)
+
+
+def end_parent_run(cfg: TrackingConfig, parent_run_id: str, objective: str,
+                   direction: str) -> dict[str, Any]:
+    """Summarise the children on the parent (best objective, failures) and end it."""
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric, RunTag
+
+    client = MlflowClient(tracking_uri=resolve_uri(cfg))
+    parent = client.get_run(parent_run_id)
+    children = client.search_runs([parent.info.experiment_id],
+                                  f"tags.`mlflow.parentRunId` = '{parent_run_id}'",
+                                  max_results=10000)
+    failed = [c for c in children if c.info.status != "FINISHED"]
+    scored = [c for c in children if objective in c.data.metrics]
+    summary: dict[str, Any] = {"children": len(children), "failed": len(failed)}
+    now = int(time.time() * 1000)
+    metrics = [Metric("sweep/children", len(children), now, 0),
+               Metric("sweep/failed_children", len(failed), now, 0)]
+    tags = []
+    if scored:
+        pick = max if direction == "maximize" else min
+        best = pick(scored, key=lambda c: c.data.metrics[objective])
+        summary.update(best_run_id=best.info.run_id, best_value=best.data.metrics[objective])
+        metrics.append(Metric(f"best/{objective}", best.data.metrics[objective], now, 0))
+        tags.append(RunTag("best_run_id", best.info.run_id))
+    client.log_batch(parent_run_id, metrics=metrics, tags=tags)
+    client.set_terminated(parent_run_id, "FAILED" if failed or not children else "FINISHED")
+    return summary
+
+
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     """{"optim": {"lr": 0.1}} -> {"optim.lr": "0.1"}; lists and None as their text."""
     flat: dict[str, str] = {}
@@ -209,6 +248,8 @@ class RunTracker(NullTracker):
 
             mlflow.set_tracking_uri(self.uri)
             mlflow.start_run(run_id=self.run_id)
+            # Its warning about pickle is for models from strangers; this one is our own.
+            logging.getLogger("mlflow.pytorch").setLevel(logging.ERROR)
             try:
                 mlflow.pytorch.log_model(
                     model, name="model", serialization_format="pickle",
@@ -265,8 +306,10 @@ class RunTracker(NullTracker):
 
         self._client = MlflowClient(tracking_uri=self.uri)
         experiment_id = prepare(self.cfg)
-        run = self._client.create_run(experiment_id, run_name=run_name,
-                                      tags={k: str(v) for k, v in tags.items()})
+        run_tags = {k: str(v) for k, v in tags.items()}
+        if self.cfg.parent_run_id:  # a job of a sweep
+            run_tags["mlflow.parentRunId"] = self.cfg.parent_run_id
+        run = self._client.create_run(experiment_id, run_name=run_name, tags=run_tags)
         self.run_id = run.info.run_id
         if self.run_id_file is not None:
             self.run_id_file.write_text(json.dumps(

@@ -1,0 +1,132 @@
+"""`python -m train +cluster=slurm` against the real local Slurm cluster (slurm/)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, history, run_train, runs_in, skip_or_fail
+
+pytestmark = [pytest.mark.slow, pytest.mark.slurm]
+
+ROOT_SKIP = 3  # cluster-up.sh's exit code when it cannot run here (not root)
+
+
+def _cluster_answers() -> bool:
+    if shutil.which("sinfo") is None:
+        return False
+    out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=20)
+    return out.returncode == 0 and "idle" in out.stdout
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[None]:
+    """The local 2-node cluster: started for these tests, stopped after (unless already up)."""
+    already_up = _cluster_answers()
+    if not already_up:
+        up = subprocess.run(["bash", str(REPO / "slurm" / "cluster-up.sh")], capture_output=True,
+                            text=True, timeout=600)
+        if up.returncode == ROOT_SKIP:
+            skip_or_fail(f"the local Slurm cluster needs root: {up.stdout}{up.stderr}")
+        assert up.returncode == 0, f"cluster-up failed:\n{up.stdout}\n{up.stderr}"
+    yield
+    leftover = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True)
+    if not already_up:
+        subprocess.run(["bash", str(REPO / "slurm" / "cluster-down.sh")], timeout=120)
+    assert leftover.stdout.strip() == "", f"jobs left behind: {leftover.stdout}"
+
+
+def slurm_job(tmp_path: Path, *overrides: str, env: dict[str, str] | None = None,
+              timeout: float = 420) -> subprocess.CompletedProcess[str]:
+    return run_train("+cluster=slurm", "cluster.partition=debug", "cluster.time_min=10",
+                     f"hydra.sweep.dir={tmp_path}/sweep", *overrides, env=env, timeout=timeout)
+
+
+def test_two_nodes_four_ranks_make_one_run(cluster: None, store: dict[str, str],
+                                           tmp_path: Path) -> None:
+    result = slurm_job(tmp_path, "cluster.nodes=2", "cluster.tasks_per_node=2",
+                       "trainer.epochs=2", "data.batch_size=64", env=store)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Submitted Slurm job" in result.stdout and "rank 0 logs:" in result.stdout
+    assert ": RUNNING" in result.stdout and ": COMPLETED" in result.stdout
+    assert "shared filesystem" in result.stderr  # the SQLite-path warning
+    uri = store["MLFLOW_TRACKING_URI"]
+    [run] = runs_in(uri)
+    tags = run.data.tags
+    assert run.info.status == "FINISHED"
+    assert tags["world_size"] == "4" and tags["launcher"] == "submitit"
+    assert tags["hostnames"] == "node1,node2" and tags["slurm.nodes"] == "node1,node2"
+    assert tags["slurm.partition"] == "debug" and tags["slurm.job_id"].isdigit()
+    assert "slurm.array_task_id" not in tags or tags["slurm.array_task_id"] == "0"
+    assert history(uri, run.info.run_id, "val/samples") == [(0, 359.0), (1, 359.0)]
+    assert history(uri, run.info.run_id, "train/samples") == [(0, 1440.0), (1, 1440.0)]
+
+
+def test_dry_run_prints_the_script_and_submits_nothing(cluster: None, tmp_path: Path) -> None:
+    before = subprocess.run(["sacct", "-n", "-X", "-o", "JobID"], capture_output=True,
+                            text=True).stdout
+    result = slurm_job(tmp_path, "cluster.dry_run=true", "cluster.nodes=2",
+                       "cluster.tasks_per_node=2", "cluster.time_min=7")
+    assert result.returncode == 0, result.stderr
+    script = result.stdout
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=2", "#SBATCH --time=7",
+                 "#SBATCH --partition=debug", "#SBATCH --job-name=train",
+                 "--kill-on-bad-exit=1"):
+        assert line in script
+    assert "Submitted" not in script
+    after = subprocess.run(["sacct", "-n", "-X", "-o", "JobID"], capture_output=True,
+                           text=True).stdout
+    assert after == before
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    (("cluster.gpus_per_node=2", "cluster.tasks_per_node=1"), "a GPU job runs one rank per GPU"),
+    (("cluster.nodes=2", "cluster.tasks_per_node=2", "data.batch_size=30"),
+     "must split evenly over the 4 ranks"),
+    (("cluster.partition=nowhere",), "cluster.partition='nowhere' does not exist"),
+    (("data=cifar10", "data.root=/nonexistent"), "CIFAR10("),
+])
+def test_preflight_refuses_before_submitting(cluster: None, store: dict[str, str],
+                                             tmp_path: Path, overrides: tuple[str, ...],
+                                             expected: str) -> None:
+    result = slurm_job(tmp_path, *overrides, env=store, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert expected in result.stderr
+    assert "Submitted" not in result.stdout
+    assert runs_in(store["MLFLOW_TRACKING_URI"]) == []
+
+
+def test_preflight_refuses_an_unreachable_tracking_server(cluster: None, tmp_path: Path) -> None:
+    from train.distenv import free_port
+
+    uri = f"http://127.0.0.1:{free_port()}"
+    result = slurm_job(tmp_path, env={"MLFLOW_TRACKING_URI": uri}, timeout=120)
+    assert result.returncode == 2
+    assert "cannot be reached" in result.stderr and "Submitted" not in result.stdout
+
+
+def test_preflight_without_slurm_commands(tmp_path: Path) -> None:
+    """A login node without Slurm on PATH (no cluster needed for this one)."""
+    bare_path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)
+                                if not (Path(p) / "sbatch").exists())
+    result = slurm_job(tmp_path, env={"PATH": bare_path}, timeout=120)
+    assert result.returncode == 2
+    assert "sbatch is not on PATH" in result.stderr
+
+
+def test_a_failing_rank_ends_the_job_promptly(cluster: None, store: dict[str, str],
+                                              tmp_path: Path) -> None:
+    result = slurm_job(tmp_path, "cluster.nodes=2", "cluster.tasks_per_node=2",
+                       "trainer.epochs=50", "trainer.fail_on_rank=3", "trainer.fail_at_step=2",
+                       env=store, timeout=300)  # well under the job's 10-minute limit
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert ": FAILED" in result.stdout
+    assert "FailureDrill" in result.stderr  # the failing rank's log tail
+    [run] = runs_in(store["MLFLOW_TRACKING_URI"])
+    assert run.info.status == "FAILED"
+    assert run.data.tags["error"].startswith("rank 3 on node2")
