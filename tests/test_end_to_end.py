@@ -53,7 +53,8 @@ def test_two_rank_run_is_one_complete_mlflow_run(store: dict[str, str], tmp_path
 
     client = MlflowClient(tracking_uri=uri)
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"config.yaml", "weights", "confusion_matrix.png", "per_class_accuracy.json"} <= artifacts
+    expected = {"config.yaml", "weights", "confusion_matrix.png", "per_class_accuracy.json"}
+    assert expected <= artifacts
     assert [a.path for a in client.list_artifacts(run.info.run_id, "weights")] == [
         "weights/model.pt"]
     table = json.loads(Path(client.download_artifacts(

@@ -43,7 +43,9 @@ def cluster() -> Iterator[None]:
 
 def slurm_job(tmp_path: Path, *overrides: str, env: dict[str, str] | None = None,
               timeout: float = 420) -> subprocess.CompletedProcess[str]:
-    return run_train("+cluster=slurm", "cluster.partition=debug", "cluster.time_min=10",
+    flags = [o for o in overrides if o == "-m"]  # argparse wants flags before the overrides
+    overrides = tuple(o for o in overrides if o != "-m")
+    return run_train(*flags, "+cluster=slurm", "cluster.partition=debug", "cluster.time_min=10",
                      f"hydra.sweep.dir={tmp_path}/sweep", *overrides, env=env, timeout=timeout)
 
 
@@ -130,3 +132,23 @@ def test_a_failing_rank_ends_the_job_promptly(cluster: None, store: dict[str, st
     [run] = runs_in(store["MLFLOW_TRACKING_URI"])
     assert run.info.status == "FAILED"
     assert run.data.tags["error"].startswith("rank 3 on node2")
+
+
+def test_a_sweep_is_one_job_array_under_a_parent_run(cluster: None, store: dict[str, str],
+                                                     tmp_path: Path) -> None:
+    result = slurm_job(tmp_path, "-m", "optim.lr=0.1,0.02", "cluster.tasks_per_node=2",
+                       "trainer.epochs=1", env=store)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "_[0-1]: 2 job(s), each 2 rank(s)" in result.stdout  # one Slurm array
+    uri = store["MLFLOW_TRACKING_URI"]
+    runs = runs_in(uri)
+    [parent] = [r for r in runs if r.data.tags.get("sweep") == "true"]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert len(runs) == 3 and len(children) == 2
+    assert parent.info.status == "FINISHED" and parent.data.metrics["sweep/children"] == 2
+    assert {c.data.tags["slurm.array_task_id"] for c in children} == {"0", "1"}
+    assert len({c.data.tags["slurm.job_id"] for c in children}) == 1
+    assert {c.data.params["optim.lr"] for c in children} == {"0.1", "0.02"}
+    for child in children:
+        assert child.info.status == "FINISHED" and child.data.tags["world_size"] == "2"
+        assert history(uri, child.info.run_id, "val/samples") == [(0, 359.0)]

@@ -26,7 +26,9 @@ def main(cfg: DictConfig) -> float | None:
 
     hydra_cfg = HydraConfig.get()
     try:
-        return run(cfg, hydra_cfg.runtime.output_dir)
+        # What the user typed (also inside a Slurm job, where argv is submitit's).
+        command = " ".join(["python -m train", *hydra_cfg.overrides.task])
+        return run(cfg, hydra_cfg.runtime.output_dir, command)
     except (ConfigError, LaunchError, JobFailedError) as e:
         if hydra_cfg.mode == RunMode.MULTIRUN:
             raise  # Hydra marks this job FAILED; the other jobs of the sweep go on

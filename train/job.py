@@ -7,6 +7,7 @@ torchrun, by srun or by submitit.
 from __future__ import annotations
 
 import logging
+import os
 import resource
 import socket
 import sys
@@ -64,10 +65,13 @@ def build_state(cfg: TrainConfig, bundle: data_lib.DataBundle,
     return loop.TrainState(ddp, optimizer, scheduler, scaler)
 
 
-def run_rank(config: dict[str, Any], output_dir: str) -> dict[str, float]:
+def run_rank(config: dict[str, Any], output_dir: str, command: str) -> dict[str, float]:
     """Train on this rank; rank 0 returns the final metrics, the other ranks an empty dict."""
     env = distenv.detect()
     setup_logging(env.rank)
+    if "OMP_NUM_THREADS" not in os.environ:
+        # As torchrun does: ranks sharing a node share its CPUs instead of each taking all.
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // env.local_world_size))
     cfg: TrainConfig = to_typed(config)
     out = Path(output_dir)
     device = distributed.select_device(cfg.distributed.device, env.local_rank)
@@ -79,7 +83,8 @@ def run_rank(config: dict[str, Any], output_dir: str) -> dict[str, float]:
         # failure then shows in MLflow as a FAILED run with the failing rank's error.
         ranks = distributed.gather_to_main(_rank_info(device))
         reporter.start(config=config, ranks=ranks, backend=backend, output_dir=out, env=env,
-                       run_name=cfg.tracking.run_name, config_yaml=OmegaConf.to_yaml(config))
+                       run_name=cfg.tracking.run_name, config_yaml=OmegaConf.to_yaml(config),
+                       command=command)
         bundle = data_lib.build(cfg.data, env.rank, env.world_size, env.local_world_size, device,
                                 cfg.trainer.seed, cfg.trainer.channels_last)
         reporter.log_params({"data.num_train": bundle.num_train, "data.num_val": bundle.num_val})

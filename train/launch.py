@@ -82,7 +82,7 @@ def preflight(cfg: TrainConfig, world_size: int, local_ranks: int) -> None:
             raise LaunchError(str(e)) from None
 
 
-def run(cfg: DictConfig, output_dir: str) -> float | None:
+def run(cfg: DictConfig, output_dir: str, command: str) -> float | None:
     """Run the job this process was asked for; returns the objective for Hydra sweepers."""
     config = config_lib.to_container(cfg)
     typed = config_lib.to_typed(config)
@@ -92,24 +92,24 @@ def run(cfg: DictConfig, output_dir: str) -> float | None:
         config_lib.validate(typed, external)
         from train.job import run_rank
 
-        return objective(typed, run_rank(config, output_dir))
+        return objective(typed, run_rank(config, output_dir, command))
     nproc = typed.distributed.nproc_per_node
     preflight(typed, nproc, nproc)
-    return objective(typed, start_local_ranks(config, output_dir, nproc))
+    return objective(typed, start_local_ranks(config, output_dir, command, nproc))
 
 
 def objective(cfg: TrainConfig, final: dict[str, float]) -> float | None:
     return final.get(cfg.trainer.objective)
 
 
-def _rank_entry(config: dict[str, Any], output_dir: str, env: dict[str, str],
+def _rank_entry(config: dict[str, Any], output_dir: str, command: str, env: dict[str, str],
                 outcomes: mp.Queue) -> None:
     os.environ.update(env)
     rank = int(env["RANK"])
     try:
         from train.job import run_rank
 
-        result = run_rank(config, output_dir)
+        result = run_rank(config, output_dir, command)
         outcomes.put(RankOutcome(rank, "result", result, time.time()))
     except BaseException as e:
         outcomes.put(RankOutcome(rank, "error", "".join(traceback.format_exception(e)),
@@ -117,7 +117,8 @@ def _rank_entry(config: dict[str, Any], output_dir: str, env: dict[str, str],
         raise SystemExit(1) from None
 
 
-def start_local_ranks(config: dict[str, Any], output_dir: str, nproc: int) -> dict[str, float]:
+def start_local_ranks(config: dict[str, Any], output_dir: str, command: str,
+                      nproc: int) -> dict[str, float]:
     """Start `nproc` ranks on this machine and supervise them until all end.
 
     A rank that fails makes the others fail at their next collective (their connections to it
@@ -130,7 +131,7 @@ def start_local_ranks(config: dict[str, Any], output_dir: str, nproc: int) -> di
     procs = []
     for rank in range(nproc):
         env = distenv.torchrun_env(rank, rank, nproc, nproc, "127.0.0.1", port)
-        p = ctx.Process(target=_rank_entry, args=(config, output_dir, env, outcomes),
+        p = ctx.Process(target=_rank_entry, args=(config, output_dir, command, env, outcomes),
                         name=f"rank {rank}")
         p.start()
         procs.append(p)

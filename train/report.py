@@ -64,14 +64,14 @@ class Reporter(NullReporter):
 
     def start(self, *, config: Mapping[str, Any], ranks: list[dict[str, str]] | None,
               backend: str, env: DistEnv, output_dir: Path, run_name: str | None,
-              config_yaml: str) -> None:
+              config_yaml: str, command: str) -> None:
         assert ranks is not None, "rank 0 holds every rank's host and device"
         params = flatten(config)
         tags = {"world_size": env.world_size, "launcher": env.launcher, "backend": backend,
                 "hostnames": ",".join(sorted({r["host"] for r in ranks})),
                 "devices": ",".join(sorted({r["device"] for r in ranks})),
                 "torch_version": torch_version(), "git_commit": git_commit(),
-                "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+                "command": command,
                 "output_dir": str(output_dir), **slurm_tags(ranks)}
         self.tracker.start(params=params, tags=tags, config_yaml=config_yaml, run_name=run_name)
         log.info("training on %d rank(s) (%s, %s) over %s", env.world_size, backend,

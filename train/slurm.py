@@ -8,7 +8,6 @@ the job from SLURM_* through train/distenv.py.
 
 from __future__ import annotations
 
-import logging
 import shutil
 import subprocess
 import sys
@@ -20,8 +19,6 @@ from typing import Any
 from train import config as config_lib
 from train.config import ConfigError, TrainConfig
 from train.config import _ranks_per_node as ranks_per_node
-
-log = logging.getLogger("train.slurm")
 
 TERMINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                    "PREEMPTED", "BOOT_FAIL", "DEADLINE")
@@ -82,10 +79,10 @@ def check_tracking(cfg: TrainConfig) -> str | None:
     uri = tracking.resolve_uri(cfg.tracking)
     tracking.check_reachable(uri)
     if tracking.is_local_path_uri(uri):
-        log.warning("Tracking store %s is a local path: the compute nodes must see it on a shared "
-                    "filesystem (and SQLite on NFS can lock badly). With many jobs or nodes, run "
-                    "an MLflow server (`make mlflow-server` or slurm/mlflow-server.sbatch) and "
-                    "set MLFLOW_TRACKING_URI=http://<host>:<port>.", uri)
+        print(f"warning: tracking store {uri} is a local path: the compute nodes must see it on "
+              "a shared filesystem (and SQLite on NFS can lock badly). With many jobs or nodes, "
+              "run an MLflow server (`make mlflow-server` or slurm/mlflow-server.sbatch) and set "
+              "MLFLOW_TRACKING_URI=http://<host>:<port>.", file=sys.stderr, flush=True)
     # Created (and an SQLite store migrated) here, once: parallel jobs racing to do either put
     # runs into the Default experiment or corrupt the database.
     return tracking.prepare(cfg.tracking)
@@ -163,10 +160,34 @@ def failing_log_tail(job: Any, lines: int = 40) -> str:
     return fallback or "(no rank log found)"
 
 
-def report_failures(jobs: Sequence[Any], states: Sequence[str]) -> None:
-    failed = [(job, state) for job, state in zip(jobs, states, strict=True) if state != "COMPLETED"]
-    for job, state in failed:
-        print(f"\njob {job.job_id} ended {state}.\n{failing_log_tail(job)}", file=sys.stderr)
+def collect(jobs: Sequence[Any], states: Sequence[str]) -> tuple[list[Any], list[Any]]:
+    """Rank 0's return of every job that succeeded, and the jobs that failed.
+
+    A job fails when Slurm says so, or when one of its ranks raised: Hydra (inside each task)
+    turns the error into a FAILED JobReturn and the task ends normally, so Slurm can report
+    COMPLETED for a job whose ranks failed.
+    """
+    from hydra.core.utils import JobStatus
+
+    returns, failed = [], []
+    for job, state in zip(jobs, states, strict=True):
+        try:
+            if state != "COMPLETED":
+                raise RuntimeError(state)
+            ranks = job.results()
+            if any(r.status == JobStatus.FAILED for r in ranks):
+                raise RuntimeError("a rank failed")
+            returns.append(ranks[0])
+        except Exception:  # noqa: BLE001 - also submitit's FailedJobError and friends
+            failed.append(job)
+            if state == "COMPLETED":
+                print(f"[{time.strftime('%H:%M:%S')}] job {job.job_id}: FAILED (a rank raised; "
+                      "Slurm reports COMPLETED)", flush=True)
+    return returns, failed
+
+
+def report_failures(jobs: Sequence[Any], failed: Sequence[Any]) -> None:
+    for job in failed:
+        print(f"\njob {job.job_id} failed.\n{failing_log_tail(job)}", file=sys.stderr)
     if failed:
-        print(f"\nerror: {len(failed)} of {len(jobs)} Slurm job(s) did not complete.",
-              file=sys.stderr)
+        print(f"\nerror: {len(failed)} of {len(jobs)} Slurm job(s) failed.", file=sys.stderr)

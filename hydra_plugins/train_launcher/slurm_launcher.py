@@ -10,17 +10,17 @@ and exits non-zero. Submission, arrays and the sbatch script itself stay submiti
 # sys.modules, where dataclasses cannot resolve string annotations.
 
 
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from hydra.core.utils import JobReturn, JobStatus
-from omegaconf import OmegaConf, open_dict
-
+from hydra.core.utils import JobReturn
 from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
+from omegaconf import OmegaConf, open_dict
 
 
 @dataclass
@@ -75,8 +75,11 @@ class TrainSlurmLauncher(SlurmLauncher):
             print(f"\nerror: {e}\n", file=sys.stderr)
             raise SystemExit(2) from None
         if experiment_id is not None:
-            job_overrides = [[*o, f"tracking.experiment_id={experiment_id}"]
-                             for o in job_overrides]
+            # Explicit overrides, not only the environment: sites may submit with --export=NONE.
+            handed = [f"tracking.experiment_id={experiment_id}"]
+            if os.environ.get("TRAIN_PARENT_RUN_ID"):  # a sweep (train/sweep.py)
+                handed.append(f"tracking.parent_run_id={os.environ['TRAIN_PARENT_RUN_ID']}")
+            job_overrides = [[*o, *handed] for o in job_overrides]
 
         try:
             executor = self._executor(submitit)
@@ -89,18 +92,18 @@ class TrainSlurmLauncher(SlurmLauncher):
             raise SystemExit(0)
         job_params = [(list(o), "hydra.sweep.dir", initial_job_idx + i, f"job_id_for_{i}",
                        self._singleton_state()) for i, o in enumerate(job_overrides)]
-        jobs = executor.map_array(self, *zip(*job_params))
+        jobs = executor.map_array(self, *zip(*job_params, strict=True))
         cluster = configs[0].cluster
         world_size = cluster.nodes * slurm.ranks_per_node(cluster.tasks_per_node,
                                                           cluster.gpus_per_node)
         slurm.announce(jobs, world_size, cluster.nodes)
         if not self.wait:
             return [JobReturn() for _ in jobs]
-        states = slurm.follow(jobs)
-        slurm.report_failures(jobs, states)
-        if any(state != "COMPLETED" for state in states):
+        returns, failed = slurm.collect(jobs, slurm.follow(jobs))
+        slurm.report_failures(jobs, failed)
+        if failed:
             raise SystemExit(1)
-        return [job.results()[0] for job in jobs]
+        return returns
 
     def _singleton_state(self) -> Any:
         from hydra.core.singleton import Singleton
