@@ -152,3 +152,65 @@ def test_a_sweep_is_one_job_array_under_a_parent_run(cluster: None, store: dict[
     for child in children:
         assert child.info.status == "FINISHED" and child.data.tags["world_size"] == "2"
         assert history(uri, child.info.run_id, "val/samples") == [(0, 359.0)]
+
+
+def _attempts(tmp_path: Path) -> str:
+    logs = sorted((tmp_path / "sweep" / ".submitit").glob("*/*_0_log.err"))
+    return "\n".join(p.read_text(errors="replace") for p in logs)
+
+
+def test_a_time_limit_requeues_and_resumes_into_the_same_run(cluster: None,
+                                                             store: dict[str, str],
+                                                             tmp_path: Path) -> None:
+    """USR2 60 s before a 2-minute limit: checkpoint, requeue (same job id), resume, finish."""
+    epochs = 250  # ~2 minutes of training here: more than one 60-second attempt
+    result = slurm_job(tmp_path, "cluster.tasks_per_node=2", "cluster.time_min=2",
+                       "cluster.signal_delay_s=60", f"trainer.epochs={epochs}",
+                       "trainer.log_every_n_steps=5", "trainer.checkpoint_every=0",
+                       env=store, timeout=900)
+    assert result.returncode == 0, result.stdout + result.stderr
+    uri = store["MLFLOW_TRACKING_URI"]
+    [run] = runs_in(uri)
+    assert run.info.status == "FINISHED"
+    assert int(run.data.tags["restarts"]) >= 1 and run.data.tags["stopped_by"] == "SIGUSR2"
+    for key in ("train/loss", "val/accuracy", "val/samples"):
+        assert [s for s, _ in history(uri, run.info.run_id, key)] == list(range(epochs)), key
+    steps = [s for s, _ in history(uri, run.info.run_id, "train/step_loss")]
+    total_steps = epochs * 23  # ceil(719 / 32) steps per epoch and rank
+    assert steps == list(range(5, total_steps + 1, 5))
+    assert "resumed from" in _attempts(tmp_path)
+
+
+def test_scontrol_requeue_resumes_from_the_checkpoint(cluster: None, store: dict[str, str],
+                                                      tmp_path: Path) -> None:
+    import time
+
+    proc = subprocess.Popen(
+        [*_train_argv(tmp_path), "cluster.tasks_per_node=2", "trainer.epochs=40",
+         "trainer.log_every_n_steps=5"], cwd=REPO, env={**os.environ, **store},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    checkpoints = tmp_path / "sweep" / "0" / "checkpoints"
+    deadline = time.monotonic() + 180
+    while not list(checkpoints.glob("step-*.pt")) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    job_id = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True,
+                            text=True).stdout.split()[0]
+    time.sleep(3)  # well inside an epoch
+    subprocess.run(["scontrol", "requeue", job_id], check=True)
+    stdout, stderr = proc.communicate(timeout=420)
+    assert proc.returncode == 0, stdout + stderr
+    uri = store["MLFLOW_TRACKING_URI"]
+    [run] = runs_in(uri)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["restarts"] == "1" and run.data.tags["stopped_by"] == "SIGTERM"
+    assert [s for s, _ in history(uri, run.info.run_id, "train/loss")] == list(range(40))
+    steps = [s for s, _ in history(uri, run.info.run_id, "train/step_loss")]
+    assert steps == sorted(set(steps))
+    assert "resumed from" in _attempts(tmp_path)
+
+
+def _train_argv(tmp_path: Path) -> list[str]:
+    import sys
+
+    return [sys.executable, "-m", "train", "+cluster=slurm", "cluster.partition=debug",
+            "cluster.time_min=10", f"hydra.sweep.dir={tmp_path}/sweep"]

@@ -113,6 +113,15 @@ class TrainerConfig:
     """Use channels_last memory format (faster convolutions on recent GPUs)."""
     compile: bool = False
     """torch.compile the model."""
+    checkpoint_every: int = 1
+    """Checkpoint every N epochs (0 = only on the time interval and on stop signals)."""
+    checkpoint_interval_min: float | None = 30.0
+    """Also checkpoint when this many minutes passed since the last one (at a logging step)."""
+    keep_checkpoints: int = 2
+    """Newest checkpoints kept in <output dir>/checkpoints."""
+    resume: str = "auto"
+    """auto (continue this output directory's job if it has a checkpoint or run), never, or a
+    checkpoint file or directory."""
     fail_on_rank: int | None = None
     """Drill: raise an error on this rank at step `fail_at_step`, to see how a job ends when one
     rank fails (on a new cluster, say). null = never."""
@@ -200,6 +209,10 @@ class ClusterConfig:
     """Follow the job until it ends."""
     array_parallelism: int = 16
     """Sweeps: array tasks running at once."""
+    signal_delay_s: int = 120
+    """Slurm sends USR2 this long before the time limit: checkpoint, then requeue."""
+    max_requeues: int = 3
+    """How often a job requeues itself after a time limit (USR2) before it gives up."""
 
 
 @dataclass
@@ -272,6 +285,9 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
              p)
     _require(cfg.trainer.eval_every > 0, "trainer.eval_every must be positive.", p)
     _require(cfg.trainer.log_every_n_steps > 0, "trainer.log_every_n_steps must be positive.", p)
+    _require(cfg.trainer.keep_checkpoints > 0, "trainer.keep_checkpoints must be positive.", p)
+    _require(cfg.trainer.checkpoint_every >= 0, "trainer.checkpoint_every cannot be negative.",
+             p)
     _require(cfg.data.batch_size > 0,
              f"data.batch_size must be positive (got {cfg.data.batch_size}).", p)
     _require(0 < cfg.data.val_fraction < 1,

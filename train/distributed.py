@@ -87,3 +87,16 @@ def first_failure(wait_s: float = 2.0) -> str | None:
     except Exception:  # noqa: BLE001
         return None
     return None
+
+
+def barrier() -> None:
+    dist.barrier()
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if `flag` is true on any (one small collective)."""
+    value = torch.tensor([1 if flag else 0], dtype=torch.int64)
+    if dist.get_backend() == "nccl":
+        value = value.cuda()
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())

@@ -18,8 +18,8 @@ import torch
 from omegaconf import OmegaConf
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from train import checkpoint, distenv, distributed, loop, models, optim
 from train import data as data_lib
-from train import distenv, distributed, loop, models, optim
 from train.config import TrainConfig, to_typed
 from train.report import open_reporter
 
@@ -78,13 +78,21 @@ def run_rank(config: dict[str, Any], output_dir: str, command: str) -> dict[str,
     backend = distributed.select_backend(cfg.distributed.backend, device)
     distributed.init(env, backend, device, cfg.distributed.timeout_s)
     reporter = open_reporter(cfg.tracking, cfg.trainer.epochs, env.is_main, out)
+    checkpointer = checkpoint.Checkpointer(
+        checkpoint.directory(out), cfg.trainer.checkpoint_every,
+        cfg.trainer.checkpoint_interval_min, cfg.trainer.keep_checkpoints, env.rank,
+        env.world_size)
+    checkpointer.install_signal_handlers()
     try:
+        resumed = checkpoint.find(cfg.trainer.resume, out)
         # The run exists before anything that can fail on one node (data, model): such a
         # failure then shows in MLflow as a FAILED run with the failing rank's error.
         ranks = distributed.gather_to_main(_rank_info(device))
         reporter.start(config=config, ranks=ranks, backend=backend, output_dir=out, env=env,
                        run_name=cfg.tracking.run_name, config_yaml=OmegaConf.to_yaml(config),
-                       command=command)
+                       command=command, resume=cfg.trainer.resume,
+                       checkpoint_run_id=resumed.state.get("run_id") if resumed else None,
+                       checkpoint_restarts=resumed.state.get("restarts") if resumed else None)
         bundle = data_lib.build(cfg.data, env.rank, env.world_size, env.local_world_size, device,
                                 cfg.trainer.seed, cfg.trainer.channels_last)
         reporter.log_params({"data.num_train": bundle.num_train, "data.num_val": bundle.num_val})
@@ -93,12 +101,18 @@ def run_rank(config: dict[str, Any], output_dir: str, command: str) -> dict[str,
         torch.manual_seed(cfg.trainer.seed)  # identical initial weights on every rank
         state = build_state(cfg, bundle, device)
         torch.manual_seed(cfg.trainer.seed + env.rank)  # different augmentation per rank
-        loop.fit(cfg, state, bundle, device, reporter, env.rank)
+        if resumed is not None:
+            checkpoint.restore(state, resumed, env.rank, env.world_size)
+        loop.fit(cfg, state, bundle, device, reporter, env.rank, checkpointer)
         example = next(iter(bundle.val))[0][:4].cpu().numpy()  # batch > 1: any size loads back
         reporter.save_model(state.model, out, example)
         reporter.write_summary(out, distributed.gather_to_main(peak_rss_mb()))
         reporter.finish()
         return dict(reporter.final_metrics)
+    except checkpoint.Preempted as stop:
+        log.warning("rank %d: %s", env.rank, stop)
+        reporter.preempted(stop.signal_name, cfg.cluster.max_requeues if cfg.cluster else 0)
+        raise
     except BaseException as exc:
         distributed.publish_failure(env, exc)
         reason = distributed.first_failure() or f"rank {env.rank}: {type(exc).__name__}: {exc}"

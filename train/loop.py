@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from train import metrics
+from train import distributed, metrics
+from train.checkpoint import Checkpointer, Preempted
 from train.config import TrainConfig
 from train.data import Batches, DataBundle
 from train.report import NullReporter
@@ -38,6 +39,10 @@ class TrainState:
     scaler: torch.amp.GradScaler
     epoch: int = 0
     step: int = 0
+    batch_in_epoch: int = 0
+    """Batches of `epoch` already trained (resuming mid-epoch)."""
+    partial_totals: list[float] | None = None
+    """This rank's sums over those batches."""
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
@@ -54,14 +59,21 @@ def _check_finite(value: float, rank: int, step: int, where: str) -> None:
 
 
 def train_epoch(cfg: TrainConfig, state: TrainState, batches: Batches, device: torch.device,
-                reporter: NullReporter, rank: int) -> metrics.Totals:
+                reporter: NullReporter, rank: int, checkpointer: Checkpointer) -> metrics.Totals:
     state.model.train()
-    batches.set_epoch(state.epoch)
+    batches.set_epoch(state.epoch)  # the same order as before a restart
     totals = metrics.Totals(device)
+    skip, state.batch_in_epoch = state.batch_in_epoch, 0
+    if state.partial_totals is not None:
+        totals.restore(state.partial_totals)
+        state.partial_totals = None
     loss_fn = nn.CrossEntropyLoss()
     every = cfg.trainer.log_every_n_steps
     window_start, window_steps = time.perf_counter(), 0
-    for images, labels in reporter.progress(batches, state.epoch, len(batches)):
+    for index, (images, labels) in enumerate(reporter.progress(batches, state.epoch,
+                                                              len(batches))):
+        if index < skip:  # trained before the checkpoint this job resumed from
+            continue
         with autocast(device, cfg.trainer.precision):
             logits = state.model(images)
             loss = loss_fn(logits, labels)
@@ -83,12 +95,16 @@ def train_epoch(cfg: TrainConfig, state: TrainState, batches: Batches, device: t
                                f"{state.step}")
         if state.step % every == 0:  # the only steps that wait for the device
             now = time.perf_counter()
-            mean_loss, slowest, fastest = metrics.step_stats_to_all(
-                loss, (now - window_start) / window_steps)
+            mean_loss, slowest, fastest, request = metrics.step_stats_to_all(
+                loss, (now - window_start) / window_steps, checkpointer.request())
             _check_finite(mean_loss, rank, state.step, "train/step_loss (mean over ranks)")
             reporter.step({"train/step_loss": mean_loss, "train/step_time_max_s": slowest,
                            "train/step_time_min_s": fastest}, state.step)
-            window_start, window_steps = now, 0
+            if request > 0 and index + 1 < len(batches):  # the epoch end checkpoints anyway
+                checkpointer.save(state, totals, index + 1, reporter)
+                if request >= 2:
+                    raise Preempted(checkpointer.stop_signal or "a stop request on another rank")
+            window_start, window_steps = time.perf_counter(), 0
     return totals
 
 
@@ -110,12 +126,12 @@ def evaluate(model: nn.Module, batches: Batches, device: torch.device, precision
 
 
 def fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.device,
-        reporter: NullReporter, rank: int) -> None:
+        reporter: NullReporter, rank: int, checkpointer: Checkpointer) -> None:
     bare = state.model.module if hasattr(state.model, "module") else state.model
     epochs = cfg.trainer.epochs
     while state.epoch < epochs:
         started = time.perf_counter()
-        train_totals = train_epoch(cfg, state, data.train, device, reporter, rank)
+        train_totals = train_epoch(cfg, state, data.train, device, reporter, rank, checkpointer)
         loss_sum = train_totals.as_host()[0]
         _check_finite(loss_sum, rank, state.step, "the epoch's training loss")
         train_time = time.perf_counter() - started
@@ -129,3 +145,8 @@ def fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.dev
                        epoch_time_s=time.perf_counter() - started,
                        lr=state.scheduler.get_last_lr()[0])
         state.epoch += 1
+        stop = distributed.any_rank(checkpointer.stop_signal is not None)
+        if stop or checkpointer.epoch_end_due(state.epoch):
+            checkpointer.save(state, None, 0, reporter)
+        if stop and state.epoch < epochs:
+            raise Preempted(checkpointer.stop_signal or "a stop request on another rank")

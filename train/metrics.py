@@ -36,6 +36,15 @@ class Totals:
             self.confusion += torch.bincount(labels * self.num_classes + predicted,
                                              minlength=self.confusion.numel())
 
+    def snapshot(self) -> list[float]:
+        """The running sums, mid-epoch (for a checkpoint)."""
+        return torch.stack([self.loss_sum, self.correct.double(), self.samples.double()]).tolist()
+
+    def restore(self, values: list[float]) -> None:
+        self.loss_sum.fill_(values[0])
+        self.correct.fill_(int(values[1]))
+        self.samples.fill_(int(values[2]))
+
     def as_host(self) -> tuple[float, int, int, list[int] | None]:
         """The one host sync of an epoch (call it once the epoch is over: the result is kept)."""
         if self._host is None:
@@ -74,13 +83,15 @@ def reduce_to_main(totals: Totals) -> Reduced | None:
                    samples=samples, confusion=confusion)
 
 
-def step_stats_to_all(loss: torch.Tensor, step_time_s: float) -> tuple[float, float, float]:
-    """On a logging step: mean loss over ranks, and the slowest and fastest rank's step time."""
-    mine = torch.stack([loss.detach().float(),
-                        torch.tensor(step_time_s, dtype=torch.float32, device=loss.device)])
+def step_stats_to_all(loss: torch.Tensor, step_time_s: float,
+                      request: float) -> tuple[float, float, float, float]:
+    """On a logging step, on every rank: the mean loss over ranks, the slowest and fastest
+    rank's step time, and the strongest checkpoint request of any rank (see Checkpointer)."""
+    extra = torch.tensor([step_time_s, request], dtype=torch.float32, device=loss.device)
+    mine = torch.cat([loss.detach().float().reshape(1), extra])
     everyone = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
     torch.distributed.all_gather(everyone, mine)
     table = torch.stack(everyone).tolist()
     losses = [row[0] for row in table]
     times = [row[1] for row in table]
-    return sum(losses) / len(losses), max(times), min(times)
+    return sum(losses) / len(losses), max(times), min(times), max(row[2] for row in table)

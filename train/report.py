@@ -42,6 +42,8 @@ class NullReporter:
     def log_file(self, path: Path, artifact_path: str | None = None) -> None: ...
     def finish(self, error: str | None = None) -> None: ...
     def first_step_done(self) -> None: ...
+    def write_checkpoint(self, checkpointer: Any, build: Any) -> None: ...
+    def preempted(self, signal_name: str, max_requeues: int) -> None: ...
     def write_summary(self, output_dir: Path, peak_rss_mb: list[float] | None) -> None: ...
 
     def progress(self, batches: Iterable[T], epoch: int, total: int) -> Iterable[T]:
@@ -60,20 +62,31 @@ class Reporter(NullReporter):
         self.interactive = sys.stderr.isatty()
         self.final_metrics = {}
         self.first_step_at: float | None = None
+        self.restarts = 0
+        self.config_yaml = ""
         self._bar: Any = None
 
     def start(self, *, config: Mapping[str, Any], ranks: list[dict[str, str]] | None,
               backend: str, env: DistEnv, output_dir: Path, run_name: str | None,
-              config_yaml: str, command: str) -> None:
+              config_yaml: str, command: str, resume: str, checkpoint_run_id: str | None,
+              checkpoint_restarts: int | None) -> None:
         assert ranks is not None, "rank 0 holds every rank's host and device"
+        self.config_yaml = config_yaml
+        # A restarted job (Slurm requeue, or the same output directory again) continues its run.
+        previous = checkpoint_run_id or (None if resume == "never" else recorded_run_id(output_dir))
+        if previous:
+            self.restarts = (checkpoint_restarts or 0) + 1
         params = flatten(config)
         tags = {"world_size": env.world_size, "launcher": env.launcher, "backend": backend,
                 "hostnames": ",".join(sorted({r["host"] for r in ranks})),
                 "devices": ",".join(sorted({r["device"] for r in ranks})),
                 "torch_version": torch_version(), "git_commit": git_commit(),
                 "command": command,
-                "output_dir": str(output_dir), **slurm_tags(ranks)}
-        self.tracker.start(params=params, tags=tags, config_yaml=config_yaml, run_name=run_name)
+                "output_dir": str(output_dir), "restarts": self.restarts, **slurm_tags(ranks)}
+        self.tracker.start(params=params, tags=tags, config_yaml=config_yaml, run_name=run_name,
+                           resume_run_id=previous)
+        if previous:
+            log.info("continuing MLflow run %s (restart %d)", previous, self.restarts)
         log.info("training on %d rank(s) (%s, %s) over %s", env.world_size, backend,
                  tags["devices"], tags["hostnames"])
 
@@ -82,6 +95,8 @@ class Reporter(NullReporter):
         log.info("data: %s", ", ".join(f"{k}={v}" for k, v in params.items()))
 
     def log_dataset(self, name: str, source: Any, train_index: Any) -> None:
+        if self.restarts:
+            return  # recorded by the first start
         self.tracker.log_dataset(f"{name}-train", source.images[train_index].cpu().numpy(),
                                  source.labels[train_index].cpu().numpy())
 
@@ -144,6 +159,32 @@ class Reporter(NullReporter):
     def first_step_done(self) -> None:
         self.first_step_at = time.time()
 
+    def write_checkpoint(self, checkpointer: Any, build: Any) -> None:
+        # Everything logged so far reaches MLflow before the checkpoint exists: what a crash
+        # can lose is then only what a resume from this checkpoint replays (and logs once).
+        self.tracker.flush()
+        state = build()
+        state.update(run_id=self.tracker.run_id, config=self.config_yaml, restarts=self.restarts)
+        path = checkpointer.write(state)
+        log.info("checkpoint %s (epoch %d, step %d)", path, state["epoch"], state["step"])
+
+    def preempted(self, signal_name: str, max_requeues: int) -> None:
+        """Stopped after a checkpoint: the run waits as KILLED until the job runs again.
+
+        USR2 is Slurm's warning before the time limit: the job requeues itself (same job id).
+        TERM comes from a preemption or `scontrol requeue`, where Slurm requeues the job.
+        """
+        self.tracker.set_tags({"stopped_by": signal_name})
+        self.tracker.finish(status="KILLED")
+        job = requeue_target()
+        if signal_name == "SIGUSR2" and job is not None:
+            if self.restarts >= max_requeues:
+                log.error("time limit reached %d times (cluster.max_requeues): not requeueing",
+                          self.restarts + 1)
+                return
+            log.warning("requeueing Slurm job %s; it resumes from the checkpoint", job)
+            subprocess.run(["scontrol", "requeue", job], check=False, timeout=60)
+
     def write_summary(self, output_dir: Path, peak_rss_mb: list[float] | None) -> None:
         """summary.json beside the job's outputs: what scripts (and `make bench`) read back."""
         assert peak_rss_mb is not None, "rank 0 holds every rank's peak memory"
@@ -176,6 +217,21 @@ def git_commit() -> str:
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
     return out.stdout.strip() if out.returncode == 0 else "unknown"
+
+
+def recorded_run_id(output_dir: Path) -> str | None:
+    """The run an earlier start of this job (same output directory) created, if any."""
+    try:
+        return str(json.loads((output_dir / "mlflow_run.json").read_text())["run_id"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def requeue_target() -> str | None:
+    """This Slurm job's id as `scontrol requeue` wants it (array tasks included)."""
+    if "SLURM_ARRAY_JOB_ID" in os.environ:
+        return f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    return os.environ.get("SLURM_JOB_ID")
 
 
 def slurm_tags(ranks: list[dict[str, str]]) -> dict[str, str]:

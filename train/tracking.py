@@ -171,7 +171,7 @@ class NullTracker:
                       out_dir: Path) -> None: ...
     def log_model(self, model: Any, input_example: Any) -> None: ...
     def flush(self) -> None: ...
-    def finish(self, error: str | None = None) -> None: ...
+    def finish(self, error: str | None = None, status: str | None = None) -> None: ...
 
 
 class RunTracker(NullTracker):
@@ -187,12 +187,17 @@ class RunTracker(NullTracker):
         self._sender.start()
         self._client: Any = None
         self._started = False
+        self._logged_until: dict[str, int] = {}
 
     # -- called by the training loop: never blocks on MLflow --------------------------------
     def start(self, *, params: Mapping[str, str], tags: Mapping[str, Any], config_yaml: str,
-              run_name: str | None) -> None:
+              run_name: str | None, resume_run_id: str | None = None) -> None:
+        """Create the run, or continue `resume_run_id` (a restarted job) as RUNNING again."""
         self._started = True
-        self._queue.put(lambda: self._create_run(params, tags, config_yaml, run_name))
+        if resume_run_id:
+            self._queue.put(lambda: self._resume_run(resume_run_id, tags))
+        else:
+            self._queue.put(lambda: self._create_run(params, tags, config_yaml, run_name))
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         from_tags = [(k, str(v)) for k, v in tags.items()]
@@ -266,10 +271,13 @@ class RunTracker(NullTracker):
         """Wait until everything queued so far has been sent (the run id is known after it)."""
         done = threading.Event()
         self._queue.put(done.set)
-        done.wait(FLUSH_TIMEOUT_S)
+        if not done.wait(FLUSH_TIMEOUT_S):
+            log.warning("MLflow has not accepted this run's updates for %d s; going on, they "
+                        "stay queued", FLUSH_TIMEOUT_S)
 
-    def finish(self, error: str | None = None) -> None:
-        """End the run FINISHED, or FAILED with `error` as a tag; waits for the queue to drain."""
+    def finish(self, error: str | None = None, status: str | None = None) -> None:
+        """End the run FINISHED, or FAILED with `error` as a tag (or `status`, e.g. KILLED);
+        waits for the queue to drain."""
         if not self._started:
             self._queue.put(None)
             return
@@ -277,7 +285,7 @@ class RunTracker(NullTracker):
         def end() -> None:
             if error is not None:
                 self._log_batch(tags=[("error", error[-5000:])])
-            self._client.set_terminated(self.run_id, "FAILED" if error else "FINISHED")
+            self._client.set_terminated(self.run_id, status or ("FAILED" if error else "FINISHED"))
 
         self._queue.put(end)
         self._queue.put(None)
@@ -311,19 +319,38 @@ class RunTracker(NullTracker):
             run_tags["mlflow.parentRunId"] = self.cfg.parent_run_id
         run = self._client.create_run(experiment_id, run_name=run_name, tags=run_tags)
         self.run_id = run.info.run_id
-        if self.run_id_file is not None:
-            self.run_id_file.write_text(json.dumps(
-                {"run_id": self.run_id, "experiment_id": experiment_id, "tracking_uri": self.uri}))
+        self._write_run_id_file(experiment_id)
         items = [(k, v[:6000]) for k, v in params.items()]
         for i in range(0, len(items), 100):  # MLflow takes at most 100 params per request
             self._log_batch(params=items[i:i + 100])
         self._client.log_text(self.run_id, config_yaml, "config.yaml")
+
+    def _resume_run(self, run_id: str, tags: Mapping[str, Any]) -> None:
+        from mlflow import MlflowClient
+
+        self._client = MlflowClient(tracking_uri=self.uri)
+        run = self._client.get_run(run_id)
+        self.run_id = run_id
+        # What the run already holds is not logged again: after a restart the job replays the
+        # steps since its last checkpoint, and each step must appear once in each history.
+        for key in run.data.metrics:
+            steps = [m.step for m in self._client.get_metric_history(run_id, key)]
+            self._logged_until[key] = max(steps, default=-1)
+        self._client.update_run(run_id, status="RUNNING")
+        self._log_batch(tags=[(k, str(v)) for k, v in tags.items()])
+        self._write_run_id_file(run.info.experiment_id)
+
+    def _write_run_id_file(self, experiment_id: str) -> None:
+        if self.run_id_file is not None:
+            self.run_id_file.write_text(json.dumps(
+                {"run_id": self.run_id, "experiment_id": experiment_id, "tracking_uri": self.uri}))
 
     def _log_batch(self, metrics: list[tuple[str, float, int, int]] = (),  # type: ignore[assignment]
                    params: list[tuple[str, str]] = (),  # type: ignore[assignment]
                    tags: list[tuple[str, str]] = ()) -> None:  # type: ignore[assignment]
         from mlflow.entities import Metric, Param, RunTag
 
+        metrics = [m for m in metrics if m[3] > self._logged_until.get(m[0], -1)]
         self._client.log_batch(self.run_id, metrics=[Metric(*m) for m in metrics],
                                params=[Param(*p) for p in params],
                                tags=[RunTag(*t) for t in tags], synchronous=True)

@@ -117,6 +117,10 @@ class TrainSlurmLauncher(SlurmLauncher):
         from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 
         assert self.config is not None
+        # Concrete, not `${now:...}`: a requeued job must find the same directory (and its
+        # checkpoints) when it runs again.
+        with open_dict(self.config):
+            self.config.hydra.sweep.dir = str(self.config.hydra.sweep.dir)
         params = dict(self.params)
         executor = submitit.AutoExecutor(cluster=self._EXECUTOR, folder=params.pop(
             "submitit_folder"), slurm_max_num_timeout=params.pop("max_num_timeout"))
