@@ -160,7 +160,12 @@ def start_local_ranks(config: dict[str, Any], output_dir: str, command: str,
     with contextlib.suppress(queue.Empty):
         while True:
             results.append(outcomes.get(timeout=0.2))
-    if all(p.exitcode == 0 for p in procs):
+    finished = {o.rank for o in results if o.kind == "result"}
+    for rank, p in enumerate(procs):
+        if p.exitcode != 0 and rank in finished:
+            # Its work was done and delivered; only the interpreter's teardown failed.
+            log.warning("%s exited with code %s after finishing its work", p.name, p.exitcode)
+    if all(p.exitcode == 0 or rank in finished for rank, p in enumerate(procs)):
         return next((o.payload for o in results if o.kind == "result" and o.rank == 0), {})
     raise JobFailedError(f"the training job failed; {root_cause(procs, results, stopped_by_us)}")
 

@@ -1,0 +1,112 @@
+"""Checkpoints and resuming on one machine: crashes, corrupt files, divergence."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from tests.conftest import REPO, history, run_train, runs_in
+
+pytestmark = pytest.mark.slow
+
+STEPS_PER_EPOCH = 23  # 1438 samples, 2 ranks, 32 per rank
+
+
+def _kill_job_after(out_dir: Path, store: dict[str, str], checkpoints: int, *args: str) -> None:
+    """Start a 2-rank job and SIGKILL it (launcher and ranks) once `checkpoints` exist."""
+    proc = subprocess.Popen([sys.executable, "-m", "train", "distributed.nproc_per_node=2",
+                             f"hydra.run.dir={out_dir}", *args], cwd=REPO,
+                            env={**os.environ, **store}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while len(list((out_dir / "checkpoints").glob("step-*.pt"))) < checkpoints:
+        assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint came"
+        time.sleep(0.2)
+    family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    for p in family:
+        p.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def _assert_once(uri: str, run_id: str, epochs: int, every: int) -> None:
+    for key in ("train/loss", "train/samples", "val/accuracy", "val/samples", "lr"):
+        assert [s for s, _ in history(uri, run_id, key)] == list(range(epochs)), key
+    steps = [s for s, _ in history(uri, run_id, "train/step_loss")]
+    assert steps == list(range(every, epochs * STEPS_PER_EPOCH + 1, every))
+
+
+def test_a_killed_job_resumes_into_the_same_run(store: dict[str, str], tmp_path: Path) -> None:
+    out_dir = tmp_path / "job"
+    _kill_job_after(out_dir, store, 2, "trainer.epochs=6")
+    uri = store["MLFLOW_TRACKING_URI"]
+    [killed] = runs_in(uri)
+    assert killed.info.status == "RUNNING"  # nobody could end it
+
+    result = run_train("distributed.nproc_per_node=2", "trainer.epochs=6",
+                       f"hydra.run.dir={out_dir}", env=store)
+    assert result.returncode == 0, result.stderr
+    assert "resumed from" in result.stderr and "continuing MLflow run" in result.stderr
+    [run] = runs_in(uri)
+    assert run.info.run_id == killed.info.run_id
+    assert run.info.status == "FINISHED" and run.data.tags["restarts"] == "1"
+    _assert_once(uri, run.info.run_id, 6, 10)
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous(store: dict[str, str],
+                                                                tmp_path: Path) -> None:
+    out_dir = tmp_path / "job"
+    first = run_train("distributed.nproc_per_node=2", "trainer.epochs=3",
+                      f"hydra.run.dir={out_dir}", env=store)
+    assert first.returncode == 0, first.stderr
+    folder = out_dir / "checkpoints"
+    newest, previous = sorted(folder.glob("step-*.pt"), reverse=True)[:2]
+    assert (newest.name, previous.name) == ("step-000000069.pt", "step-000000046.pt")
+    newest.write_bytes(newest.read_bytes()[:1000])  # truncated, as by a full disk
+    # An even newer file that would run code if unpickled: it must be refused, not run.
+    marker = tmp_path / "pwned"
+    torch.save({"model": Exploit(str(marker))}, folder / "step-000000099.pt")
+
+    result = run_train("distributed.nproc_per_node=2", "trainer.epochs=4",
+                       f"hydra.run.dir={out_dir}", env=store)
+    assert result.returncode == 0, result.stderr
+    assert "step-000000099.pt cannot be loaded" in result.stderr
+    assert "step-000000069.pt cannot be loaded" in result.stderr
+    assert "resumed from" in result.stderr and "step-000000046.pt" in result.stderr
+    assert not marker.exists()
+    [run] = runs_in(store["MLFLOW_TRACKING_URI"])
+    _assert_once(store["MLFLOW_TRACKING_URI"], run.info.run_id, 4, 10)
+
+
+class Exploit:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_resume_never_starts_a_new_run(store: dict[str, str], tmp_path: Path) -> None:
+    for resume in ("auto", "never"):
+        result = run_train("trainer.epochs=1", f"trainer.resume={resume}",
+                           f"hydra.run.dir={tmp_path}/job", env=store)
+        assert result.returncode == 0, result.stderr
+    assert len(runs_in(store["MLFLOW_TRACKING_URI"])) == 2
+
+
+def test_a_diverging_loss_stops_with_rank_and_step(store: dict[str, str],
+                                                   tmp_path: Path) -> None:
+    result = run_train("distributed.nproc_per_node=2", "optim.lr=1e12", "trainer.epochs=3",
+                       "trainer.log_every_n_steps=1", f"hydra.run.dir={tmp_path}/job", env=store)
+    assert result.returncode == 1
+    assert "NonFiniteLossError" in result.stderr
+    assert "on rank" in result.stderr and "at step" in result.stderr
+    [run] = runs_in(store["MLFLOW_TRACKING_URI"])
+    assert run.info.status == "FAILED" and "diverged" in run.data.tags["error"]
