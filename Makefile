@@ -42,6 +42,14 @@ ui: setup
 	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlruns/mlflow.db \
 	  --default-artifact-root $(CURDIR)/mlruns/artifacts --host 127.0.0.1 --port $(UI_PORT)
 
+# A tracking server for clusters (gunicorn, 2 workers, artifacts proxied; see train/server.py).
+mlflow-server: setup
+	$(PY) -m train.server --host $(SERVER_HOST) --port $(SERVER_PORT)
+
+# `make bench`: the service against a plain DDP loop (docs/benchmarks.md).
+bench: setup
+	$(PY) -m bench.run $(BENCH_ARGS)
+
 cluster-up:
 	bash slurm/cluster-up.sh
 
