@@ -89,3 +89,39 @@ def test_a_server_outage_loses_no_metric(tmp_path: Path) -> None:
             assert steps == list(range(5, epochs * 23 + 1, 5))  # 23 steps of 64 per epoch
         finally:
             server.stop()
+
+
+def test_metrics_the_server_never_took_are_kept_and_uploaded_later(tmp_path: Path) -> None:
+    root = tmp_path / "server"
+    root.mkdir()
+    server = Server(root)
+    server.start()
+    epochs, job_dir = 8, tmp_path / "job"
+    job = subprocess.Popen(
+        [sys.executable, "-m", "train", f"trainer.epochs={epochs}", "tracking.flush_timeout_s=3",
+         f"hydra.run.dir={job_dir}"], cwd=REPO,
+        env={**os.environ, "MLFLOW_TRACKING_URI": server.url}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (job_dir / "mlflow_run.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1)
+        server.stop()  # and it stays down until the job has ended
+        _, stderr = job.communicate(timeout=400)
+        assert job.returncode == 0, stderr
+        unsent = job_dir / "mlflow_unsent.jsonl"
+        assert unsent.exists() and f"python -m train.tracking upload {unsent}" in stderr
+
+        server.start()
+        upload = subprocess.run([sys.executable, "-m", "train.tracking", "upload", str(unsent)],
+                                cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert upload.returncode == 0, upload.stderr
+        [run] = runs_in(server.url)
+        assert run.info.status == "FINISHED"
+        for key in ("train/loss", "val/accuracy", "val/samples"):
+            assert [s for s, _ in history(server.url, run.info.run_id, key)] == \
+                list(range(epochs)), key
+    finally:
+        job.kill()
+        server.stop()

@@ -22,6 +22,7 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 def main(cfg: DictConfig) -> float | None:
     """Run one job; returns its objective (trainer.objective) for Hydra's sweepers."""
     from train.config import ConfigError
+    from train.distenv import DistEnvError
     from train.launch import JobFailedError, LaunchError, run
 
     hydra_cfg = HydraConfig.get()
@@ -29,7 +30,7 @@ def main(cfg: DictConfig) -> float | None:
         # What the user typed (also inside a Slurm job, where argv is submitit's).
         command = " ".join(["python -m train", *hydra_cfg.overrides.task])
         return run(cfg, hydra_cfg.runtime.output_dir, command)
-    except (ConfigError, LaunchError, JobFailedError) as e:
+    except (ConfigError, DistEnvError, LaunchError, JobFailedError) as e:
         if hydra_cfg.mode == RunMode.MULTIRUN:
             raise  # Hydra marks this job FAILED; the other jobs of the sweep go on
         # A single job: the message alone, no stack of Hydra frames around it.

@@ -170,7 +170,10 @@ class TrackingConfig:
     run_name: str | None = None
     """MLflow run name; null = MLflow's generated name."""
     log_model: bool = True
-    """Store the final weights as a run artifact."""
+    """Also log the model with mlflow.pytorch.log_model (the weights are always stored)."""
+    flush_timeout_s: float = 120.0
+    """At a checkpoint and at the end, how long to wait for MLflow to accept what is queued;
+    what it has not taken by the end is saved to <output dir>/mlflow_unsent.jsonl."""
 
 
 @dataclass

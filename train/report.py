@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from train.config import TrackingConfig
 from train.distenv import DistEnv
 from train.metrics import Reduced
-from train.tracking import REPO_ROOT, NullTracker, flatten, open_tracker
+from train.tracking import REPO_ROOT, NullTracker, embedded_uri, flatten, open_tracker
 
 log = logging.getLogger("train")
 T = TypeVar("T")
@@ -35,11 +35,9 @@ class NullReporter:
     def log_params(self, params: Mapping[str, Any]) -> None: ...
     def save_model(self, model: Any, output_dir: Path, input_example: Any) -> None: ...
     def log_dataset(self, name: str, source: Any, train_index: Any) -> None: ...
-    def set_tags(self, tags: Mapping[str, Any]) -> None: ...
     def step(self, metrics: Mapping[str, float], step: int) -> None: ...
     def epoch(self, epoch: int, *, train: Reduced | None, val: Reduced | None,
               train_time_s: float, epoch_time_s: float, lr: float) -> None: ...
-    def log_file(self, path: Path, artifact_path: str | None = None) -> None: ...
     def finish(self, error: str | None = None) -> None: ...
     def first_step_done(self) -> None: ...
     def write_checkpoint(self, checkpointer: Any, build: Any) -> None: ...
@@ -54,7 +52,7 @@ class NullReporter:
 
 class Reporter(NullReporter):
     def __init__(self, tracking: TrackingConfig, epochs: int, output_dir: Path) -> None:
-        self.tracker = open_tracker(tracking, True, output_dir / "mlflow_run.json")
+        self.tracker = open_tracker(tracking, output_dir / "mlflow_run.json")
         self.log_model = tracking.log_model
         self.output_dir = output_dir
         self.class_names: list[str] = []
@@ -111,9 +109,6 @@ class Reporter(NullReporter):
         if self.log_model:
             self.tracker.log_model(bare, input_example)
 
-    def set_tags(self, tags: Mapping[str, Any]) -> None:
-        self.tracker.set_tags(tags)
-
     def step(self, metrics: Mapping[str, float], step: int) -> None:
         self.tracker.log_metrics(metrics, step)
         self.postfix(loss=metrics["train/step_loss"])
@@ -152,9 +147,6 @@ class Reporter(NullReporter):
                           if k in ("train/loss", "train/accuracy", "val/loss", "val/accuracy",
                                    "train/samples_per_sec", "epoch_time_s"))
         log.info("epoch %d/%d  %s", epoch + 1, self.epochs, shown)
-
-    def log_file(self, path: Path, artifact_path: str | None = None) -> None:
-        self.tracker.log_file(path, artifact_path)
 
     def first_step_done(self) -> None:
         self.first_step_at = time.time()
@@ -195,13 +187,24 @@ class Reporter(NullReporter):
         (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
 
     def finish(self, error: str | None = None) -> None:
-        started = time.monotonic()
         self.tracker.finish(error)
-        if self.tracker.run_id and error is None:
-            log.info("MLflow run %s FINISHED (flushed in %.1f s)", self.tracker.run_id,
-                     time.monotonic() - started)
-        elif self.tracker.run_id:
-            log.error("MLflow run %s marked FAILED: %s", self.tracker.run_id, error)
+        run_id = self.tracker.run_id
+        if run_id and error is None:
+            shown = "  ".join(f"{k}={v:.4g}" for k, v in self.final_metrics.items()
+                              if k.startswith("val/") or k == "train/loss")
+            log.info("MLflow run %s FINISHED  %s\n  view it: %s", run_id, shown,
+                     how_to_view(self.tracker.uri, self.tracker.experiment_id, run_id))
+        elif run_id:
+            log.error("MLflow run %s marked FAILED: %s", run_id, error)
+
+
+def how_to_view(uri: str, experiment_id: str | None, run_id: str) -> str:
+    page = f"#/experiments/{experiment_id}/runs/{run_id}"
+    if uri.startswith(("http://", "https://")):
+        return f"{uri.rstrip('/')}/{page}"
+    if uri == embedded_uri():
+        return f"`make ui`, then http://127.0.0.1:5000/{page}"
+    return f"`mlflow ui --backend-store-uri {uri}`, then http://127.0.0.1:5000/{page}"
 
 
 def torch_version() -> str:

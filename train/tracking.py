@@ -32,8 +32,8 @@ EMBEDDED_STORE_DIR = REPO_ROOT / "mlruns"
 """The embedded store: mlruns/mlflow.db (runs, params, metrics) and mlruns/artifacts/."""
 
 
-FLUSH_TIMEOUT_S = 120
-"""How long the end of a run waits for MLflow to accept what is still queued."""
+UNSENT_FILE = "mlflow_unsent.jsonl"
+"""Metrics MLflow did not accept before the run ended, for `python -m train.tracking upload`."""
 
 
 class TrackingError(RuntimeError):
@@ -160,6 +160,8 @@ class NullTracker:
     """What every rank but 0 (and a run with tracking.enabled=false) gets."""
 
     run_id: str | None = None
+    experiment_id: str | None = None
+    uri = ""
 
     def start(self, **_: Any) -> None: ...
     def set_tags(self, tags: Mapping[str, Any]) -> None: ...
@@ -188,6 +190,10 @@ class RunTracker(NullTracker):
         self._client: Any = None
         self._started = False
         self._logged_until: dict[str, int] = {}
+        # Metric rows not yet accepted by MLflow, by batch: what an outage could still lose.
+        self._unsent: dict[int, list[tuple[str, float, int, int]]] = {}
+        self._unsent_lock = threading.Lock()
+        self._batches = 0
 
     # -- called by the training loop: never blocks on MLflow --------------------------------
     def start(self, *, params: Mapping[str, str], tags: Mapping[str, Any], config_yaml: str,
@@ -210,7 +216,17 @@ class RunTracker(NullTracker):
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         stamp = int(time.time() * 1000)
         rows = [(k, float(v), stamp, step) for k, v in metrics.items()]
-        self._queue.put(lambda: self._log_batch(metrics=rows))
+        with self._unsent_lock:
+            self._batches += 1
+            batch = self._batches
+            self._unsent[batch] = rows
+
+        def send() -> None:
+            self._log_batch(metrics=rows)
+            with self._unsent_lock:
+                del self._unsent[batch]
+
+        self._queue.put(send)
 
     def log_file(self, path: Path, artifact_path: str | None = None) -> None:
         self._queue.put(lambda: self._client.log_artifact(self.run_id, str(path), artifact_path))
@@ -271,9 +287,9 @@ class RunTracker(NullTracker):
         """Wait until everything queued so far has been sent (the run id is known after it)."""
         done = threading.Event()
         self._queue.put(done.set)
-        if not done.wait(FLUSH_TIMEOUT_S):
-            log.warning("MLflow has not accepted this run's updates for %d s; going on, they "
-                        "stay queued", FLUSH_TIMEOUT_S)
+        if not done.wait(self.cfg.flush_timeout_s):
+            log.warning("MLflow has not accepted this run's updates for %.0f s; going on, they "
+                        "stay queued", self.cfg.flush_timeout_s)
 
     def finish(self, error: str | None = None, status: str | None = None) -> None:
         """End the run FINISHED, or FAILED with `error` as a tag (or `status`, e.g. KILLED);
@@ -289,11 +305,28 @@ class RunTracker(NullTracker):
 
         self._queue.put(end)
         self._queue.put(None)
-        self._sender.join(timeout=FLUSH_TIMEOUT_S)
+        self._sender.join(timeout=self.cfg.flush_timeout_s)
         if self._sender.is_alive():
-            log.error("MLflow did not accept the run's last %d updates within %d s; the run "
-                      "may show as RUNNING with metrics missing.", self._queue.qsize() + 1,
-                      FLUSH_TIMEOUT_S)
+            self._save_unsent(status or ("FAILED" if error else "FINISHED"))
+
+    def _save_unsent(self, status: str) -> None:
+        """Keep what MLflow did not take in a local file, with the command that delivers it."""
+        with self._unsent_lock:
+            rows = [row for batch in sorted(self._unsent) for row in self._unsent[batch]]
+        if self.run_id is None or self.run_id_file is None:
+            log.error("MLflow never answered: this job has no run, and %d metric values were not "
+                      "recorded.", len(rows))
+            return
+        path = self.run_id_file.parent / UNSENT_FILE
+        with open(path, "w") as f:
+            f.write(json.dumps({"run_id": self.run_id, "tracking_uri": self.uri,
+                                "status": status}) + "\n")
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        log.error("MLflow did not accept %d metric values within %.0f s (tracking.flush_timeout_s)"
+                  "; they are in %s. Deliver them (and end the run %s) once the server is back:\n"
+                  "  python -m train.tracking upload %s", len(rows), self.cfg.flush_timeout_s,
+                  path, status, path)
 
     # -- the sender thread --------------------------------------------------------------------
     def _send_loop(self) -> None:
@@ -318,7 +351,7 @@ class RunTracker(NullTracker):
         if self.cfg.parent_run_id:  # a job of a sweep
             run_tags["mlflow.parentRunId"] = self.cfg.parent_run_id
         run = self._client.create_run(experiment_id, run_name=run_name, tags=run_tags)
-        self.run_id = run.info.run_id
+        self.run_id, self.experiment_id = run.info.run_id, experiment_id
         self._write_run_id_file(experiment_id)
         items = [(k, v[:6000]) for k, v in params.items()]
         for i in range(0, len(items), 100):  # MLflow takes at most 100 params per request
@@ -330,7 +363,7 @@ class RunTracker(NullTracker):
 
         self._client = MlflowClient(tracking_uri=self.uri)
         run = self._client.get_run(run_id)
-        self.run_id = run_id
+        self.run_id, self.experiment_id = run_id, run.info.experiment_id
         # What the run already holds is not logged again: after a restart the job replays the
         # steps since its last checkpoint, and each step must appear once in each history.
         for key in run.data.metrics:
@@ -356,8 +389,34 @@ class RunTracker(NullTracker):
                                tags=[RunTag(*t) for t in tags], synchronous=True)
 
 
-def open_tracker(cfg: TrackingConfig, is_main: bool, run_id_file: Path | None) -> NullTracker:
-    """Rank 0 of an enabled run talks to MLflow; everyone else gets a tracker that does nothing."""
-    if cfg.enabled and is_main:
-        return RunTracker(cfg, run_id_file)
-    return NullTracker()
+def open_tracker(cfg: TrackingConfig, run_id_file: Path | None) -> NullTracker:
+    """For rank 0 (see report.open_reporter): MLflow unless tracking.enabled=false."""
+    return RunTracker(cfg, run_id_file) if cfg.enabled else NullTracker()
+
+
+def upload(path: Path) -> None:
+    """Deliver an mlflow_unsent.jsonl: its metrics (in batches), then the run's final status."""
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric
+
+    lines = path.read_text().splitlines()
+    header = json.loads(lines[0])
+    rows = [Metric(*json.loads(line)) for line in lines[1:]]
+    client = MlflowClient(tracking_uri=os.environ.get("MLFLOW_TRACKING_URI",
+                                                      header["tracking_uri"]))
+    for i in range(0, len(rows), 1000):  # MLflow takes at most 1000 metrics per request
+        client.log_batch(header["run_id"], metrics=rows[i:i + 1000])
+    client.set_terminated(header["run_id"], header["status"])
+    path.rename(path.with_suffix(".uploaded"))
+    print(f"delivered {len(rows)} metric values to run {header['run_id']} "
+          f"({header['status']})")
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m train.tracking")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("upload", help="deliver a job's mlflow_unsent.jsonl").add_argument(
+        "file", type=Path)
+    upload(parser.parse_args().file)

@@ -1,0 +1,160 @@
+"""Data sets (on real file formats the tests write), the split, the shards, and the models."""
+
+from __future__ import annotations
+
+import pickle
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from train import config, data, models
+from train.config import DataConfig, ModelConfig
+
+
+def write_idx(path: Path, array: np.ndarray) -> None:
+    """The IDX format MNIST ships in: magic (type 0x08 = uint8, dims), big-endian sizes, data."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = struct.pack(">HBB", 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I",
+                                                                     *array.shape)
+    path.write_bytes(header + array.astype(np.uint8).tobytes())
+
+
+@pytest.fixture
+def mnist_root(tmp_path: Path) -> tuple[Path, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (50, 28, 28), dtype=np.uint8)
+    labels = rng.integers(0, 10, 50, dtype=np.uint8)
+    raw = tmp_path / "MNIST" / "raw"
+    write_idx(raw / "train-images-idx3-ubyte", images)
+    write_idx(raw / "train-labels-idx1-ubyte", labels)
+    write_idx(raw / "t10k-images-idx3-ubyte", images[:10])
+    write_idx(raw / "t10k-labels-idx1-ubyte", labels[:10])
+    return tmp_path, images, labels
+
+
+def test_mnist_loads_from_idx_files(mnist_root: tuple[Path, np.ndarray, np.ndarray]) -> None:
+    root, images, labels = mnist_root
+    loaded = data.DATASETS["mnist"](DataConfig(name="mnist", root=str(root)))
+    assert loaded.images.shape == (50, 1, 28, 28) and loaded.images.dtype == torch.uint8
+    assert np.array_equal(loaded.images[:, 0].numpy(), images)
+    assert np.array_equal(loaded.labels.numpy(), labels)
+    assert loaded.num_classes == 10 and loaded.scale == 255.0
+
+
+def test_cifar10_loads_from_pickled_batches(tmp_path: Path) -> None:
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    rng = np.random.default_rng(1)
+    batches = []
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        pixels = rng.integers(0, 256, (4, 3072), dtype=np.uint8)
+        labels = rng.integers(0, 10, 4).tolist()
+        # Python 2 pickles with str keys, as the official files are (read with latin1).
+        (folder / name).write_bytes(pickle.dumps({"data": pixels, "labels": labels}, protocol=2))
+        batches.append((pixels, labels))
+    names = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship",
+             "truck"]
+    (folder / "batches.meta").write_bytes(pickle.dumps({"label_names": names}, protocol=2))
+    loaded = data.DATASETS["cifar10"](DataConfig(name="cifar10", root=str(tmp_path)))
+    assert loaded.images.shape == (20, 3, 32, 32) and loaded.images.dtype == torch.uint8
+    first = batches[0][0][0].reshape(3, 32, 32)  # CIFAR rows: 1024 red, 1024 green, 1024 blue
+    assert np.array_equal(loaded.images[0].numpy(), first)
+    assert loaded.labels.tolist() == sum((b[1] for b in batches[:5]), [])
+    assert loaded.class_names[0] == "airplane" and loaded.num_classes == 10
+
+
+@pytest.mark.parametrize(("name", "cls"), [("mnist", "MNIST"), ("fashion_mnist", "FashionMNIST"),
+                                           ("cifar10", "CIFAR10")])
+def test_a_missing_data_set_names_the_download_command(tmp_path: Path, name: str,
+                                                       cls: str) -> None:
+    with pytest.raises(data.DataMissingError) as info:
+        data.check_available(DataConfig(name=name, root=str(tmp_path)))
+    assert f"{cls}('{tmp_path}', download=True)" in str(info.value)
+    assert "data.download=true" in str(info.value)
+
+
+def test_digits_are_scikit_learns() -> None:
+    from sklearn.datasets import load_digits
+
+    reference = load_digits()
+    loaded = data.DATASETS["digits"](DataConfig())
+    assert loaded.images.shape == (1797, 1, 8, 8)
+    assert np.array_equal(loaded.images[:, 0].numpy(), reference.images)
+    assert np.array_equal(loaded.labels.numpy(), reference.target)
+
+
+def test_synthetic_follows_its_config_and_seed() -> None:
+    cfg = DataConfig(name="synthetic", num_samples=40, channels=2, image_size=6, num_classes=3)
+    a, b = data.DATASETS["synthetic"](cfg), data.DATASETS["synthetic"](cfg)
+    assert a.images.shape == (40, 2, 6, 6) and a.num_classes == 3
+    assert set(a.labels.tolist()) <= {0, 1, 2}
+    assert torch.equal(a.images, b.images) and torch.equal(a.labels, b.labels)
+
+
+def test_the_split_is_fixed_disjoint_and_complete() -> None:
+    one, two = data.split(1797, 0.2, seed=0), data.split(1797, 0.2, seed=0)
+    assert torch.equal(one.val_idx, two.val_idx)
+    assert len(one.val_idx) == 359
+    assert sorted(torch.cat([one.train_idx, one.val_idx]).tolist()) == list(range(1797))
+    assert not torch.equal(one.val_idx, data.split(1797, 0.2, seed=1).val_idx)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_shards_cover_validation_exactly_once(world_size: int) -> None:
+    cpu = torch.device("cpu")
+    cfg = DataConfig(batch_size=30 * world_size, num_workers=0)
+    bundles = [data.build(cfg, rank, world_size, world_size, cpu, seed=0)
+               for rank in range(world_size)]
+    seen = torch.cat([labels for b in bundles for _, labels in b.val])
+    assert len(seen) == 359  # no padding, nothing dropped
+    parts = data.split(1797, 0.2, 0)
+    expected = data.DATASETS["digits"](cfg).labels[parts.val_idx]
+    assert sorted(seen.tolist()) == sorted(expected.tolist())
+    assert len({len(b.train) for b in bundles}) == 1  # the same number of steps everywhere
+    images, _ = next(iter(bundles[0].train))
+    assert images.shape == (30, 1, 8, 8)
+
+
+def test_training_order_changes_with_the_epoch() -> None:
+    bundle = data.build(DataConfig(num_workers=0), 0, 1, 1, torch.device("cpu"), seed=0)
+    bundle.train.set_epoch(0)
+    first = next(iter(bundle.train))[1]
+    bundle.train.set_epoch(1)
+    assert not torch.equal(first, next(iter(bundle.train))[1])
+    bundle.train.set_epoch(0)
+    assert torch.equal(first, next(iter(bundle.train))[1])
+
+
+def test_crop_and_flip_only_moves_pixels() -> None:
+    x = torch.arange(2 * 3 * 8 * 8, dtype=torch.float32).reshape(2, 3, 8, 8) + 1
+    out = data.crop_and_flip(x)
+    assert out.shape == x.shape
+    values = set(x.flatten().tolist()) | {0.0}  # zero padding may come in
+    assert set(out.flatten().tolist()) <= values
+
+
+def test_registries_match_the_names_config_validates() -> None:
+    assert set(data.DATASETS) == set(config.DATASET_NAMES)
+    assert set(models.MODELS) == set(config.MODEL_NAMES)
+
+
+@pytest.mark.parametrize("name", ["cnn", "mlp", "resnet18"])
+@pytest.mark.parametrize(("channels", "size"), [(1, 8), (3, 32)])
+def test_models_classify_and_learn(name: str, channels: int, size: int) -> None:
+    model = models.build(ModelConfig(name=name), models.InputSpec(channels, size, 10))
+    logits = model(torch.randn(4, channels, size, size))
+    assert logits.shape == (4, 10)
+    logits.sum().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+def test_any_torchvision_builder_takes_the_data_shape() -> None:
+    model = models.build(ModelConfig(name="torchvision", arch="resnet18"),
+                         models.InputSpec(1, 28, 7))
+    assert model(torch.randn(2, 1, 28, 28)).shape == (2, 7)
+    with pytest.raises(ValueError, match="choose one of"):
+        models.build(ModelConfig(name="torchvision", arch="no_such_net"),
+                     models.InputSpec(3, 32, 10))
