@@ -104,6 +104,23 @@ def test_torchrun_launch_works_unchanged(store: dict[str, str], tmp_path: Path) 
     assert history(store["MLFLOW_TRACKING_URI"], run.info.run_id, "val/samples") == [(0, 359.0)]
 
 
+def test_system_metrics_of_every_node(store: dict[str, str], tmp_path: Path) -> None:
+    result = run_train("distributed.nproc_per_node=2", "trainer.epochs=2", "model=mlp",
+                       "tracking.system_metrics=true", f"hydra.run.dir={tmp_path}/job", env=store)
+    assert result.returncode == 0, result.stderr
+    uri = store["MLFLOW_TRACKING_URI"]
+    [run] = runs_in(uri)
+    host = run.data.tags["hostnames"]  # one node here: one series per metric
+    system = {k for k in run.data.metrics if k.startswith("system/")}
+    assert system == {f"system/{host}/{k}" for k in (
+        "cpu_utilization_percentage", "system_memory_usage_megabytes",
+        "system_memory_usage_percentage")}
+    for key in system:
+        assert [s for s, _ in history(uri, run.info.run_id, key)] == [0, 1]
+    memory = history(uri, run.info.run_id, f"system/{host}/system_memory_usage_megabytes")
+    assert memory[0][1] > 0
+
+
 def test_tracking_disabled_leaves_mlflow_alone(store: dict[str, str], tmp_path: Path) -> None:
     result = run_train("tracking.enabled=false", "trainer.epochs=1", "model=mlp",
                        f"hydra.run.dir={tmp_path}/job", env=store)

@@ -171,6 +171,8 @@ class TrackingConfig:
     """MLflow run name; null = MLflow's generated name."""
     log_model: bool = True
     """Also log the model with mlflow.pytorch.log_model (the weights are always stored)."""
+    system_metrics: bool = False
+    """Log CPU, memory and GPU use of every node at every epoch end (system/<node>/...)."""
     flush_timeout_s: float = 120.0
     """At a checkpoint and at the end, how long to wait for MLflow to accept what is queued;
     what it has not taken by the end is saved to <output dir>/mlflow_unsent.jsonl."""

@@ -103,7 +103,7 @@ def run_rank(config: dict[str, Any], output_dir: str, command: str) -> dict[str,
         torch.manual_seed(cfg.trainer.seed + env.rank)  # different augmentation per rank
         if resumed is not None:
             checkpoint.restore(state, resumed, env.rank, env.world_size)
-        loop.fit(cfg, state, bundle, device, reporter, env.rank, checkpointer)
+        loop.fit(cfg, state, bundle, device, reporter, env.rank, env.local_rank, checkpointer)
         example = next(iter(bundle.val))[0][:4].cpu().numpy()  # batch > 1: any size loads back
         reporter.save_model(state.model, out, example)
         reporter.write_summary(out, distributed.gather_to_main(peak_rss_mb()))

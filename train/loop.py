@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from train import distributed, metrics
+from train import distributed, metrics, system_stats
 from train.checkpoint import Checkpointer, Preempted
 from train.config import TrainConfig
 from train.data import Batches, DataBundle
@@ -126,7 +126,7 @@ def evaluate(model: nn.Module, batches: Batches, device: torch.device, precision
 
 
 def fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.device,
-        reporter: NullReporter, rank: int, checkpointer: Checkpointer) -> None:
+        reporter: NullReporter, rank: int, local_rank: int, checkpointer: Checkpointer) -> None:
     bare = state.model.module if hasattr(state.model, "module") else state.model
     epochs = cfg.trainer.epochs
     while state.epoch < epochs:
@@ -141,9 +141,12 @@ def fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.dev
         if last or (state.epoch + 1) % cfg.trainer.eval_every == 0:
             val = metrics.reduce_to_main(evaluate(bare, data.val, device, cfg.trainer.precision,
                                                   data.num_classes if last else None))
+        nodes = None
+        if cfg.tracking.system_metrics:  # one more small gather per epoch
+            nodes = distributed.gather_to_main(system_stats.node_sample(local_rank, device))
         reporter.epoch(state.epoch, train=train, val=val, train_time_s=train_time,
                        epoch_time_s=time.perf_counter() - started,
-                       lr=state.scheduler.get_last_lr()[0])
+                       lr=state.scheduler.get_last_lr()[0], nodes=nodes)
         state.epoch += 1
         stop = distributed.any_rank(checkpointer.stop_signal is not None)
         if stop or checkpointer.epoch_end_due(state.epoch):

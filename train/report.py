@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+from train import system_stats
 from train.config import TrackingConfig
 from train.distenv import DistEnv
 from train.metrics import Reduced
@@ -37,7 +38,8 @@ class NullReporter:
     def log_dataset(self, name: str, source: Any, train_index: Any) -> None: ...
     def step(self, metrics: Mapping[str, float], step: int) -> None: ...
     def epoch(self, epoch: int, *, train: Reduced | None, val: Reduced | None,
-              train_time_s: float, epoch_time_s: float, lr: float) -> None: ...
+              train_time_s: float, epoch_time_s: float, lr: float,
+              nodes: list[Any] | None = None) -> None: ...
     def finish(self, error: str | None = None) -> None: ...
     def first_step_done(self) -> None: ...
     def write_checkpoint(self, checkpointer: Any, build: Any) -> None: ...
@@ -130,7 +132,8 @@ class Reporter(NullReporter):
             self._bar.set_postfix({k: f"{v:.4g}" for k, v in values.items()}, refresh=False)
 
     def epoch(self, epoch: int, *, train: Reduced | None, val: Reduced | None,
-              train_time_s: float, epoch_time_s: float, lr: float) -> None:
+              train_time_s: float, epoch_time_s: float, lr: float,
+              nodes: list[Any] | None = None) -> None:
         assert train is not None, "rank 0 always holds the reduced metrics"
         metrics = {"train/loss": train.loss, "train/accuracy": train.accuracy,
                    "train/samples": float(train.samples),
@@ -141,6 +144,8 @@ class Reporter(NullReporter):
                             "val/samples": float(val.samples)})
             if val.confusion is not None:
                 self.tracker.log_confusion(val.confusion, self.class_names, self.output_dir)
+        if nodes:
+            self.tracker.log_metrics(system_stats.as_metrics(nodes), step=epoch)
         self.tracker.log_metrics(metrics, step=epoch)
         self.final_metrics.update(metrics)
         shown = "  ".join(f"{k}={v:.4g}" for k, v in metrics.items()
