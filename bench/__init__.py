@@ -1,0 +1,1 @@
+"""Benchmarks: the training service against a plain DDP loop (docs/benchmarks.md)."""

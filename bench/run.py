@@ -1,0 +1,279 @@
+"""`make bench`: the training service side by side with a plain DDP loop, in one invocation.
+
+Three variants train the same model on the same synthetic data, global batch and ranks:
+
+  a  plain           bench/plain_ddp.py under torchrun (the tutorials' loop, fp32)
+  b  service         python -m train data=synthetic ... tracking.enabled=false
+  c  service+mlflow  the same, recording a run into a fresh SQLite MLflow store
+
+b and c log every step (trainer.log_every_n_steps=1 unless --log-every says otherwise), so c/b
+is the price of MLflow alone and both sync with the host every step, as a's `loss.item()` does.
+Each variant runs --repeats times, interleaved (a b c a b c ...) so a burst of load elsewhere on
+the machine spreads over all of them; the table shows medians. Every command gets a fresh output
+directory; nothing is written into the repository except the results file.
+
+    python -m bench.run                      # CPU defaults: 2 gloo ranks, ~2 minutes
+    python -m bench.run --device cuda        # GPU: resnet18, bf16 + channels_last for the service
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+REPO = Path(__file__).resolve().parent.parent
+VARIANTS = {"a": "plain", "b": "service", "c": "service+mlflow"}
+
+# Per device: what gives a stable figure in a couple of minutes on the project's 2-core CI
+# machine (a small CNN: resnet18 runs at a few samples/s there), and a realistic GPU workload.
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "cpu": {"nproc": 2, "model": "cnn", "width": 16, "batch_size": 256, "num_samples": 8192,
+            "epochs": 2},
+    "cuda": {"nproc": None, "model": "resnet18", "width": None, "batch_size": 512,
+             "num_samples": 50000, "epochs": 3},
+}
+
+
+@dataclass
+class Measurement:
+    variant: str
+    repeat: int
+    command: list[str]
+    samples_per_sec: float
+    time_to_first_step_s: float
+    """first_step_at (rank 0, unix time) minus the time the command was started."""
+    peak_rss_mb: list[float]
+    wall_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--nproc", type=int, help="ranks (cpu: 2; cuda: every visible GPU)")
+    p.add_argument("--model", help="cpu: cnn; cuda: resnet18")
+    p.add_argument("--width", type=int, help="model.width (cpu default 16, else the model's)")
+    p.add_argument("--batch-size", type=int, help="GLOBAL batch (cpu: 256; cuda: 512)")
+    p.add_argument("--num-samples", type=int, help="synthetic samples, 10%% held out for val")
+    p.add_argument("--epochs", type=int, help="samples/s is taken from the last epoch")
+    p.add_argument("--repeats", type=int, default=2, help="runs per variant; medians are shown")
+    p.add_argument("--log-every", type=int, default=1, help="trainer.log_every_n_steps (b, c)")
+    p.add_argument("--compile", action="store_true", help="cuda: trainer.compile=true (b, c)")
+    p.add_argument("--variants", default="abc", help="subset to run, e.g. 'bc'")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per command")
+    p.add_argument("--keep", action="store_true", help="keep the temporary run directories")
+    p.add_argument("--out", type=Path, default=REPO / ".bench" / "results.json")
+    args = p.parse_args()
+    for key, value in DEFAULTS[args.device].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.nproc is None:
+        args.nproc = max(1, gpu_count())
+    if args.width is None:
+        args.width = model_defaults(args.model)["width"]
+    if args.batch_size % args.nproc:
+        p.error(f"--batch-size {args.batch_size} must split evenly over --nproc {args.nproc}")
+    if bad := set(args.variants) - set(VARIANTS):
+        p.error(f"unknown variants {sorted(bad)}; choose from a, b, c")
+    return args
+
+
+def model_defaults(name: str) -> dict[str, Any]:
+    """conf/model/<name>.yaml over ModelConfig's defaults: what `model=<name>` composes to."""
+    from train.config import ModelConfig
+
+    base = OmegaConf.structured(ModelConfig)
+    path = REPO / "conf" / "model" / f"{name}.yaml"
+    merged = OmegaConf.merge(base, OmegaConf.load(path)) if path.exists() else base
+    return OmegaConf.to_container(merged)  # type: ignore[return-value]
+
+
+def gpu_count() -> int:
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.stdout.splitlines())
+
+
+# -- the three commands --------------------------------------------------------------------------
+def plain_command(args: argparse.Namespace, model: dict[str, Any], out: Path) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={args.nproc}", str(REPO / "bench" / "plain_ddp.py"),
+            "--model", args.model, "--width", str(args.width), "--depth", str(model["depth"]),
+            "--dropout", str(model["dropout"]), "--batch-size", str(args.batch_size),
+            "--num-samples", str(args.num_samples), "--epochs", str(args.epochs),
+            "--device", args.device, "--out", str(out / "plain.json")]
+
+
+def service_command(args: argparse.Namespace, model: dict[str, Any], out: Path,
+                    tracking: bool) -> list[str]:
+    cmd = [sys.executable, "-m", "train", "data=synthetic", f"model={args.model}",
+           f"model.width={args.width}", f"model.depth={model['depth']}",
+           f"model.dropout={model['dropout']}", f"data.batch_size={args.batch_size}",
+           f"data.num_samples={args.num_samples}", f"distributed.nproc_per_node={args.nproc}",
+           f"distributed.device={args.device}", f"trainer.epochs={args.epochs}",
+           f"trainer.log_every_n_steps={args.log_every}",
+           f"tracking.enabled={str(tracking).lower()}", f"hydra.run.dir={out}"]
+    if args.device == "cuda":
+        cmd += ["trainer.precision=bf16-mixed", "trainer.channels_last=true"]
+        if args.compile:
+            cmd.append("trainer.compile=true")
+    return cmd
+
+
+def run_one(variant: str, repeat: int, args: argparse.Namespace, model: dict[str, Any],
+            tmp: Path) -> Measurement:
+    out = tmp / f"{variant}-{repeat}"
+    out.mkdir(parents=True)
+    env = dict(os.environ)
+    env.pop("MLFLOW_TRACKING_URI", None)
+    # The `train` package of the tree this harness lives in, whatever the venv's install points at.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(REPO), env.get("PYTHONPATH"))))
+    if variant == "a":
+        cmd = plain_command(args, model, out)
+    else:
+        cmd = service_command(args, model, out, tracking=variant == "c")
+        # Never the repository's store: a fresh database per run, migrated by the job itself.
+        env["MLFLOW_TRACKING_URI"] = f"sqlite:///{out / 'mlflow.db'}"
+    log = out / "output.log"
+    with log.open("w") as sink:
+        started = time.time()
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT,
+                              timeout=args.timeout, check=False)
+        wall = time.time() - started
+    if proc.returncode != 0:
+        tail = "\n".join(log.read_text().splitlines()[-30:])
+        raise SystemExit(f"{VARIANTS[variant]} failed (exit {proc.returncode}):\n"
+                         f"  {' '.join(cmd)}\n{tail}")
+    if variant == "a":
+        result = json.loads((out / "plain.json").read_text())
+        sps, extra = result["samples_per_sec"], {"epochs": result["epochs"]}
+    else:
+        result = json.loads((out / "summary.json").read_text())
+        sps, extra = result["metrics"]["train/samples_per_sec"], {"run_id": result["run_id"]}
+        if variant == "c":
+            extra.update(store_check(out / "mlflow.db", result["run_id"]))
+    return Measurement(variant, repeat, cmd, sps, result["first_step_at"] - started,
+                       result["peak_rss_mb"], wall, extra)
+
+
+def store_check(db: Path, run_id: str | None) -> dict[str, Any]:
+    """What the run left in the store (plain SQL: no mlflow import in the harness)."""
+    with sqlite3.connect(db) as con:
+        status = con.execute("SELECT status FROM runs WHERE run_uuid = ?", (run_id,)).fetchone()
+        rows = con.execute("SELECT COUNT(*) FROM metrics WHERE run_uuid = ?", (run_id,)).fetchone()
+    return {"run_status": status[0] if status else None, "metric_rows": rows[0]}
+
+
+# -- reporting -----------------------------------------------------------------------------------
+def machine_info(device: str) -> dict[str, Any]:
+    cpu = next((line.split(":", 1)[1].strip() for line in
+                Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
+               platform.processor())
+    mem_kb = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
+                  if line.startswith("MemTotal"))
+    info = {"host": platform.node(), "cpu": cpu, "cores": os.cpu_count(),
+            "cores_usable": len(os.sched_getaffinity(0)), "memory_gb": round(mem_kb / 2**20, 1),
+            "os": platform.platform(), "python": platform.python_version(),
+            "torch": version("torch"), "mlflow": version("mlflow"),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
+    if device == "cuda":
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version",
+                              "--format=csv,noheader"], capture_output=True, text=True)
+        info["gpus"] = out.stdout.strip().splitlines()
+    return info
+
+
+def summarise(runs: list[Measurement]) -> dict[str, dict[str, Any]]:
+    summary: dict[str, dict[str, Any]] = {}
+    for key, name in VARIANTS.items():
+        mine = [r for r in runs if r.variant == key]
+        if not mine:
+            continue
+        sps = [r.samples_per_sec for r in mine]
+        summary[key] = {
+            "name": name, "samples_per_sec": statistics.median(sps),
+            "samples_per_sec_min": min(sps), "samples_per_sec_max": max(sps),
+            "time_to_first_step_s": statistics.median(r.time_to_first_step_s for r in mine),
+            "peak_rss_mb": [statistics.median(rank) for rank in zip(*(r.peak_rss_mb for r in mine),
+                                                                     strict=True)],
+            "wall_s": statistics.median(r.wall_s for r in mine)}
+    return summary
+
+
+def ratios(summary: dict[str, dict[str, Any]]) -> dict[str, float]:
+    out = {}
+    for num, den in (("b", "a"), ("c", "b")):
+        if num in summary and den in summary:
+            out[f"{num}/{den}"] = summary[num]["samples_per_sec"] / summary[den]["samples_per_sec"]
+    return out
+
+
+def print_table(summary: dict[str, dict[str, Any]], found: dict[str, float]) -> None:
+    print(f"\n{'variant':<18} {'samples/s':>10} {'(min-max)':>17} {'1st step s':>11} "
+          f"{'peak RSS MB per rank':>22} {'wall s':>8}")
+    for key, s in summary.items():
+        spread = f"({s['samples_per_sec_min']:.0f}-{s['samples_per_sec_max']:.0f})"
+        rss = ", ".join(f"{v:.0f}" for v in s["peak_rss_mb"])
+        print(f"{key} {s['name']:<16} {s['samples_per_sec']:>10.1f} {spread:>17} "
+              f"{s['time_to_first_step_s']:>11.1f} {rss:>22} {s['wall_s']:>8.1f}")
+    for name, value in found.items():
+        print(f"samples/s {name} = {value:.3f}  ({(value - 1) * 100:+.1f}%)")
+
+
+def main() -> None:
+    args = parse_args()
+    model = model_defaults(args.model)
+    tmp = Path(tempfile.mkdtemp(prefix="train-bench-"))
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "keep", "timeout")}
+    print(f"bench: {settings}\n       runs under {tmp}", flush=True)
+    load_before = os.getloadavg()
+    runs: list[Measurement] = []
+    try:
+        for repeat in range(args.repeats):
+            for variant in args.variants:
+                m = run_one(variant, repeat, args, model, tmp)
+                runs.append(m)
+                print(f"  {VARIANTS[variant]:<15} #{repeat + 1}: {m.samples_per_sec:8.1f} "
+                      f"samples/s  first step {m.time_to_first_step_s:5.1f} s  peak RSS "
+                      f"{', '.join(f'{v:.0f}' for v in m.peak_rss_mb)} MB  wall {m.wall_s:.1f} s",
+                      flush=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+    summary = summarise(runs)
+    found = ratios(summary)
+    print_table(summary, found)
+    load_after = os.getloadavg()
+    results = {"date": datetime.now(UTC).isoformat(timespec="seconds"),
+               "machine": machine_info(args.device),
+               "load_average_1_5_15": {"before": load_before, "after": load_after},
+               "settings": {**settings, "model_config": {**model, "width": args.width}},
+               "summary": summary, "ratios": found, "runs": [asdict(r) for r in runs]}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    print(f"\nload average before {load_before[0]:.2f}, after {load_after[0]:.2f} "
+          f"(1 min); results in {args.out}")
+
+
+if __name__ == "__main__":
+    main()
