@@ -5,6 +5,7 @@ TRAIN_SLURM_DIR="${TRAIN_SLURM_DIR:-/tmp/train-slurm}"
 D="$TRAIN_SLURM_DIR"
 ETC="$D/etc" RUN="$D/run" LOG="$D/log" STATE="$D/state"
 export SLURM_CONF="$ETC/slurm.conf"
+export PATH="$PATH:/usr/sbin:/sbin"  # the daemons live in /usr/sbin, not on every user's PATH
 NODES=(node1 node2)
 CTLD_PORT="${TRAIN_SLURM_PORT:-16817}"   # slurmctld; slurmd ports and slurmdbd follow it
 DBD_PORT=$((CTLD_PORT + 3))
