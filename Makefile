@@ -6,6 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 UI_PORT ?= 5000
+UI_STORE ?= $(CURDIR)/mlruns
 SERVER_PORT ?= 5001
 SERVER_HOST ?= 127.0.0.1
 PYTEST_ARGS ?=
@@ -34,13 +35,14 @@ test-fast: setup
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 lint: setup
-	$(VENV)/bin/ruff check train tests bench
+	$(VENV)/bin/ruff check train tests bench hydra_plugins
 
-# The MLflow UI over the embedded store (mlruns/), on this machine only.
+# The MLflow UI over the embedded store (mlruns/), on this machine only: the same lean server
+# as mlflow-server (gunicorn, 2 workers, ~0.75 GB instead of `mlflow ui`'s ~3 GB).
 ui: setup
-	@echo "MLflow UI: http://127.0.0.1:$(UI_PORT)  (embedded store $(CURDIR)/mlruns/mlflow.db)"
-	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlruns/mlflow.db \
-	  --default-artifact-root $(CURDIR)/mlruns/artifacts --host 127.0.0.1 --port $(UI_PORT)
+	@echo "MLflow UI: http://127.0.0.1:$(UI_PORT)  (embedded store $(UI_STORE)/mlflow.db)"
+	$(PY) -m train.server --host 127.0.0.1 --port $(UI_PORT) \
+	  --backend-store-uri sqlite:///$(UI_STORE)/mlflow.db --artifacts-destination $(UI_STORE)/artifacts
 
 # A tracking server for clusters (gunicorn, 2 workers, artifacts proxied; see train/server.py).
 mlflow-server: setup

@@ -44,6 +44,14 @@ def run_train(*overrides: str, env: dict[str, str] | None = None, timeout: float
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.fixture(autouse=True)
+def no_leaked_tracking_uri(monkeypatch: pytest.MonkeyPatch) -> None:
+    """mlflow.set_tracking_uri() also sets MLFLOW_TRACKING_URI in os.environ: without this, one
+    in-process test would point every later subprocess at its (deleted) store."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "")  # recorded, so the original comes back
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+
+
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[dict[str, str]]:
     """A fresh SQLite MLflow store; yields the env that points training at it."""

@@ -96,6 +96,7 @@ class Exploit:
 def test_resume_never_starts_a_new_run(store: dict[str, str], tmp_path: Path) -> None:
     for resume in ("auto", "never"):
         result = run_train("trainer.epochs=1", f"trainer.resume={resume}",
+                           "tracking.log_model=false",
                            f"hydra.run.dir={tmp_path}/job", env=store)
         assert result.returncode == 0, result.stderr
     assert len(runs_in(store["MLFLOW_TRACKING_URI"])) == 2

@@ -28,6 +28,7 @@ def test_local_sweep_groups_jobs_under_a_parent_run(store: dict[str, str],
                                                     tmp_path: Path) -> None:
     sweep_dir = tmp_path / "sweep"
     result = run_train("-m", "optim.lr=0.1,0.02", "model=cnn,mlp", "trainer.epochs=1",
+                       "tracking.log_model=false",
                        f"hydra.sweep.dir={sweep_dir}", env=store, timeout=600)
     assert result.returncode == 0, result.stderr
     uri = store["MLFLOW_TRACKING_URI"]
@@ -52,8 +53,18 @@ def test_local_sweep_groups_jobs_under_a_parent_run(store: dict[str, str],
     assert parent.data.metrics["sweep/failed_children"] == 0
 
 
+def test_a_sweep_whose_jobs_are_all_refused_leaves_no_run(store: dict[str, str],
+                                                         tmp_path: Path) -> None:
+    result = run_train("-m", "optim.lr=-0.1,-0.2", f"hydra.sweep.dir={tmp_path}/sweep",
+                       env=store, timeout=300)
+    assert result.returncode != 0
+    assert "optim.lr must be positive" in result.stderr
+    assert runs_in(store["MLFLOW_TRACKING_URI"]) == []  # not even an empty parent run
+
+
 def test_a_failing_job_does_not_stop_the_sweep(store: dict[str, str], tmp_path: Path) -> None:
     result = run_train("-m", "trainer.fail_on_rank=0,null", "trainer.epochs=1",
+                       "tracking.log_model=false",
                        f"hydra.sweep.dir={tmp_path}/sweep", env=store, timeout=600)
     assert result.returncode != 0  # the sweep reports its failure...
     parent, children = parent_and_children(store["MLFLOW_TRACKING_URI"])
@@ -69,7 +80,8 @@ def test_optuna_sweep_optimises_the_returned_objective(store: dict[str, str],
                                                        tmp_path: Path) -> None:
     sweep_dir = tmp_path / "sweep"
     result = run_train("-m", "+hparams_search=optuna_digits", "hydra.sweeper.n_trials=3",
-                       "trainer.epochs=1", f"hydra.sweep.dir={sweep_dir}", env=store,
+                       "trainer.epochs=1", "tracking.log_model=false",
+                       f"hydra.sweep.dir={sweep_dir}", env=store,
                        timeout=600)
     assert result.returncode == 0, result.stderr
     parent, children = parent_and_children(store["MLFLOW_TRACKING_URI"])

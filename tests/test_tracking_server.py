@@ -1,65 +1,137 @@
-"""Training through a real MLflow tracking server: proxied artifacts, concurrency, outages."""
+"""Training through a real MLflow tracking server (`python -m train.server`): one run per job with
+its artifacts proxied by the server, eight jobs at once, cluster host names, outages."""
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 from mlflow import MlflowClient
 
 from tests.conftest import REPO, history, run_train, runs_in
-from tests.mlflow_server import Server, tracking_server
+from tests.servers import ServerProcess, tracking_server
+from train.distenv import free_port
 
 pytestmark = pytest.mark.slow
 
+# Logged once per epoch with step = epoch (0-based).
+EPOCH_METRICS = ("train/loss", "train/accuracy", "train/samples", "train/samples_per_sec",
+                 "val/loss", "val/accuracy", "val/samples", "lr", "epoch_time_s")
 
-def test_a_two_rank_run_through_the_server(tmp_path: Path) -> None:
-    with tracking_server(tmp_path / "server") as server:
-        env = {"MLFLOW_TRACKING_URI": server.url}
+
+def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """config.yaml as MLflow params: dotted keys, values as text."""
+    out: dict[str, str] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = str(value)
+    return out
+
+
+def test_a_two_rank_run_lands_once_with_its_artifacts_behind_the_server(tmp_path: Path) -> None:
+    with tracking_server(tmp_path / "server") as url:
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as health:
+            assert health.status == 200
+
         result = run_train("distributed.nproc_per_node=2", "trainer.epochs=2",
-                           f"hydra.run.dir={tmp_path}/job", env=env)
-        assert result.returncode == 0, result.stderr
-        [run] = runs_in(server.url)
+                           f"hydra.run.dir={tmp_path}/job", env={"MLFLOW_TRACKING_URI": url})
+        assert result.returncode == 0, result.stderr[-3000:]
+
+        [run] = runs_in(url)  # two ranks, one run
         assert run.info.status == "FINISHED"
-        # Artifacts went through the server (proxied): the client reads them back from it.
-        config = Path(MlflowClient(tracking_uri=server.url).download_artifacts(
-            run.info.run_id, "config.yaml", str(tmp_path)))
-        assert yaml.safe_load(config.read_text())["optim"]["lr"] == \
-            float(run.data.params["optim.lr"])
+        assert run.data.tags["world_size"] == "2"
+        # The artifacts went to the server (proxied), not to a path the client had to reach ...
+        assert run.info.artifact_uri.startswith("mlflow-artifacts:")
         assert list((tmp_path / "server" / "artifacts").rglob("config.yaml"))
+        # ... and come back through it.
+        client = MlflowClient(tracking_uri=url)
+        listed = {a.path for a in client.list_artifacts(run.info.run_id)}
+        assert {"config.yaml", "confusion_matrix.svg", "weights"} <= listed
+        assert "weights/model.pt" in {a.path for a in client.list_artifacts(run.info.run_id,
+                                                                          "weights")}
+        config = Path(client.download_artifacts(run.info.run_id, "config.yaml",
+                                                str(tmp_path / "download")))
+        params = flat(yaml.safe_load(config.read_text()))
+        assert params["optim.lr"] == run.data.params["optim.lr"]
+        assert params["distributed.nproc_per_node"] == "2"
+        assert {k: run.data.params.get(k) for k in params} == params
 
 
-def test_eight_jobs_at_once_into_a_new_experiment(tmp_path: Path) -> None:
-    with tracking_server(tmp_path / "server") as server:
-        env = {**os.environ, "MLFLOW_TRACKING_URI": server.url}
-        jobs = [subprocess.Popen(
+def test_eight_jobs_at_once_land_complete_in_a_new_experiment(tmp_path: Path) -> None:
+    jobs = 8
+    with tracking_server(tmp_path / "server") as url:
+        env = {**os.environ, "MLFLOW_TRACKING_URI": url}
+        # All started before any has created the experiment: they race to create it.
+        procs = [subprocess.Popen(
             [sys.executable, "-m", "train", "trainer.epochs=2", "model=mlp",
+             "tracking.log_model=false", "trainer.checkpoint_every=0",
              "tracking.experiment=crowd", f"tracking.run_name=job{i}",
-             f"hydra.run.dir={tmp_path}/job{i}"], cwd=REPO, env=env,
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(8)]
-        errors = [job.communicate(timeout=600)[1] for job in jobs]
-        assert [job.returncode for job in jobs] == [0] * 8, errors
-        runs = runs_in(server.url, "crowd")
-        assert sorted(r.info.run_name for r in runs) == [f"job{i}" for i in range(8)]
-        assert runs_in(server.url, "Default") == []
+             f"hydra.run.dir={tmp_path}/job{i}"],
+            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            for i in range(jobs)]
+        errors = [p.communicate(timeout=500)[1] for p in procs]
+        assert [p.returncode for p in procs] == [0] * jobs, "\n".join(e[-2000:] for e in errors)
+
+        runs = runs_in(url, "crowd")
+        assert sorted(r.info.run_name for r in runs) == [f"job{i}" for i in range(jobs)]
+        assert runs_in(url, "Default") == []
         for run in runs:
-            assert run.info.status == "FINISHED"
-            for key in ("train/loss", "val/accuracy", "val/samples"):
-                assert [s for s, _ in history(server.url, run.info.run_id, key)] == [0, 1]
-            assert {v for _, v in history(server.url, run.info.run_id, "val/samples")} == {359}
+            assert run.info.status == "FINISHED", run.info.run_name
+            for key in EPOCH_METRICS:  # every epoch exactly once, none lost or doubled
+                steps = [s for s, _ in history(url, run.info.run_id, key)]
+                assert steps == [0, 1], (run.info.run_name, key, steps)
+            val_samples = {v for _, v in history(url, run.info.run_id, "val/samples")}
+            assert val_samples == {float(run.data.params["data.num_val"])}
+
+
+def test_bound_to_all_interfaces_it_accepts_the_node_name_and_refuses_others(
+        tmp_path: Path) -> None:
+    """Jobs on other nodes send `Host: <node>:<port>`; MLflow's DNS-rebinding guard must let
+    them in (and a browser's POSTs from that origin), and still refuse names and origins that
+    are not this node's."""
+    server = ServerProcess(tmp_path / "server", host="0.0.0.0")
+    server.start()
+    try:
+        def status(host: str, origin: str | None = None) -> int:
+            # A POST, like the UI's searches; with an Origin when it plays a browser.
+            request = urllib.request.Request(
+                f"{server.url}/api/2.0/mlflow/experiments/search",
+                data=b'{"max_results": 1}',
+                headers={"Host": host, "Content-Type": "application/json",
+                         **({"Origin": origin} if origin else {})})
+            try:
+                with urllib.request.urlopen(request, timeout=10) as r:
+                    return r.status
+            except urllib.error.HTTPError as e:
+                return e.code
+
+        node = socket.gethostname()
+        assert status(f"{node}:{server.port}") == 200
+        assert status(f"127.0.0.1:{server.port}") == 200
+        assert status(f"attacker.example.com:{server.port}") == 403
+        # The UI opened at http://<node>:<port> may POST; a page from elsewhere may not.
+        assert status(f"{node}:{server.port}", f"http://{node}:{server.port}") == 200
+        assert status(f"{node}:{server.port}", "http://attacker.example.com") == 403
+        assert f"MLFLOW_TRACKING_URI=http://{node}:{server.port}" in server.tail()
+    finally:
+        server.stop()
 
 
 def test_a_server_outage_loses_no_metric(tmp_path: Path) -> None:
-    root = tmp_path / "server"
-    root.mkdir()
-    server = Server(root)
+    server = ServerProcess(tmp_path / "server")
     server.start()
-    epochs = 15
+    epochs = 12
     job = subprocess.Popen(
         [sys.executable, "-m", "train", f"trainer.epochs={epochs}", "trainer.log_every_n_steps=5",
          f"hydra.run.dir={tmp_path}/job"], cwd=REPO,
@@ -73,56 +145,96 @@ def test_a_server_outage_loses_no_metric(tmp_path: Path) -> None:
                 break
             time.sleep(0.5)
         server.stop()
-        time.sleep(8)  # epochs go on while nobody listens
+        time.sleep(6)  # epochs go on while nobody listens
         server.start()
         _, stderr = job.communicate(timeout=400)
+        assert job.returncode == 0, stderr[-3000:]
+        [run] = runs_in(server.url)
+        assert run.info.status == "FINISHED"
+        for key in EPOCH_METRICS:
+            assert [s for s, _ in history(server.url, run.info.run_id, key)] == \
+                list(range(epochs)), key
+        steps = [s for s, _ in history(server.url, run.info.run_id, "train/step_loss")]
+        assert steps == list(range(5, epochs * 23 + 1, 5))  # 23 steps of 64 per epoch
     finally:
         job.kill()
-        try:
-            [run] = runs_in(server.url)
-            assert job.returncode == 0, stderr
-            assert run.info.status == "FINISHED"
-            for key in ("train/loss", "val/accuracy", "val/samples", "epoch_time_s"):
-                assert [s for s, _ in history(server.url, run.info.run_id, key)] == \
-                    list(range(epochs)), key
-            steps = [s for s, _ in history(server.url, run.info.run_id, "train/step_loss")]
-            assert steps == list(range(5, epochs * 23 + 1, 5))  # 23 steps of 64 per epoch
-        finally:
-            server.stop()
+        job.wait()
+        server.stop()
 
 
-def test_metrics_the_server_never_took_are_kept_and_uploaded_later(tmp_path: Path) -> None:
-    root = tmp_path / "server"
-    root.mkdir()
-    server = Server(root)
+def test_what_the_server_never_took_is_kept_and_uploaded_later(tmp_path: Path) -> None:
+    server = ServerProcess(tmp_path / "server")
     server.start()
-    epochs, job_dir = 5, tmp_path / "job"
+    epochs, job_dir = 3, tmp_path / "job"
     job = subprocess.Popen(
         [sys.executable, "-m", "train", f"trainer.epochs={epochs}", "tracking.flush_timeout_s=3",
-         "trainer.checkpoint_every=0",
-         f"hydra.run.dir={job_dir}"], cwd=REPO,
+         "trainer.log_every_n_steps=5", f"hydra.run.dir={job_dir}"], cwd=REPO,
         env={**os.environ, "MLFLOW_TRACKING_URI": server.url}, stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         while not (job_dir / "mlflow_run.json").exists() and time.monotonic() < deadline:
             time.sleep(0.2)
-        time.sleep(1)
-        server.stop()  # and it stays down until the job has ended
+        server.stop()  # as soon as the run exists, and down until the job has ended
         _, stderr = job.communicate(timeout=400)
-        assert job.returncode == 0, stderr
+        assert job.returncode == 0, stderr[-3000:]
         unsent = job_dir / "mlflow_unsent.jsonl"
-        assert unsent.exists() and f"python -m train.tracking upload {unsent}" in stderr
+        assert unsent.exists() and f"python -m train.outbox upload {unsent}" in stderr
 
         server.start()
-        upload = subprocess.run([sys.executable, "-m", "train.tracking", "upload", str(unsent)],
-                                cwd=REPO, capture_output=True, text=True, timeout=120)
+        # The file names its store: a stray MLFLOW_TRACKING_URI does not divert the upload.
+        upload = subprocess.run([sys.executable, "-m", "train.outbox", "upload", str(unsent)],
+                                cwd=REPO, capture_output=True, text=True, timeout=120,
+                                env={**os.environ, "MLFLOW_TRACKING_URI": "sqlite:///elsewhere.db"})
         assert upload.returncode == 0, upload.stderr
+        assert not unsent.exists() and unsent.with_suffix(".uploaded").exists()
         [run] = runs_in(server.url)
         assert run.info.status == "FINISHED"
-        for key in ("train/loss", "val/accuracy", "val/samples"):
+        for key in EPOCH_METRICS:  # every epoch once
             assert [s for s, _ in history(server.url, run.info.run_id, key)] == \
                 list(range(epochs)), key
+        steps = [s for s, _ in history(server.url, run.info.run_id, "train/step_loss")]
+        assert steps == list(range(5, epochs * 23 + 1, 5))
+        # What was logged besides metrics arrived too: params, config, weights, figures.
+        assert run.data.params["data.num_train"] == "1438"
+        assert run.data.params["trainer.epochs"] == str(epochs)
+        client = MlflowClient(tracking_uri=server.url)
+        listed = {a.path for a in client.list_artifacts(run.info.run_id)}
+        assert {"config.yaml", "weights", "confusion_matrix.svg",
+                "per_class_accuracy.json"} <= listed
     finally:
         job.kill()
+        job.wait()
         server.stop()
+
+
+def test_make_ui_serves_a_store_and_prints_its_url(tmp_path: Path) -> None:
+    store = tmp_path / "mlruns"
+    result = run_train("trainer.epochs=1", "tracking.run_name=shown", "tracking.log_model=false",
+                       f"hydra.run.dir={tmp_path}/job",
+                       env={"MLFLOW_TRACKING_URI": f"sqlite:///{store / 'mlflow.db'}"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    port = free_port()
+    ui = subprocess.Popen(["make", "ui", f"UI_PORT={port}", f"UI_STORE={store}"], cwd=REPO,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as health:
+                    assert health.status == 200
+                    break
+            except OSError:
+                assert time.monotonic() < deadline and ui.poll() is None, "make ui did not serve"
+                time.sleep(0.3)
+        [run] = runs_in(url)
+        assert run.info.run_name == "shown"
+        config = MlflowClient(tracking_uri=url).download_artifacts(
+            run.info.run_id, "config.yaml", str(tmp_path / "download"))
+        assert "optim:" in Path(config).read_text()
+    finally:
+        os.killpg(ui.pid, 9)
+        output, _ = ui.communicate(timeout=30)
+    assert f"MLflow UI: {url}" in output

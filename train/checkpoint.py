@@ -135,13 +135,17 @@ class Checkpointer:
         self.last_save = time.monotonic()
         self.stop_signal: str | None = None
 
-    def install_signal_handlers(self) -> None:
+    def install_signal_handlers(self) -> dict[int, Any]:
+        """Catch the stop signals; returns the handlers they replace (to put back)."""
         def request_stop(signum: int, _frame: Any) -> None:
             self.stop_signal = signal.Signals(signum).name
             log.warning("received %s: checkpointing at the next step boundary", self.stop_signal)
 
+        previous = {}
         for name in self.STOP_SIGNALS:
-            signal.signal(getattr(signal, name), request_stop)
+            number = getattr(signal, name)
+            previous[number] = signal.signal(number, request_stop)
+        return previous
 
     def request(self) -> float:
         """This rank's wish at a step boundary: 0 nothing, 1 an interval checkpoint, 2 stop."""

@@ -16,7 +16,8 @@ from omegaconf import DictConfig, OmegaConf
 
 # The registries in train/models.py and train/data.py are keyed by exactly these names; they are
 # repeated here so validation (and --help) need not import torch.
-MODEL_NAMES = ("cnn", "mlp", "resnet18", "torchvision")
+MODEL_NAMES = ("cnn", "mlp", "resnet18")
+MODEL_SOURCES = ("builtin", "torchvision")
 DATASET_NAMES = ("digits", "synthetic", "mnist", "fashion_mnist", "cifar10")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
 OPTIMIZERS = ("sgd", "adamw")
@@ -32,9 +33,10 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     name: str = "cnn"
-    """Registry name: cnn, mlp, resnet18, or torchvision (then `arch` picks the builder)."""
-    arch: str | None = None
-    """For name=torchvision: any torchvision.models classification builder, e.g. resnet50."""
+    """The model: cnn, mlp or resnet18; with `model=torchvision`, any torchvision.models
+    classification builder (resnet50, efficientnet_b0, vit_b_16, ...)."""
+    source: str = "builtin"
+    """Where `name` is looked up: builtin (train/models.py) or torchvision (set by the group)."""
     width: int = 32
     """cnn: channels of the first conv layer; mlp: hidden units."""
     depth: int = 2
@@ -127,6 +129,9 @@ class TrainerConfig:
     rank fails (on a new cluster, say). null = never."""
     fail_at_step: int = 1
     """Drill: the optimiser step at which `fail_on_rank` raises."""
+    peak_tflops: float | None = None
+    """Peak TFLOP/s of ONE device for train/mfu; null = known GPUs' data-sheet figure (H100,
+    A100, ...) for the precision in use, and no train/mfu elsewhere (e.g. on CPUs)."""
     objective: str = "val/accuracy"
     """Metric the task function returns to Hydra sweepers."""
     objective_direction: str = "maximize"
@@ -173,6 +178,10 @@ class TrackingConfig:
     """Also log the model with mlflow.pytorch.log_model (the weights are always stored)."""
     system_metrics: bool = False
     """Log CPU, memory and GPU use of every node at every epoch end (system/<node>/...)."""
+    batch_interval_s: float = 5.0
+    """Metrics, params and tags logged within this many seconds go to MLflow in one request
+    (logging every step then costs one request per interval, not one per step); 0 = at once.
+    Checkpoints and the end of the run send what is waiting at once."""
     flush_timeout_s: float = 120.0
     """At a checkpoint and at the end, how long to wait for MLflow to accept what is queued;
     what it has not taken by the end is saved to <output dir>/mlflow_unsent.jsonl."""
@@ -265,11 +274,12 @@ def _require(ok: bool, message: str, problems: list[str]) -> None:
 def validate(cfg: TrainConfig, world_size: int) -> None:
     """Refuse what the types allow but training cannot use; every problem in one message."""
     p: list[str] = []
-    _require(cfg.model.name in MODEL_NAMES,
-             f"model={cfg.model.name!r} is not a model; choose one of {list(MODEL_NAMES)}.", p)
-    _require(cfg.model.name != "torchvision" or bool(cfg.model.arch),
-             "model=torchvision needs model.arch=<a torchvision.models builder, e.g. resnet50>.",
-             p)
+    _require(cfg.model.source in MODEL_SOURCES,
+             f"model.source={cfg.model.source!r}; choose one of {list(MODEL_SOURCES)}.", p)
+    _require(cfg.model.source != "builtin" or cfg.model.name in MODEL_NAMES,
+             f"model.name={cfg.model.name!r} is not a model; choose one of "
+             f"{[*MODEL_NAMES, 'torchvision']} (for a torchvision.models builder: "
+             f"model=torchvision model.name={cfg.model.name}).", p)
     _require(cfg.data.name in DATASET_NAMES,
              f"data={cfg.data.name!r} is not a data set; choose one of {list(DATASET_NAMES)}.", p)
     _require(cfg.optim.name in OPTIMIZERS,
@@ -299,6 +309,8 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
              f"data.val_fraction must be between 0 and 1 (got {cfg.data.val_fraction}).", p)
     _require(cfg.distributed.nproc_per_node > 0, "distributed.nproc_per_node must be positive.", p)
     _require(cfg.distributed.timeout_s > 0, "distributed.timeout_s must be positive.", p)
+    _require(cfg.trainer.peak_tflops is None or cfg.trainer.peak_tflops > 0,
+             "trainer.peak_tflops must be positive or null.", p)
     _require(cfg.optim.grad_clip is None or cfg.optim.grad_clip > 0,
              "optim.grad_clip must be positive or null.", p)
     if cfg.data.batch_size > 0 and world_size > 0:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import resource
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -45,6 +46,8 @@ def peak_rss_mb() -> float:
 
 def build_state(cfg: TrainConfig, bundle: data_lib.DataBundle,
                 device: torch.device) -> loop.TrainState:
+    if device.type == "cuda":  # fixed input shapes: let cuDNN pick the fastest kernels once
+        torch.backends.cudnn.benchmark = True
     spec = models.InputSpec(bundle.channels, bundle.image_size, bundle.num_classes)
     model: torch.nn.Module = models.build(cfg.model, spec)
     if cfg.distributed.sync_batchnorm:
@@ -65,10 +68,16 @@ def build_state(cfg: TrainConfig, bundle: data_lib.DataBundle,
     return loop.TrainState(ddp, optimizer, scheduler, scaler)
 
 
-def run_rank(config: dict[str, Any], output_dir: str, command: str) -> dict[str, float]:
-    """Train on this rank; rank 0 returns the final metrics, the other ranks an empty dict."""
+def run_rank(config: dict[str, Any], output_dir: str, command: str,
+             own_process: bool = True) -> dict[str, float]:
+    """Train on this rank; rank 0 returns the final metrics, the other ranks an empty dict.
+
+    `own_process=False`: a one-rank job run inside the launching process (a local sweep runs
+    several in turn), which keeps Hydra's logging and gets its signal handlers back.
+    """
     env = distenv.detect()
-    setup_logging(env.rank)
+    if own_process:
+        setup_logging(env.rank)
     if "OMP_NUM_THREADS" not in os.environ:
         # As torchrun does: ranks sharing a node share its CPUs instead of each taking all.
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // env.local_world_size))
@@ -77,12 +86,12 @@ def run_rank(config: dict[str, Any], output_dir: str, command: str) -> dict[str,
     device = distributed.select_device(cfg.distributed.device, env.local_rank)
     backend = distributed.select_backend(cfg.distributed.backend, device)
     distributed.init(env, backend, device, cfg.distributed.timeout_s)
-    reporter = open_reporter(cfg.tracking, cfg.trainer.epochs, env.is_main, out)
+    reporter = open_reporter(cfg, env.is_main, out)
     checkpointer = checkpoint.Checkpointer(
         checkpoint.directory(out), cfg.trainer.checkpoint_every,
         cfg.trainer.checkpoint_interval_min, cfg.trainer.keep_checkpoints, env.rank,
         env.world_size)
-    checkpointer.install_signal_handlers()
+    previous_handlers = checkpointer.install_signal_handlers()
     try:
         resumed = checkpoint.find(cfg.trainer.resume, out)
         # The run exists before anything that can fail on one node (data, model): such a
@@ -100,6 +109,8 @@ def run_rank(config: dict[str, Any], output_dir: str, command: str) -> dict[str,
         reporter.log_dataset(cfg.data.name, bundle.source, bundle.train_index)
         torch.manual_seed(cfg.trainer.seed)  # identical initial weights on every rank
         state = build_state(cfg, bundle, device)
+        reporter.describe_model(state.model, bundle.channels, bundle.image_size, device,
+                                cfg.trainer.precision, cfg.trainer.peak_tflops, env.world_size)
         torch.manual_seed(cfg.trainer.seed + env.rank)  # different augmentation per rank
         if resumed is not None:
             checkpoint.restore(state, resumed, env.rank, env.world_size)
@@ -120,3 +131,6 @@ def run_rank(config: dict[str, Any], output_dir: str, command: str) -> dict[str,
         raise
     finally:
         distributed.shutdown()
+        if not own_process:
+            for number, handler in previous_handlers.items():
+                signal.signal(number, handler)

@@ -50,18 +50,18 @@ class RankOutcome:
 def preflight(cfg: TrainConfig, world_size: int, local_ranks: int) -> None:
     """Everything that can be refused before a rank starts, each with what to do about it."""
     config_lib.validate(cfg, world_size)
-    if cfg.model.name == "torchvision":
-        import torchvision.models as tvm
+    if cfg.model.source == "torchvision":
+        from train.models import torchvision_builders
 
-        if cfg.model.arch not in tvm.list_models(module=tvm):
-            raise ConfigError(f"model.arch={cfg.model.arch!r} is not a torchvision classification "
-                              f"model; choose one of {sorted(tvm.list_models(module=tvm))}.")
+        if cfg.model.name not in (builders := torchvision_builders()):
+            raise ConfigError(f"model=torchvision model.name={cfg.model.name!r} is not a "
+                              f"torchvision classification model; choose one of {builders}.")
     if cfg.data.name not in ("digits", "synthetic") and not cfg.data.download:
-        from train import data  # torch and torchvision: only for data sets on disk
+        from train import datasets  # torch and torchvision: only for data sets on disk
 
         try:
-            data.check_available(cfg.data)
-        except data.DataMissingError as e:
+            datasets.check_available(cfg.data)
+        except datasets.DataMissingError as e:
             raise LaunchError(str(e)) from None
     if cfg.distributed.backend == "nccl" or cfg.distributed.device == "cuda":
         import torch
@@ -74,7 +74,7 @@ def preflight(cfg: TrainConfig, world_size: int, local_ranks: int) -> None:
                 f"machine has {gpus}. Lower nproc_per_node, or use distributed.device=cpu "
                 "distributed.backend=gloo.")
     if cfg.tracking.enabled:
-        from train.tracking import TrackingError, check_reachable, resolve_uri
+        from train.store import TrackingError, check_reachable, resolve_uri
 
         try:
             check_reachable(resolve_uri(cfg.tracking))
@@ -95,11 +95,41 @@ def run(cfg: DictConfig, output_dir: str, command: str) -> float | None:
         return objective(typed, run_rank(config, output_dir, command))
     nproc = typed.distributed.nproc_per_node
     preflight(typed, nproc, nproc)
+    if typed.tracking.enabled:
+        from train.sweep import parent_run_for_jobs
+
+        if (ids := parent_run_for_jobs()) is not None:  # a job of a local sweep
+            config["tracking"]["experiment_id"], config["tracking"]["parent_run_id"] = ids
+    if nproc == 1:
+        return objective(typed, run_in_process(config, output_dir, command))
     return objective(typed, start_local_ranks(config, output_dir, command, nproc))
 
 
 def objective(cfg: TrainConfig, final: dict[str, float]) -> float | None:
     return final.get(cfg.trainer.objective)
+
+
+def run_in_process(config: dict[str, Any], output_dir: str, command: str) -> dict[str, float]:
+    """A one-rank job in this process: no second interpreter to start (seconds saved per job,
+    and per job of a local sweep). Its torchrun-style variables are removed again afterwards,
+    so that the next job of a sweep is launched afresh."""
+    env = distenv.torchrun_env(0, 0, 1, 1, "127.0.0.1", distenv.free_port())
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        from train.job import run_rank
+
+        return run_rank(config, output_dir, command, own_process=False)
+    except Exception as e:
+        # As from several ranks: the job failed, with the error and where it happened.
+        raise JobFailedError("the training job failed; rank 0 failed:\n"
+                             + "".join(traceback.format_exception(e))) from None
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _rank_entry(config: dict[str, Any], output_dir: str, command: str, env: dict[str, str],

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 import sys
 import time
@@ -18,10 +17,19 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from train import system_stats
-from train.config import TrackingConfig
+from train.config import TrainConfig
 from train.distenv import DistEnv
 from train.metrics import Reduced
-from train.tracking import REPO_ROOT, NullTracker, embedded_uri, flatten, open_tracker
+from train.runinfo import (
+    flatten,
+    git_commit,
+    recorded_run_id,
+    requeue_target,
+    slurm_tags,
+    torch_version,
+)
+from train.store import how_to_view
+from train.tracker import NullTracker, open_tracker
 
 log = logging.getLogger("train")
 T = TypeVar("T")
@@ -45,6 +53,8 @@ class NullReporter:
     def write_checkpoint(self, checkpointer: Any, build: Any) -> None: ...
     def preempted(self, signal_name: str, max_requeues: int) -> None: ...
     def write_summary(self, output_dir: Path, peak_rss_mb: list[float] | None) -> None: ...
+    def describe_model(self, model: Any, channels: int, image_size: int, device: Any,
+                       precision: str, peak_tflops: float | None, world_size: int) -> None: ...
 
     def progress(self, batches: Iterable[T], epoch: int, total: int) -> Iterable[T]:
         return batches
@@ -53,18 +63,25 @@ class NullReporter:
 
 
 class Reporter(NullReporter):
-    def __init__(self, tracking: TrackingConfig, epochs: int, output_dir: Path) -> None:
-        self.tracker = open_tracker(tracking, output_dir / "mlflow_run.json")
-        self.log_model = tracking.log_model
+    def __init__(self, cfg: TrainConfig, output_dir: Path) -> None:
+        self.tracking = cfg.tracking
+        self.objective = (cfg.trainer.objective, cfg.trainer.objective_direction)
+        self.tracker = open_tracker(cfg.tracking, output_dir / "mlflow_run.json")
+        self.log_model = cfg.tracking.log_model
         self.output_dir = output_dir
         self.class_names: list[str] = []
-        self.epochs = epochs
+        self.epochs = cfg.trainer.epochs
+        self.global_batch = cfg.data.batch_size
         self.interactive = sys.stderr.isatty()
         self.final_metrics = {}
         self.first_step_at: float | None = None
+        self.samples_per_sec: list[float] = []  # each epoch this attempt trained
         self.restarts = 0
         self.config_yaml = ""
         self._bar: Any = None
+        self._count_flops: Any = None  # set by describe_model, used once
+        self.flops_per_sample: float | None = None
+        self.peak_tflops_total: float | None = None
 
     def start(self, *, config: Mapping[str, Any], ranks: list[dict[str, str]] | None,
               backend: str, env: DistEnv, output_dir: Path, run_name: str | None,
@@ -83,10 +100,12 @@ class Reporter(NullReporter):
                 "torch_version": torch_version(), "git_commit": git_commit(),
                 "command": command,
                 "output_dir": str(output_dir), "restarts": self.restarts, **slurm_tags(ranks)}
-        self.tracker.start(params=params, tags=tags, config_yaml=config_yaml, run_name=run_name,
-                           resume_run_id=previous)
+        self.tracker.start(tags=tags, run_name=run_name, resume_run_id=previous)
         if previous:
             log.info("continuing MLflow run %s (restart %d)", previous, self.restarts)
+        else:  # a resumed run holds them already
+            self.tracker.log_params(params)
+            self.tracker.log("text", text=config_yaml, artifact_file="config.yaml")
         log.info("training on %d rank(s) (%s, %s) over %s", env.world_size, backend,
                  tags["devices"], tags["hostnames"])
 
@@ -97,8 +116,8 @@ class Reporter(NullReporter):
     def log_dataset(self, name: str, source: Any, train_index: Any) -> None:
         if self.restarts:
             return  # recorded by the first start
-        self.tracker.log_dataset(f"{name}-train", source.images[train_index].cpu().numpy(),
-                                 source.labels[train_index].cpu().numpy())
+        self.tracker.log("dataset", name=f"{name}-train", images=source.images,
+                         labels=source.labels, rows=train_index)
 
     def save_model(self, model: Any, output_dir: Path, input_example: Any) -> None:
         """Final weights beside the job's outputs and in the run, and the model as MLflow model."""
@@ -107,9 +126,32 @@ class Reporter(NullReporter):
         bare = getattr(model, "module", model)
         path = output_dir / "model.pt"
         torch.save(bare.state_dict(), path)
-        self.tracker.log_file(path, "weights")
+        self.tracker.log("file", path=str(path), artifact_path="weights")
         if self.log_model:
-            self.tracker.log_model(bare, input_example)
+            self.tracker.log("model", model=bare, input_example=input_example)
+
+    def describe_model(self, model: Any, channels: int, image_size: int, device: Any,
+                       precision: str, peak_tflops: float | None, world_size: int) -> None:
+        """What train/tflops_per_sec and train/mfu need; the FLOPs are counted at the first
+        epoch end, so that counting (~1 s on a CPU) does not delay the first step."""
+        from train import flops
+
+        bare = getattr(model, "module", model)
+        self._count_flops = lambda: flops.training_flops_per_sample(bare, channels, image_size)
+        peak = flops.peak_tflops(device, precision, peak_tflops)
+        self.peak_tflops_total = None if peak is None else peak * world_size
+
+    def throughput(self, samples: int, seconds: float) -> dict[str, float]:
+        """Model FLOP rate of all ranks together, and its share of their peak."""
+        if self._count_flops is not None:
+            self.flops_per_sample, self._count_flops = self._count_flops(), None
+        if not self.flops_per_sample or seconds <= 0:
+            return {}
+        tflops = self.flops_per_sample * samples / seconds / 1e12
+        out = {"train/tflops_per_sec": tflops}
+        if self.peak_tflops_total:
+            out["train/mfu"] = tflops / self.peak_tflops_total
+        return out
 
     def step(self, metrics: Mapping[str, float], step: int) -> None:
         self.tracker.log_metrics(metrics, step)
@@ -121,8 +163,10 @@ class Reporter(NullReporter):
             return
         from tqdm import tqdm
 
+        # Counted in samples (the global batch per step), so the rate shown is samples/s.
         with tqdm(batches, total=total, desc=f"epoch {epoch + 1}/{self.epochs}", leave=False,
-                  dynamic_ncols=True, file=sys.stderr) as bar:
+                  unit="sample", unit_scale=self.global_batch, dynamic_ncols=True,
+                  file=sys.stderr) as bar:
             self._bar = bar
             yield from bar
         self._bar = None
@@ -138,23 +182,27 @@ class Reporter(NullReporter):
         metrics = {"train/loss": train.loss, "train/accuracy": train.accuracy,
                    "train/samples": float(train.samples),
                    "train/samples_per_sec": train.samples / train_time_s,
-                   "lr": lr, "epoch_time_s": epoch_time_s}
+                   "lr": lr, "epoch_time_s": epoch_time_s,
+                   **self.throughput(train.samples, train_time_s)}
         if val is not None:
             metrics.update({"val/loss": val.loss, "val/accuracy": val.accuracy,
                             "val/samples": float(val.samples)})
             if val.confusion is not None:
-                self.tracker.log_confusion(val.confusion, self.class_names, self.output_dir)
+                self.tracker.log("confusion", confusion=val.confusion,
+                                 class_names=self.class_names, out_dir=str(self.output_dir))
         if nodes:
             self.tracker.log_metrics(system_stats.as_metrics(nodes), step=epoch)
         self.tracker.log_metrics(metrics, step=epoch)
         self.final_metrics.update(metrics)
+        self.samples_per_sec.append(metrics["train/samples_per_sec"])
         shown = "  ".join(f"{k}={v:.4g}" for k, v in metrics.items()
                           if k in ("train/loss", "train/accuracy", "val/loss", "val/accuracy",
-                                   "train/samples_per_sec", "epoch_time_s"))
+                                   "train/samples_per_sec", "train/mfu", "epoch_time_s"))
         log.info("epoch %d/%d  %s", epoch + 1, self.epochs, shown)
 
     def first_step_done(self) -> None:
         self.first_step_at = time.time()
+        self.tracker.begin_sending()  # training is under way: MLflow may take its share now
 
     def write_checkpoint(self, checkpointer: Any, build: Any) -> None:
         # Everything logged so far reaches MLflow before the checkpoint exists: what a crash
@@ -188,11 +236,14 @@ class Reporter(NullReporter):
         self.tracker.log_metrics({"peak_rss_mb_max": max(peak_rss_mb)}, step=self.epochs)
         self.tracker.flush()
         summary = {"run_id": self.tracker.run_id, "metrics": self.final_metrics,
+                   "samples_per_sec_by_epoch": self.samples_per_sec,
                    "first_step_at": self.first_step_at, "peak_rss_mb": peak_rss_mb}
         (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
 
     def finish(self, error: str | None = None) -> None:
         self.tracker.finish(error)
+        if self.tracking.enabled and self.tracking.parent_run_id:
+            self._end_parent_if_last()
         run_id = self.tracker.run_id
         if run_id and error is None:
             shown = "  ".join(f"{k}={v:.4g}" for k, v in self.final_metrics.items()
@@ -203,57 +254,21 @@ class Reporter(NullReporter):
             log.error("MLflow run %s marked FAILED: %s", run_id, error)
 
 
-def how_to_view(uri: str, experiment_id: str | None, run_id: str) -> str:
-    page = f"#/experiments/{experiment_id}/runs/{run_id}"
-    if uri.startswith(("http://", "https://")):
-        return f"{uri.rstrip('/')}/{page}"
-    if uri == embedded_uri():
-        return f"`make ui`, then http://127.0.0.1:5000/{page}"
-    return f"`mlflow ui --backend-store-uri {uri}`, then http://127.0.0.1:5000/{page}"
+    def _end_parent_if_last(self) -> None:
+        """A job of a sweep submitted with cluster.wait=false: the last to end ends the parent
+        (train/sweep.py); otherwise the submitting process does, and this does nothing."""
+        from train.sweep import end_parent_run
+
+        try:
+            summary = end_parent_run(self.tracking, self.tracking.parent_run_id or "",
+                                     *self.objective, only_if_done=True)
+        except Exception as e:  # noqa: BLE001 - the job's own run is complete; say, don't fail
+            log.warning("could not summarise the sweep's parent run: %s", e)
+            return
+        if summary is not None:
+            log.info("last job of the sweep: ended parent run %s (%d jobs, %d failed)",
+                     self.tracking.parent_run_id, summary["children"], summary["failed"])
 
 
-def torch_version() -> str:
-    import torch
-
-    return str(torch.__version__)
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                             text=True, timeout=5)
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    return out.stdout.strip() if out.returncode == 0 else "unknown"
-
-
-def recorded_run_id(output_dir: Path) -> str | None:
-    """The run an earlier start of this job (same output directory) created, if any."""
-    try:
-        return str(json.loads((output_dir / "mlflow_run.json").read_text())["run_id"])
-    except (OSError, ValueError, KeyError):
-        return None
-
-
-def requeue_target() -> str | None:
-    """This Slurm job's id as `scontrol requeue` wants it (array tasks included)."""
-    if "SLURM_ARRAY_JOB_ID" in os.environ:
-        return f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
-    return os.environ.get("SLURM_JOB_ID")
-
-
-def slurm_tags(ranks: list[dict[str, str]]) -> dict[str, str]:
-    """Where a Slurm job ran; empty outside Slurm."""
-    if "SLURM_JOB_ID" not in os.environ:
-        return {}
-    tags = {"slurm.job_id": os.environ.get("SLURM_ARRAY_JOB_ID", os.environ["SLURM_JOB_ID"]),
-            "slurm.nodes": ",".join(sorted({r["host"] for r in ranks})),
-            "slurm.partition": os.environ.get("SLURM_JOB_PARTITION", "")}
-    if "SLURM_ARRAY_TASK_ID" in os.environ:
-        tags["slurm.array_task_id"] = os.environ["SLURM_ARRAY_TASK_ID"]
-    return tags
-
-
-def open_reporter(tracking: TrackingConfig, epochs: int, is_main: bool,
-                  output_dir: Path) -> NullReporter:
-    return Reporter(tracking, epochs, output_dir) if is_main else NullReporter()
+def open_reporter(cfg: TrainConfig, is_main: bool, output_dir: Path) -> NullReporter:
+    return Reporter(cfg, output_dir) if is_main else NullReporter()

@@ -74,11 +74,11 @@ def check_tracking(cfg: TrainConfig) -> str | None:
     """The store is usable from here; returns the experiment id to hand to every job."""
     if not cfg.tracking.enabled:
         return None
-    from train import tracking
+    from train import store, tracking
 
-    uri = tracking.resolve_uri(cfg.tracking)
-    tracking.check_reachable(uri)
-    if tracking.is_local_path_uri(uri):
+    uri = store.resolve_uri(cfg.tracking)
+    store.check_reachable(uri)
+    if store.is_local_path_uri(uri):
         print(f"warning: tracking store {uri} is a local path: the compute nodes must see it on "
               "a shared filesystem (and SQLite on NFS can lock badly). With many jobs or nodes, "
               "run an MLflow server (`make mlflow-server` or slurm/mlflow-server.sbatch) and set "
@@ -96,9 +96,9 @@ def preflight(job_configs: Sequence[TrainConfig]) -> str | None:
     for cfg in job_configs:
         check_request(cfg)
         if cfg.data.name not in ("digits", "synthetic") and not cfg.data.download:
-            from train import data
+            from train import datasets
 
-            data.check_available(cfg.data)
+            datasets.check_available(cfg.data)
     return check_tracking(first)
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from hydra.core.utils import JobReturn
+from hydra.core.utils import JobReturn, JobStatus
 from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
 from omegaconf import OmegaConf, open_dict
@@ -62,9 +62,15 @@ class TrainSlurmLauncher(SlurmLauncher):
 
         from train import slurm
         from train.config import ConfigError
-        from train.data import DataMissingError
-        from train.tracking import TrackingError
+        from train.datasets import DataMissingError
+        from train.store import TrackingError
 
+        sweeper = str(self.config.hydra.sweeper.get("_target_", "BasicSweeper"))
+        if not self.wait and "BasicSweeper" not in sweeper:
+            print(f"\nerror: cluster.wait=false cannot serve {sweeper.rsplit('.', 1)[-1]}: it "
+                  "needs each trial's result before it proposes the next. Drop "
+                  "cluster.wait=false (the search then follows its jobs).\n", file=sys.stderr)
+            raise SystemExit(2)
         try:
             configs = self._job_configs(job_overrides)
             # A dry run checks the request itself but needs no cluster, store or data set.
@@ -74,13 +80,6 @@ class TrainSlurmLauncher(SlurmLauncher):
         except (ConfigError, slurm.SubmitError, TrackingError, DataMissingError) as e:
             print(f"\nerror: {e}\n", file=sys.stderr)
             raise SystemExit(2) from None
-        if experiment_id is not None:
-            # Explicit overrides, not only the environment: sites may submit with --export=NONE.
-            handed = [f"tracking.experiment_id={experiment_id}"]
-            if os.environ.get("TRAIN_PARENT_RUN_ID"):  # a sweep (train/sweep.py)
-                handed.append(f"tracking.parent_run_id={os.environ['TRAIN_PARENT_RUN_ID']}")
-            job_overrides = [[*o, *handed] for o in job_overrides]
-
         try:
             executor = self._executor(submitit)
         except RuntimeError as e:  # submitit: no srun here
@@ -90,6 +89,17 @@ class TrainSlurmLauncher(SlurmLauncher):
         if self.dry_run:
             print(slurm.show_script(executor, len(job_overrides)))
             raise SystemExit(0)
+        parent = None
+        if experiment_id is not None:
+            from train.sweep import parent_run_for_jobs
+
+            # Explicit overrides, not the environment: sites may submit with --export=NONE.
+            handed = [f"tracking.experiment_id={experiment_id}"]
+            if (ids := parent_run_for_jobs()) is not None:  # a sweep: all is checked now
+                parent = ids[1]
+                handed.append(f"tracking.parent_run_id={parent}")
+            job_overrides = [[*o, *handed] for o in job_overrides]
+
         job_params = [(list(o), "hydra.sweep.dir", initial_job_idx + i, f"job_id_for_{i}",
                        self._singleton_state()) for i, o in enumerate(job_overrides)]
         jobs = executor.map_array(self, *zip(*job_params, strict=True))
@@ -98,7 +108,12 @@ class TrainSlurmLauncher(SlurmLauncher):
                                                           cluster.gpus_per_node)
         slurm.announce(jobs, world_size, cluster.nodes)
         if not self.wait:
-            return [JobReturn() for _ in jobs]
+            if parent is not None:  # a sweep: its last job will end the parent run
+                from train.sweep import UNWAITED_ENV
+
+                os.environ[UNWAITED_ENV] = str(int(os.environ.get(UNWAITED_ENV, 0)) + len(jobs))
+            # Completed as far as this process goes: Hydra's sweeper reads every return value.
+            return [JobReturn(status=JobStatus.COMPLETED, _return_value=None) for _ in jobs]
         returns, failed = slurm.collect(jobs, slurm.follow(jobs))
         slurm.report_failures(jobs, failed)
         if failed:

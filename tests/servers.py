@@ -1,0 +1,98 @@
+"""A real MLflow tracking server for tests: `python -m train.server` on a free port.
+
+`tracking_server(root)` starts it with its backend store and artifacts under `root`, waits until
+GET /health answers 200, yields the URL, and afterwards stops the whole process tree (the
+`mlflow server` wrapper, gunicorn's master and its workers). `ServerProcess` is the same with
+explicit start()/stop(), for tests that take the server away while a job runs.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+import psutil
+
+from tests.conftest import REPO
+from train.distenv import free_port
+
+
+class ServerProcess:
+    def __init__(self, root: Path, host: str = "127.0.0.1", port: int | None = None) -> None:
+        self.root, self.host, self.port = root, host, port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = root / "server.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        root.mkdir(parents=True, exist_ok=True)
+
+    def start(self, timeout: float = 120) -> str:
+        env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+        with open(self.log, "ab") as log:  # the child keeps its own handle
+            # Its own session, so stop() can also catch a worker that lost its parent.
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "train.server", "--host", self.host,
+                 "--port", str(self.port),
+                 "--backend-store-uri", f"sqlite:///{self.root / 'server.db'}",
+                 "--artifacts-destination", str(self.root / "artifacts")],
+                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self.url
+            except OSError:
+                time.sleep(0.2)
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the tracking server exited:\n{self.tail()}")
+        self.stop()
+        raise AssertionError(f"the tracking server did not answer within {timeout} s:\n"
+                             f"{self.tail()}")
+
+    def tail(self, chars: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
+
+    def processes(self) -> list[psutil.Process]:
+        """Every live process of the server: the tree under it and anything in its session."""
+        if self.proc is None:
+            return []
+        found: dict[int, psutil.Process] = {}
+        with suppress(psutil.NoSuchProcess):
+            root = psutil.Process(self.proc.pid)
+            found = {p.pid: p for p in [root, *root.children(recursive=True)]}
+        for p in psutil.process_iter():
+            with suppress(psutil.Error):
+                if p.pid not in found and os.getsid(p.pid) == self.proc.pid:
+                    found[p.pid] = p
+        return list(found.values())
+
+    def stop(self) -> None:
+        """Kill the whole tree at once (no graceful drain needed in tests) and reap it."""
+        if self.proc is None:
+            return
+        tree = self.processes()
+        for p in tree:
+            with suppress(psutil.NoSuchProcess):
+                p.kill()
+        psutil.wait_procs(tree, timeout=15)
+        self.proc.wait(timeout=15)
+        left = [p.pid for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        self.proc = None
+        assert not left, f"tracking server processes left behind: {left}"
+
+
+@contextmanager
+def tracking_server(root: Path, host: str = "127.0.0.1") -> Iterator[str]:
+    """A running server with its store under `root`; yields its URL, stops it afterwards."""
+    server = ServerProcess(root, host=host)
+    server.start()
+    try:
+        yield server.url
+    finally:
+        server.stop()

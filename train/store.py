@@ -1,0 +1,93 @@
+"""Where runs are recorded: the tracking URI, the embedded store, and whether it can be used.
+
+No mlflow import here (it costs ~1.6 s): the launcher and the Slurm pre-flight check the store
+with these functions before any rank starts; train/tracking.py does the MLflow work.
+"""
+
+from __future__ import annotations
+
+import os
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from train.config import TrackingConfig
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+EMBEDDED_STORE_DIR = REPO_ROOT / "mlruns"
+"""The embedded store: mlruns/mlflow.db (runs, params, metrics) and mlruns/artifacts/."""
+
+
+class TrackingError(RuntimeError):
+    """The tracking store cannot be used; the message says why and what to do."""
+
+
+def embedded_uri() -> str:
+    return f"sqlite:///{EMBEDDED_STORE_DIR / 'mlflow.db'}"
+
+
+def resolve_uri(cfg: TrackingConfig) -> str:
+    """tracking.uri (MLFLOW_TRACKING_URI when set), else the embedded store."""
+    return cfg.uri or embedded_uri()
+
+
+def artifact_location(uri: str) -> str | None:
+    """Where a new experiment keeps its artifacts: for an SQLite store, `artifacts/` beside the
+    database (MLflow's default would be ./mlruns of whatever directory the job ran in); for a
+    server or another database, where the server says."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return (Path(uri.removeprefix("sqlite:///")).parent / "artifacts").as_uri()
+
+
+def is_local_path_uri(uri: str) -> bool:
+    """A store that lives in this machine's filesystem (compute nodes must share it)."""
+    return uri.startswith(("sqlite:", "file:", "/")) or "://" not in uri
+
+
+def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
+    """Refuse an unusable tracking URI before any rank starts."""
+    if uri.startswith(("http://", "https://")):
+        try:
+            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s) as r:
+                if r.status == 200:
+                    return
+                problem = f"it answered HTTP {r.status}"
+        except (urllib.error.URLError, OSError) as e:
+            problem = f"it cannot be reached ({getattr(e, 'reason', e)})"
+        raise TrackingError(
+            f"MLflow tracking server {uri} is not usable: {problem}. Start it (`make "
+            "mlflow-server`), fix MLFLOW_TRACKING_URI / tracking.uri, or run with "
+            "tracking.enabled=false.")
+    if uri.startswith("sqlite:///"):
+        directory = Path(uri.removeprefix("sqlite:///")).parent
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise TrackingError(f"Cannot create the MLflow store directory {directory}: {e}.") \
+                from None
+        if not os.access(directory, os.W_OK):
+            raise TrackingError(f"The MLflow store directory {directory} is not writable.")
+
+
+def is_new_sqlite(uri: str) -> bool:
+    """An SQLite store whose database does not exist yet: it must be created and migrated once,
+    by one process (several doing it at once corrupt it)."""
+    if not uri.startswith("sqlite:///"):
+        return False
+    path = Path(uri.removeprefix("sqlite:///"))
+    return not path.exists() or path.stat().st_size == 0
+
+
+def how_to_view(uri: str, experiment_id: str | None, run_id: str) -> str:
+    """The command or URL that shows a run in the MLflow UI."""
+    page = f"#/experiments/{experiment_id}/runs/{run_id}"
+    if uri.startswith(("http://", "https://")):
+        return f"{uri.rstrip('/')}/{page}"
+    if uri == embedded_uri():
+        return f"`make ui`, then http://127.0.0.1:5000/{page}"
+    if uri.startswith("sqlite:///") and uri.endswith("/mlflow.db"):
+        store = uri.removeprefix("sqlite:///").removesuffix("/mlflow.db")
+        return f"`make ui UI_STORE={store}`, then http://127.0.0.1:5000/{page}"
+    return (f"`python -m train.server --port 5000 --backend-store-uri {uri}`, then "
+            f"http://127.0.0.1:5000/{page}")
