@@ -46,6 +46,12 @@ def test_group_options_and_values_override() -> None:
     assert typed.trainer.precision == "bf16-mixed"
 
 
+def test_a_torchvision_model_is_picked_by_name() -> None:
+    typed = to_typed(to_container(composed("model=torchvision", "model.name=efficientnet_b0")))
+    assert (typed.model.source, typed.model.name) == ("torchvision", "efficientnet_b0")
+    validate(typed, world_size=1)  # the builder itself is checked by the CLI's pre-flight
+
+
 def test_wrong_type_is_refused_while_composing() -> None:
     with pytest.raises((ConfigCompositionException, ValidationError)):
         composed("data.batch_size=abc")
@@ -57,7 +63,9 @@ def test_misspelt_key_is_refused() -> None:
 
 
 @pytest.mark.parametrize(("overrides", "world_size", "expected"), [
-    (("model.name=vgg",), 1, "choose one of ['cnn', 'mlp', 'resnet18', 'torchvision']"),
+    (("model.name=vgg11",), 1,
+     "choose one of ['cnn', 'mlp', 'resnet18', 'torchvision'] (for a torchvision.models builder: "
+     "model=torchvision model.name=vgg11)"),
     (("data.name=imagenet",), 1, "choose one of ['digits', 'synthetic'"),
     (("optim.lr=0",), 1, "optim.lr must be positive"),
     (("trainer.epochs=-1",), 1, "trainer.epochs must be positive"),
@@ -106,7 +114,7 @@ def test_cfg_job_prints_the_composed_config() -> None:
     (("data.batch_size=63", "distributed.nproc_per_node=2"), "must split evenly over the 2 ranks"),
     (("model.name=vgg",), "choose one of"),
     (("distributed.backend=nccl", "distributed.nproc_per_node=2"), "need as many GPUs"),
-    (("model=torchvision", "model.arch=not_a_net"), "not a torchvision classification model"),
+    (("model=torchvision", "model.name=not_a_net"), "not a torchvision classification model"),
 ])
 def test_cli_refuses_bad_input_before_anything_starts(store: dict[str, str],
                                                       overrides: tuple[str, ...],

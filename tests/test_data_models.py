@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from train import config, data, models
+from train import config, data, datasets, models
 from train.config import DataConfig, ModelConfig
 
 
@@ -37,7 +37,7 @@ def mnist_root(tmp_path: Path) -> tuple[Path, np.ndarray, np.ndarray]:
 
 def test_mnist_loads_from_idx_files(mnist_root: tuple[Path, np.ndarray, np.ndarray]) -> None:
     root, images, labels = mnist_root
-    loaded = data.DATASETS["mnist"](DataConfig(name="mnist", root=str(root)))
+    loaded = datasets.DATASETS["mnist"](DataConfig(name="mnist", root=str(root)))
     assert loaded.images.shape == (50, 1, 28, 28) and loaded.images.dtype == torch.uint8
     assert np.array_equal(loaded.images[:, 0].numpy(), images)
     assert np.array_equal(loaded.labels.numpy(), labels)
@@ -58,7 +58,7 @@ def test_cifar10_loads_from_pickled_batches(tmp_path: Path) -> None:
     names = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship",
              "truck"]
     (folder / "batches.meta").write_bytes(pickle.dumps({"label_names": names}, protocol=2))
-    loaded = data.DATASETS["cifar10"](DataConfig(name="cifar10", root=str(tmp_path)))
+    loaded = datasets.DATASETS["cifar10"](DataConfig(name="cifar10", root=str(tmp_path)))
     assert loaded.images.shape == (20, 3, 32, 32) and loaded.images.dtype == torch.uint8
     first = batches[0][0][0].reshape(3, 32, 32)  # CIFAR rows: 1024 red, 1024 green, 1024 blue
     assert np.array_equal(loaded.images[0].numpy(), first)
@@ -70,8 +70,8 @@ def test_cifar10_loads_from_pickled_batches(tmp_path: Path) -> None:
                                            ("cifar10", "CIFAR10")])
 def test_a_missing_data_set_names_the_download_command(tmp_path: Path, name: str,
                                                        cls: str) -> None:
-    with pytest.raises(data.DataMissingError) as info:
-        data.check_available(DataConfig(name=name, root=str(tmp_path)))
+    with pytest.raises(datasets.DataMissingError) as info:
+        datasets.check_available(DataConfig(name=name, root=str(tmp_path)))
     assert f"{cls}('{tmp_path}', download=True)" in str(info.value)
     assert "data.download=true" in str(info.value)
 
@@ -80,7 +80,7 @@ def test_digits_are_scikit_learns() -> None:
     from sklearn.datasets import load_digits
 
     reference = load_digits()
-    loaded = data.DATASETS["digits"](DataConfig())
+    loaded = datasets.DATASETS["digits"](DataConfig())
     assert loaded.images.shape == (1797, 1, 8, 8)
     assert np.array_equal(loaded.images[:, 0].numpy(), reference.images)
     assert np.array_equal(loaded.labels.numpy(), reference.target)
@@ -88,7 +88,7 @@ def test_digits_are_scikit_learns() -> None:
 
 def test_synthetic_follows_its_config_and_seed() -> None:
     cfg = DataConfig(name="synthetic", num_samples=40, channels=2, image_size=6, num_classes=3)
-    a, b = data.DATASETS["synthetic"](cfg), data.DATASETS["synthetic"](cfg)
+    a, b = datasets.DATASETS["synthetic"](cfg), datasets.DATASETS["synthetic"](cfg)
     assert a.images.shape == (40, 2, 6, 6) and a.num_classes == 3
     assert set(a.labels.tolist()) <= {0, 1, 2}
     assert torch.equal(a.images, b.images) and torch.equal(a.labels, b.labels)
@@ -111,7 +111,7 @@ def test_shards_cover_validation_exactly_once(world_size: int) -> None:
     seen = torch.cat([labels for b in bundles for _, labels in b.val])
     assert len(seen) == 359  # no padding, nothing dropped
     parts = data.split(1797, 0.2, 0)
-    expected = data.DATASETS["digits"](cfg).labels[parts.val_idx]
+    expected = datasets.DATASETS["digits"](cfg).labels[parts.val_idx]
     assert sorted(seen.tolist()) == sorted(expected.tolist())
     assert len({len(b.train) for b in bundles}) == 1  # the same number of steps everywhere
     images, _ = next(iter(bundles[0].train))
@@ -128,6 +128,25 @@ def test_training_order_changes_with_the_epoch() -> None:
     assert torch.equal(first, next(iter(bundle.train))[1])
 
 
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_device_resident_batches_are_the_loaders_batches(world_size: int) -> None:
+    """The GPU fast path (data on the device, batched there) shards and orders exactly as the
+    DataLoader path does; here on the CPU, which takes the same code."""
+    cpu = torch.device("cpu")
+    cfg = DataConfig(batch_size=32 * world_size, num_workers=0)
+    for rank in range(world_size):
+        loaded = data.build(cfg, rank, world_size, world_size, cpu, seed=3, resident=False)
+        resident = data.build(cfg, rank, world_size, world_size, cpu, seed=3, resident=True)
+        assert isinstance(resident.train, data.ResidentBatches)
+        for epoch in (0, 1):
+            loaded.train.set_epoch(epoch)
+            resident.train.set_epoch(epoch)
+            assert len(resident.train) == len(loaded.train)
+            for (xa, ya), (xb, yb) in zip(loaded.train, resident.train, strict=True):
+                assert torch.equal(ya, yb) and torch.equal(xa, xb)
+        assert [y.tolist() for _, y in resident.val] == [y.tolist() for _, y in loaded.val]
+
+
 def test_crop_and_flip_only_moves_pixels() -> None:
     x = torch.arange(2 * 3 * 8 * 8, dtype=torch.float32).reshape(2, 3, 8, 8) + 1
     out = data.crop_and_flip(x)
@@ -137,7 +156,7 @@ def test_crop_and_flip_only_moves_pixels() -> None:
 
 
 def test_registries_match_the_names_config_validates() -> None:
-    assert set(data.DATASETS) == set(config.DATASET_NAMES)
+    assert set(datasets.DATASETS) == set(config.DATASET_NAMES)
     assert set(models.MODELS) == set(config.MODEL_NAMES)
 
 
@@ -152,9 +171,10 @@ def test_models_classify_and_learn(name: str, channels: int, size: int) -> None:
 
 
 def test_any_torchvision_builder_takes_the_data_shape() -> None:
-    model = models.build(ModelConfig(name="torchvision", arch="resnet18"),
-                         models.InputSpec(1, 28, 7))
-    assert model(torch.randn(2, 1, 28, 28)).shape == (2, 7)
+    for name in ("resnet18", "mobilenet_v3_small"):  # grey-scale input, 7 classes
+        model = models.build(ModelConfig(name=name, source="torchvision"),
+                             models.InputSpec(1, 28, 7))
+        assert model(torch.randn(2, 1, 28, 28)).shape == (2, 7), name
     with pytest.raises(ValueError, match="choose one of"):
-        models.build(ModelConfig(name="torchvision", arch="no_such_net"),
+        models.build(ModelConfig(name="no_such_net", source="torchvision"),
                      models.InputSpec(3, 32, 10))

@@ -14,7 +14,8 @@ from tests.conftest import history, run_train, runs_in
 pytestmark = pytest.mark.slow
 
 EPOCH_METRICS = ("train/loss", "train/accuracy", "train/samples", "train/samples_per_sec",
-                 "val/loss", "val/accuracy", "val/samples", "lr", "epoch_time_s")
+                 "train/tflops_per_sec", "val/loss", "val/accuracy", "val/samples", "lr",
+                 "epoch_time_s")
 
 
 def test_two_rank_run_is_one_complete_mlflow_run(store: dict[str, str], tmp_path: Path) -> None:
@@ -22,6 +23,7 @@ def test_two_rank_run_is_one_complete_mlflow_run(store: dict[str, str], tmp_path
     epochs, every = 3, 5
     result = run_train("distributed.nproc_per_node=2", f"trainer.epochs={epochs}",
                        f"trainer.log_every_n_steps={every}", "tracking.run_name=e2e",
+                       "trainer.peak_tflops=0.05",
                        f"hydra.run.dir={out_dir}", env=store)
     assert result.returncode == 0, result.stderr
     uri = store["MLFLOW_TRACKING_URI"]
@@ -48,12 +50,18 @@ def test_two_rank_run_is_one_complete_mlflow_run(store: dict[str, str], tmp_path
     step_losses = history(uri, run.info.run_id, "train/step_loss")
     assert [s for s, _ in step_losses] == list(range(every, epochs * steps_per_epoch + 1, every))
     assert history(uri, run.info.run_id, "train/step_time_max_s")
+    # Model FLOPs: the small CNN on 8x8 digits, forward and backward, over both ranks' peak.
+    tflops = history(uri, run.info.run_id, "train/tflops_per_sec")
+    mfu = history(uri, run.info.run_id, "train/mfu")
+    assert [s for s, _ in mfu] == list(range(epochs))
+    for (_, rate), (_, share) in zip(tflops, mfu, strict=True):
+        assert rate > 0 and share == pytest.approx(rate / (2 * 0.05))
     val_acc = history(uri, run.info.run_id, "val/accuracy")
     assert val_acc[-1][1] > 0.9
 
     client = MlflowClient(tracking_uri=uri)
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    expected = {"config.yaml", "weights", "confusion_matrix.png", "per_class_accuracy.json"}
+    expected = {"config.yaml", "weights", "confusion_matrix.svg", "per_class_accuracy.json"}
     assert expected <= artifacts
     assert [a.path for a in client.list_artifacts(run.info.run_id, "weights")] == [
         "weights/model.pt"]

@@ -70,16 +70,21 @@ def _resnet18(cfg: ModelConfig, spec: InputSpec) -> nn.Module:
         nn.Linear(512, spec.num_classes))
 
 
-def _torchvision(cfg: ModelConfig, spec: InputSpec) -> nn.Module:
+def torchvision_builders() -> list[str]:
+    """The classification builders of torchvision.models (not detection, video, ...)."""
     import torchvision.models as tvm  # costs seconds: only when asked for
 
-    try:
-        builder = tvm.get_model_builder(cfg.arch or "")
-    except ValueError:
-        choices = sorted(tvm.list_models(module=tvm))
-        raise ValueError(f"model.arch={cfg.arch!r} is not a torchvision classification model; "
-                         f"choose one of {choices}.") from None
-    model = builder(weights=None, num_classes=spec.num_classes)
+    return sorted(tvm.list_models(module=tvm))
+
+
+def _torchvision(cfg: ModelConfig, spec: InputSpec) -> nn.Module:
+    import torchvision.models as tvm
+
+    if cfg.name not in torchvision_builders():
+        raise ValueError(f"model=torchvision model.name={cfg.name!r} is not a torchvision "
+                         f"classification model; choose one of {torchvision_builders()}.")
+    # Random weights: pretrained ones would be a download, and compute nodes are often offline.
+    model = tvm.get_model(cfg.name, weights=None, num_classes=spec.num_classes)
     if spec.channels != 3:
         _adapt_first_conv(model, spec.channels)
     return model
@@ -100,9 +105,10 @@ MODELS: dict[str, Callable[[ModelConfig, InputSpec], nn.Module]] = {
     "cnn": _cnn,
     "mlp": _mlp,
     "resnet18": _resnet18,
-    "torchvision": _torchvision,
 }
 
 
 def build(cfg: ModelConfig, spec: InputSpec) -> nn.Module:
+    if cfg.source == "torchvision":
+        return _torchvision(cfg, spec)
     return MODELS[cfg.name](cfg, spec)

@@ -1,0 +1,61 @@
+"""Model FLOPs and device peaks, for `train/tflops_per_sec` and `train/mfu`.
+
+The FLOPs of one training step (forward and backward) are counted once, on a copy of the model
+on the meta device, so nothing is computed and no memory is allocated. Model FLOP utilisation is
+the achieved model FLOP rate over what the devices could do at their peak; peaks are known for
+common data-centre GPUs, and `trainer.peak_tflops` supplies one for anything else (a CPU, say).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+from torch import nn
+
+log = logging.getLogger("train")
+
+# Dense peak TFLOP/s of one device (vendor data sheets, no sparsity): (16-bit, fp32).
+# Matched against torch.cuda.get_device_name(), first hit wins (so "H100 PCIe" before "H100").
+PEAK_TFLOPS: tuple[tuple[str, float, float], ...] = (
+    ("H200", 989.4, 66.9),
+    ("H100 PCIe", 756.0, 51.2),
+    ("H100", 989.4, 66.9),
+    ("A100", 312.0, 19.5),
+    ("L40S", 362.1, 91.6),
+    ("A10G", 70.0, 31.2),
+    ("L4", 121.0, 30.3),
+    ("V100", 125.0, 15.7),
+)
+
+
+def training_flops_per_sample(model: nn.Module, channels: int, image_size: int) -> float | None:
+    """FLOPs of forward + backward for one sample; None when they cannot be counted."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    try:
+        ghost = copy.deepcopy(model).to("meta")
+        ghost.train()
+        batch = 2  # BatchNorm in training mode wants more than one value per channel
+        images = torch.empty(batch, channels, image_size, image_size, device="meta")
+        with FlopCounterMode(display=False) as counter:
+            ghost(images).float().sum().backward()
+        total = counter.get_total_flops()
+    except Exception as e:  # noqa: BLE001 - an exotic layer must not stop training
+        log.info("model FLOPs not counted (%s: %s); no train/mfu", type(e).__name__, e)
+        return None
+    return total / batch if total > 0 else None
+
+
+def peak_tflops(device: torch.device, precision: str, configured: float | None) -> float | None:
+    """One device's peak for this precision: the configured value, else a known GPU's."""
+    if configured is not None:
+        return configured
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, half, single in PEAK_TFLOPS:
+        if key in name:
+            return single if precision == "fp32" else half
+    return None
