@@ -1,4 +1,6 @@
-"""What a person sees in the MLflow UI, in a real headless Chromium driven by Playwright."""
+"""What a person sees in the MLflow UI: a real headless Chromium, driven by Playwright, over a
+real tracking server (`python -m train.server`) and a real 2-rank run. Also makes the
+screenshots in docs/img/."""
 
 from __future__ import annotations
 
@@ -10,88 +12,101 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from mlflow import MlflowClient
 
 from tests.conftest import REPO, run_train, skip_or_fail
-from tests.mlflow_server import tracking_server
+from tests.servers import tracking_server
 
 pytestmark = pytest.mark.slow
 
 CHROMIUM = "/usr/bin/chromium"
-# Headless on a machine with no network but loopback: no background services that would call
-# out, no sandbox (root), a fresh profile per launch.
+# Headless as root on a machine that reaches nothing but loopback: no sandbox, no background
+# services that would call out, a fresh profile per launch (Playwright adds --user-data-dir).
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 SCREENSHOTS = REPO / "docs" / "img"
+WAIT_MS = 60_000  # the UI loads its bundle and polls; wait for text, never for network idle
 
 
 @pytest.fixture(scope="module")
 def chromium() -> str:
-    """Debian's chromium, installed when missing (Playwright downloads no browser)."""
-    if not Path(CHROMIUM).exists():
-        if os.geteuid() != 0 or shutil.which("apt-get") is None:
-            skip_or_fail("chromium is not installed and cannot be installed here (needs root "
-                         "and apt-get): apt-get install chromium")
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        install = ["apt-get", "install", "-y", "-q", "chromium"]
-        if subprocess.run(install, env=env, capture_output=True).returncode != 0:
-            subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True)
-            done = subprocess.run(install, env=env, capture_output=True, text=True)
-            if done.returncode != 0:
-                skip_or_fail(f"apt-get install chromium failed: {done.stderr[-500:]}")
+    """Debian's chromium, installed with apt-get when missing (Playwright downloads nothing)."""
+    if Path(CHROMIUM).exists():
+        return CHROMIUM
+    if shutil.which("apt-get") is None or os.geteuid() != 0:
+        skip_or_fail("chromium is missing and cannot be installed here (needs root and "
+                     "apt-get): apt-get install -y chromium")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-q", "chromium"]
+    done = subprocess.run(install, env=env, capture_output=True, text=True)
+    if done.returncode != 0:  # most often: no package lists yet
+        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True)
+        done = subprocess.run(install, env=env, capture_output=True, text=True)
+    if done.returncode != 0 or not Path(CHROMIUM).exists():
+        skip_or_fail(f"apt-get install -y chromium failed: {done.stderr[-800:]}")
     return CHROMIUM
 
 
-def test_a_run_shows_its_name_charts_params_and_confusion_matrix(chromium: str,
-                                                                 tmp_path: Path) -> None:
-    from mlflow import MlflowClient
+def test_a_run_shows_its_name_params_metrics_and_artifacts(chromium: str,
+                                                           tmp_path: Path) -> None:
     from playwright.sync_api import sync_playwright
 
-    with tracking_server(tmp_path / "server") as server:
+    with tracking_server(tmp_path / "server") as url:
         result = run_train("distributed.nproc_per_node=2", "trainer.epochs=2",
                            "tracking.run_name=ui-check", f"hydra.run.dir={tmp_path}/job",
-                           env={"MLFLOW_TRACKING_URI": server.url})
-        assert result.returncode == 0, result.stderr
-        info = json.loads((tmp_path / "job" / "mlflow_run.json").read_text())
-        run = MlflowClient(tracking_uri=server.url).get_run(info["run_id"])
-        base = f"{server.url}/#/experiments/{info['experiment_id']}/runs"
+                           env={"MLFLOW_TRACKING_URI": url})
+        assert result.returncode == 0, result.stderr[-3000:]
+        run = json.loads((tmp_path / "job" / "mlflow_run.json").read_text())
+        logged = MlflowClient(tracking_uri=url).get_run(run["run_id"]).data.metrics
+        prefixed = {p: [k for k in logged if k.startswith(f"{p}/")] for p in ("train", "val")}
+        assert len(prefixed["train"]) >= 7 and len(prefixed["val"]) == 3
+        runs_page = f"{url}/#/experiments/{run['experiment_id']}/runs"
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)
 
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=chromium, args=FLAGS, headless=True)
             page = browser.new_page(viewport={"width": 1280, "height": 800})
-            # The experiment's runs table lists the run by name (wait for text: the UI keeps
-            # polling, so "network idle" never comes).
-            page.goto(base)
-            page.get_by_text("ui-check").first.wait_for(timeout=60_000)
+
+            # The experiment's runs table lists the run by its name.
+            page.goto(runs_page)
+            page.get_by_text("ui-check").first.wait_for(timeout=WAIT_MS)
+            # For the pictures: close the assistant panel that opens on a first visit, and
+            # show the "Model training" navigation instead of the GenAI one.
+            page.get_by_role("button", name="Close").click()
+            page.get_by_text("Model training").first.click()
+            page.get_by_text("1 matching run").wait_for(timeout=WAIT_MS)
             page.screenshot(path=str(SCREENSHOTS / "ui-runs.png"))
 
+            # Its page: the latest value of every metric, and the params.
             page.get_by_text("ui-check").first.click()
-            page.get_by_text("Parameters").first.wait_for(timeout=60_000)
+            page.wait_for_url(re.compile(rf"/runs/{run['run_id']}"))
+            page.get_by_text("optim.lr").first.wait_for(timeout=WAIT_MS)
             body = page.inner_text("body")
-            for metric in ("train/loss", "val/accuracy", "val/samples"):
-                assert metric in body
-                assert str(run.data.metrics[metric]).rstrip("0").rstrip(".") in body, metric
-            for param in ("optim.lr", "model.name", "data.num_train"):
-                assert param in body
-            assert "digits-train" in body  # the data set input
-            page.screenshot(path=str(SCREENSHOTS / "ui-run.png"), full_page=True)
+            for name in ("optim.lr", "model.name", "data.num_train", "train/loss",
+                         "val/accuracy", "Finished", "digits-train"):
+                assert name in body, name
+            page.get_by_text("Metrics (").first.scroll_into_view_if_needed()
+            page.screenshot(path=str(SCREENSHOTS / "ui-run.png"))
 
-            # Charts, grouped by metric prefix (train/, val/).
+            # The metrics tab: one chart per metric, in sections by prefix (train/, val/).
             page.get_by_text("Model metrics").first.click()
-            page.get_by_text("ui-check (train/loss)").first.wait_for(timeout=60_000)
-            page.wait_for_timeout(2000)  # let the charts draw before the screenshot
-            charts = page.inner_text("body")
-            # One section per prefix: 7 train/ charts, 3 val/ charts.
-            assert re.search(r"train\s*\(7\)", charts) and re.search(r"val\s*\(3\)", charts)
+            page.get_by_text("ui-check (train/loss)").first.wait_for(timeout=WAIT_MS)
+            page.wait_for_timeout(1500)  # the charts animate in; let them settle for the picture
             page.screenshot(path=str(SCREENSHOTS / "ui-charts.png"))
+            # One chart per train/ metric of the run, in the train section.
+            assert re.search(rf"train\s*\({len(prefixed['train'])}\)", page.inner_text("body"))
+            # Charts below the fold are drawn only once scrolled to.
+            page.get_by_text("val", exact=True).first.scroll_into_view_if_needed()
+            page.get_by_text("ui-check (val/accuracy)").first.wait_for(timeout=WAIT_MS)
+            assert re.search(rf"val\s*\({len(prefixed['val'])}\)", page.inner_text("body"))
 
-            page.goto(f"{base}/{info['run_id']}/artifacts")
-            page.get_by_text("confusion_matrix.png").first.wait_for(timeout=60_000)
-            assert "config.yaml" in page.inner_text("body")
-            page.get_by_text("confusion_matrix.png").first.click()
-            # The preview: an image the UI fetched through the server (a blob: URL).
-            preview = page.locator("img[src^='blob:']").first
-            preview.wait_for(timeout=60_000)
+            # The artifacts, fetched through the server: the config and the confusion matrix.
+            page.goto(f"{runs_page}/{run['run_id']}/artifacts")
+            page.get_by_text("config.yaml").first.wait_for(timeout=WAIT_MS)
+            page.get_by_text("confusion_matrix.svg").first.wait_for(timeout=WAIT_MS)
+            page.get_by_text("confusion_matrix.svg").first.click()
+            preview = page.locator("img[src^='blob:']").first  # the image, as the UI shows it
+            preview.wait_for(timeout=WAIT_MS)
             assert preview.evaluate("img => img.naturalWidth") > 300
             page.screenshot(path=str(SCREENSHOTS / "ui-confusion.png"))
             browser.close()
