@@ -170,8 +170,13 @@ def run_one(variant: str, repeat: int, args: argparse.Namespace, model: dict[str
         extra = {"epochs": result["epochs"]}
     else:
         result = json.loads((out / "summary.json").read_text())
-        by_epoch = result["samples_per_sec_by_epoch"]
-        extra = {"run_id": result["run_id"], "samples_per_sec_by_epoch": by_epoch}
+        epochs = result["by_epoch"]
+        by_epoch = [e["samples_per_sec"] for e in epochs]
+        extra = {"run_id": result["run_id"], "by_epoch": epochs}
+        if len(epochs) > 1:  # MLflow's CPU time on rank 0 once set up, over those epochs' time
+            extra["tracking_cpu_share"] = (
+                (epochs[-1]["tracking_thread_cpu_s"] - epochs[0]["tracking_thread_cpu_s"])
+                / sum(e["epoch_time_s"] for e in epochs[1:]))
         if variant == "c":
             extra.update(store_check(out / "mlflow.db", result["run_id"]))
     sps = steady_rate(by_epoch)
@@ -227,6 +232,9 @@ def summarise(runs: list[Measurement]) -> dict[str, dict[str, Any]]:
             "peak_rss_mb": [statistics.median(rank) for rank in zip(*(r.peak_rss_mb for r in mine),
                                                                      strict=True)],
             "wall_s": statistics.median(r.wall_s for r in mine)}
+        shares = [r.extra["tracking_cpu_share"] for r in mine if "tracking_cpu_share" in r.extra]
+        if shares:  # a steadier figure for the price of MLflow than c/b on a noisy machine
+            summary[key]["tracking_cpu_share"] = statistics.median(shares)
     return summary
 
 
@@ -248,6 +256,9 @@ def print_table(summary: dict[str, dict[str, Any]], found: dict[str, float]) -> 
               f"{s['time_to_first_step_s']:>11.1f} {rss:>22} {s['wall_s']:>8.1f}")
     for name, value in found.items():
         print(f"samples/s {name} = {value:.3f}  ({(value - 1) * 100:+.1f}%)")
+    if "tracking_cpu_share" in summary.get("c", {}):
+        print(f"MLflow thread on rank 0 after the first epoch: "
+              f"{summary['c']['tracking_cpu_share'] * 100:.2f}% of one core")
 
 
 def main() -> None:

@@ -75,7 +75,7 @@ class Reporter(NullReporter):
         self.interactive = sys.stderr.isatty()
         self.final_metrics = {}
         self.first_step_at: float | None = None
-        self.samples_per_sec: list[float] = []  # each epoch this attempt trained
+        self.by_epoch: list[dict[str, float]] = []  # each epoch this attempt trained
         self.restarts = 0
         self.config_yaml = ""
         self._bar: Any = None
@@ -194,7 +194,9 @@ class Reporter(NullReporter):
             self.tracker.log_metrics(system_stats.as_metrics(nodes), step=epoch)
         self.tracker.log_metrics(metrics, step=epoch)
         self.final_metrics.update(metrics)
-        self.samples_per_sec.append(metrics["train/samples_per_sec"])
+        self.by_epoch.append({"samples_per_sec": metrics["train/samples_per_sec"],
+                              "epoch_time_s": epoch_time_s,
+                              "tracking_thread_cpu_s": self.tracker.cpu_seconds})
         shown = "  ".join(f"{k}={v:.4g}" for k, v in metrics.items()
                           if k in ("train/loss", "train/accuracy", "val/loss", "val/accuracy",
                                    "train/samples_per_sec", "train/mfu", "epoch_time_s"))
@@ -236,7 +238,7 @@ class Reporter(NullReporter):
         self.tracker.log_metrics({"peak_rss_mb_max": max(peak_rss_mb)}, step=self.epochs)
         self.tracker.flush()
         summary = {"run_id": self.tracker.run_id, "metrics": self.final_metrics,
-                   "samples_per_sec_by_epoch": self.samples_per_sec,
+                   "by_epoch": self.by_epoch,
                    "first_step_at": self.first_step_at, "peak_rss_mb": peak_rss_mb}
         (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
 

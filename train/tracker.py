@@ -45,6 +45,7 @@ class NullTracker:
     def log(self, kind: str, **data: Any) -> None: ...
     def begin_sending(self) -> None: ...
     def flush(self) -> None: ...
+    cpu_seconds = 0.0
     def finish(self, error: str | None = None, status: str | None = None) -> None: ...
 
 
@@ -64,6 +65,7 @@ class RunTracker(NullTracker):
         self._given_up = False  # finish() timed out and saved the rest: stop retrying
         self._sender: Any = None  # train.tracking.Sender, made by the thread (imports mlflow)
         self._started = False
+        self._cpu_seconds = 0.0
         self._thread = threading.Thread(target=self._loop, name="mlflow-sender", daemon=True)
         self._thread.start()
 
@@ -140,6 +142,11 @@ class RunTracker(NullTracker):
         with contextlib.suppress(_GivenUp):
             self._serve()
 
+    @property
+    def cpu_seconds(self) -> float:
+        """CPU time the sender thread has used (MLflow's whole cost to this rank)."""
+        return self._cpu_seconds
+
     def _serve(self) -> None:
         last_rows = 0.0
         while True:
@@ -147,6 +154,7 @@ class RunTracker(NullTracker):
             if self._sender is not None and self.rows and (wait <= 0 or self._hurry.is_set()):
                 self._send_rows()
                 last_rows = time.monotonic()
+                self._cpu_seconds = time.thread_time()
                 continue
             try:
                 record = self._queue.get(timeout=max(0.05, wait) if self.rows else 0.5)
@@ -166,6 +174,7 @@ class RunTracker(NullTracker):
                     self._send_rows()
                 self._retry(lambda r=record: self._sender.record(r))  # type: ignore[union-attr]
             self._in_flight = None
+            self._cpu_seconds = time.thread_time()
 
     def _begin(self, record: Record) -> None:
         if self._sender is None:
