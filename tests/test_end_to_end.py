@@ -87,6 +87,8 @@ def test_two_rank_run_is_one_complete_mlflow_run(store: dict[str, str], tmp_path
     assert summary["metrics"]["val/accuracy"] == pytest.approx(val_acc[-1][1])
     assert len(summary["peak_rss_mb"]) == 2
     assert f"MLflow run {run.info.run_id} FINISHED" in result.stderr
+    log = (out_dir / "train.log").read_text()  # the job's log beside its outputs
+    assert f"[rank 0][INFO] epoch {epochs}/{epochs}" in log and run.info.run_id in log
 
 
 def test_three_ranks_count_what_they_process(store: dict[str, str], tmp_path: Path) -> None:

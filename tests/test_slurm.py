@@ -324,7 +324,7 @@ def test_scontrol_requeue_resumes_from_the_checkpoint(cluster: None, store: dict
     import time
 
     proc = subprocess.Popen(
-        [*_train_argv(tmp_path), "cluster.tasks_per_node=2", "trainer.epochs=40",
+        [*_train_argv(tmp_path), "cluster.tasks_per_node=2", "trainer.epochs=20",
          "trainer.log_every_n_steps=5"], cwd=REPO, env={**os.environ, **store},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     checkpoints = tmp_path / "sweep" / "0" / "checkpoints"
@@ -333,7 +333,7 @@ def test_scontrol_requeue_resumes_from_the_checkpoint(cluster: None, store: dict
         time.sleep(0.5)
     job_id = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True,
                             text=True).stdout.split()[0]
-    time.sleep(3)  # well inside an epoch
+    time.sleep(3)  # a few epochs further: the requeue lands mid-training
     subprocess.run(["scontrol", "requeue", job_id], check=True)
     stdout, stderr = proc.communicate(timeout=420)
     assert proc.returncode == 0, stdout + stderr
@@ -341,7 +341,7 @@ def test_scontrol_requeue_resumes_from_the_checkpoint(cluster: None, store: dict
     [run] = runs_in(uri)
     assert run.info.status == "FINISHED"
     assert run.data.tags["restarts"] == "1" and run.data.tags["stopped_by"] == "SIGTERM"
-    assert [s for s, _ in history(uri, run.info.run_id, "train/loss")] == list(range(40))
+    assert [s for s, _ in history(uri, run.info.run_id, "train/loss")] == list(range(20))
     steps = [s for s, _ in history(uri, run.info.run_id, "train/step_loss")]
     assert steps == sorted(set(steps))
     assert "resumed from" in _attempts(tmp_path)

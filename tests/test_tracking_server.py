@@ -168,7 +168,8 @@ def test_what_the_server_never_took_is_kept_and_uploaded_later(tmp_path: Path) -
     epochs, job_dir = 3, tmp_path / "job"
     job = subprocess.Popen(
         [sys.executable, "-m", "train", f"trainer.epochs={epochs}", "tracking.flush_timeout_s=3",
-         "trainer.log_every_n_steps=5", f"hydra.run.dir={job_dir}"], cwd=REPO,
+         "trainer.log_every_n_steps=5", "trainer.checkpoint_every=0",  # no flush per epoch
+         f"hydra.run.dir={job_dir}"], cwd=REPO,
         env={**os.environ, "MLFLOW_TRACKING_URI": server.url}, stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE, text=True)
     try:

@@ -27,12 +27,15 @@ from train.report import open_reporter
 log = logging.getLogger("train")
 
 
-def setup_logging(rank: int) -> None:
-    """Rank 0 tells the story; the other ranks speak only about problems."""
+def setup_logging(rank: int, log_file: Path) -> None:
+    """Rank 0 tells the story; the other ranks speak only about problems. On stderr, and in the
+    job's log file beside its outputs (Hydra's train.log), which every rank appends to."""
     level = logging.INFO if rank == 0 else logging.WARNING
     fmt = "[%(asctime)s][rank " + str(rank) + "][%(levelname)s] %(message)s"
-    logging.basicConfig(level=level, format=fmt, datefmt="%H:%M:%S", stream=sys.stderr,
-                        force=True)
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(level=level, format=fmt, datefmt="%H:%M:%S", force=True,
+                        handlers=[logging.StreamHandler(sys.stderr),
+                                  logging.FileHandler(log_file, mode="a")])
 
 
 def _rank_info(device: torch.device) -> dict[str, str]:
@@ -77,7 +80,7 @@ def run_rank(config: dict[str, Any], output_dir: str, command: str,
     """
     env = distenv.detect()
     if own_process:
-        setup_logging(env.rank)
+        setup_logging(env.rank, Path(output_dir) / "train.log")
     if "OMP_NUM_THREADS" not in os.environ:
         # As torchrun does: ranks sharing a node share its CPUs instead of each taking all.
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // env.local_world_size))
