@@ -108,6 +108,7 @@ def tag_unwaited_jobs(cfg: TrackingConfig, parent_run_id: str, jobs: int) -> Non
 class ParentRunCallback(Callback):
     def __init__(self) -> None:
         self.parent_run_id: str | None = None
+        self.experiment_id = ""
         self.settings: tuple[Any, str, str] | None = None
         self.overrides = ""
         self.sweep_dir = ""
@@ -129,17 +130,18 @@ class ParentRunCallback(Callback):
     def start_parent(self) -> tuple[str, str]:
         """The experiment and parent run ids, the run created at the first call."""
         assert self.settings is not None
-        from train import tracking
-
-        experiment_id = tracking.prepare(self.settings[0])
         if self.parent_run_id is None:
+            from train import tracking
+
+            self.experiment_id = tracking.prepare(self.settings[0])
             tags = {"sweep": "true", "sweep.dir": self.sweep_dir,
                     "sweep.overrides": self.overrides}
-            self.parent_run_id = start_parent_run(self.settings[0], experiment_id, tags)
-            os.environ[EXPERIMENT_ENV] = experiment_id
+            self.parent_run_id = start_parent_run(self.settings[0], self.experiment_id, tags)
+            os.environ[EXPERIMENT_ENV] = self.experiment_id
             os.environ[PARENT_ENV] = self.parent_run_id
-            log.info("sweep parent run %s in experiment %s", self.parent_run_id, experiment_id)
-        return experiment_id, self.parent_run_id
+            log.info("sweep parent run %s in experiment %s", self.parent_run_id,
+                     self.experiment_id)
+        return self.experiment_id, self.parent_run_id
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         self.finish()
