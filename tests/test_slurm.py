@@ -157,6 +157,10 @@ def test_the_tracking_server_runs_as_a_slurm_job(cluster: None, tmp_path: Path) 
     finally:
         subprocess.run(["scancel", job_id], check=False)
         _wait_for_job(job_id, timeout=60)
+        deadline = time.monotonic() + 60  # sacct says CANCELLED while squeue still lists it
+        while subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True,
+                             text=True).stdout.strip() and time.monotonic() < deadline:
+            time.sleep(0.5)
 
 
 def _answers(url: str) -> bool:

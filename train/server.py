@@ -25,9 +25,8 @@ import os
 import shlex
 import socket
 import sys
-from pathlib import Path
 
-from train.store import EMBEDDED_STORE_DIR
+from train.store import EMBEDDED_STORE_DIR, sqlite_path
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # MLflow's own default allow-list (mlflow/server/security_utils.py): giving --allowed-hosts
@@ -108,9 +107,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
-    if args.backend_store_uri.startswith("sqlite:///"):
-        Path(args.backend_store_uri.removeprefix("sqlite:///")).parent.mkdir(
-            parents=True, exist_ok=True)
+    if (db := sqlite_path(args.backend_store_uri)) is not None:
+        db.parent.mkdir(parents=True, exist_ok=True)
     url = public_url(args.host, args.port)
     # From a laptop: forward a local port to this server through the login node.
     target = "127.0.0.1" if args.host in LOOPBACK else url.split("//")[1].rsplit(":", 1)[0]

@@ -26,6 +26,11 @@ def embedded_uri() -> str:
     return f"sqlite:///{EMBEDDED_STORE_DIR / 'mlflow.db'}"
 
 
+def sqlite_path(uri: str) -> Path | None:
+    """The database file of an SQLite store URI (sqlite:////abs/path.db); None for others."""
+    return Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
+
+
 def resolve_uri(cfg: TrackingConfig) -> str:
     """tracking.uri (MLFLOW_TRACKING_URI when set), else the embedded store."""
     return cfg.uri or embedded_uri()
@@ -35,9 +40,8 @@ def artifact_location(uri: str) -> str | None:
     """Where a new experiment keeps its artifacts: for an SQLite store, `artifacts/` beside the
     database (MLflow's default would be ./mlruns of whatever directory the job ran in); for a
     server or another database, where the server says."""
-    if not uri.startswith("sqlite:///"):
-        return None
-    return (Path(uri.removeprefix("sqlite:///")).parent / "artifacts").as_uri()
+    db = sqlite_path(uri)
+    return None if db is None else (db.parent / "artifacts").as_uri()
 
 
 def is_local_path_uri(uri: str) -> bool:
@@ -59,8 +63,8 @@ def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
             f"MLflow tracking server {uri} is not usable: {problem}. Start it (`make "
             "mlflow-server`), fix MLFLOW_TRACKING_URI / tracking.uri, or run with "
             "tracking.enabled=false.")
-    if uri.startswith("sqlite:///"):
-        directory = Path(uri.removeprefix("sqlite:///")).parent
+    if (db := sqlite_path(uri)) is not None:
+        directory = db.parent
         try:
             directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -73,10 +77,8 @@ def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
 def is_new_sqlite(uri: str) -> bool:
     """An SQLite store whose database does not exist yet: it must be created and migrated once,
     by one process (several doing it at once corrupt it)."""
-    if not uri.startswith("sqlite:///"):
-        return False
-    path = Path(uri.removeprefix("sqlite:///"))
-    return not path.exists() or path.stat().st_size == 0
+    db = sqlite_path(uri)
+    return db is not None and (not db.exists() or db.stat().st_size == 0)
 
 
 def how_to_view(uri: str, experiment_id: str | None, run_id: str) -> str:
@@ -86,8 +88,7 @@ def how_to_view(uri: str, experiment_id: str | None, run_id: str) -> str:
         return f"{uri.rstrip('/')}/{page}"
     if uri == embedded_uri():
         return f"`make ui`, then http://127.0.0.1:5000/{page}"
-    if uri.startswith("sqlite:///") and uri.endswith("/mlflow.db"):
-        store = uri.removeprefix("sqlite:///").removesuffix("/mlflow.db")
-        return f"`make ui UI_STORE={store}`, then http://127.0.0.1:5000/{page}"
+    if (db := sqlite_path(uri)) is not None and db.name == "mlflow.db":
+        return f"`make ui UI_STORE={db.parent}`, then http://127.0.0.1:5000/{page}"
     return (f"`python -m train.server --port 5000 --backend-store-uri {uri}`, then "
             f"http://127.0.0.1:5000/{page}")

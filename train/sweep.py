@@ -71,14 +71,15 @@ def end_parent_run(cfg: TrackingConfig, parent_run_id: str, objective: str,
 
     sender = Sender(resolve_uri(cfg), parent_run_id)
     parent = sender.client.get_run(parent_run_id)
+    expected = parent.data.tags.get(JOBS_TAG)
+    if only_if_done and expected is None:  # a waited sweep: its submitter ends the parent
+        return None
     children = sender.client.search_runs(
         [parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent_run_id}'",
         max_results=10000)
-    if only_if_done:
-        expected = parent.data.tags.get(JOBS_TAG)
-        if expected is None or len(children) < int(expected) or any(
-                c.info.status in ("RUNNING", "SCHEDULED") for c in children):
-            return None
+    if only_if_done and (len(children) < int(expected) or any(
+            c.info.status in ("RUNNING", "SCHEDULED") for c in children)):
+        return None
     failed = [c for c in children if c.info.status != "FINISHED"]
     scored = [c for c in children if objective in c.data.metrics]
     summary: dict[str, Any] = {"children": len(children), "failed": len(failed)}

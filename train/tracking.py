@@ -16,7 +16,13 @@ from typing import Any
 
 from train.config import TrackingConfig
 from train.outbox import Batch, Record
-from train.store import artifact_location, check_reachable, is_new_sqlite, resolve_uri
+from train.store import (
+    artifact_location,
+    check_reachable,
+    is_new_sqlite,
+    resolve_uri,
+    sqlite_path,
+)
 
 
 def initialise(uri: str) -> None:
@@ -26,8 +32,9 @@ def initialise(uri: str) -> None:
 
     from mlflow import MlflowClient
 
-    lock = Path(uri.removeprefix("sqlite:///")).with_suffix(".lock")
-    with open(lock, "a") as f:
+    db = sqlite_path(uri)
+    assert db is not None, "only SQLite stores are initialised here"
+    with open(db.with_suffix(".lock"), "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             MlflowClient(tracking_uri=uri).search_experiments(max_results=1)  # migrates
