@@ -10,7 +10,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from train.config import register_schema
+from train import config as config_lib
+from train import distenv
+from train.config import TrainConfig, register_schema
 
 register_schema()
 
@@ -23,7 +25,7 @@ def main(cfg: DictConfig) -> float | None:
     """Run one job; returns its objective (trainer.objective) for Hydra's sweepers."""
     from train.config import ConfigError
     from train.distenv import DistEnvError
-    from train.launch import JobFailedError, LaunchError, run
+    from train.launch import JobFailedError, LaunchError
 
     hydra_cfg = HydraConfig.get()
     try:
@@ -36,3 +38,33 @@ def main(cfg: DictConfig) -> float | None:
         # A single job: the message alone, no stack of Hydra frames around it.
         print(f"\nerror: {e}\n", file=sys.stderr)
         raise SystemExit(1 if isinstance(e, JobFailedError) else 2) from None
+
+
+def run(cfg: DictConfig, output_dir: str, command: str) -> float | None:
+    """Run the job this process was asked for; returns the objective for Hydra sweepers."""
+    config = config_lib.to_container(cfg)
+    typed = config_lib.to_typed(config)
+    external = distenv.external_world_size()
+    if external is not None:
+        # torchrun / srun / submitit started every rank: each validates, then trains.
+        config_lib.validate(typed, external)
+        from train.job import run_rank
+
+        return objective(typed, run_rank(config, output_dir, command))
+    from train.launch import run_in_process, start_local_ranks
+    from train.preflight import preflight
+
+    nproc = typed.distributed.nproc_per_node
+    preflight(typed, nproc, nproc)
+    if typed.tracking.enabled:
+        from train.sweep import parent_run_for_jobs
+
+        if (ids := parent_run_for_jobs()) is not None:  # a job of a local sweep
+            config["tracking"]["experiment_id"], config["tracking"]["parent_run_id"] = ids
+    if nproc == 1:
+        return objective(typed, run_in_process(config, output_dir, command))
+    return objective(typed, start_local_ranks(config, output_dir, command, nproc))
+
+
+def objective(cfg: TrainConfig, final: dict[str, float]) -> float | None:
+    return final.get(cfg.trainer.objective)

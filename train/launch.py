@@ -1,4 +1,4 @@
-"""From a composed config to running ranks: pre-flight, then run in place or start N ranks.
+"""Local ranks: one run in this process, or N ranks started and supervised on this machine.
 
 This module stays light (no torch, torchvision or mlflow at import time): `--help`, `--cfg` and
 a refused configuration answer in well under a second, and the ranks do the heavy imports in
@@ -19,11 +19,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from omegaconf import DictConfig
-
-from train import config as config_lib
 from train import distenv
-from train.config import ConfigError, TrainConfig
 
 log = logging.getLogger("train")
 
@@ -45,68 +41,6 @@ class RankOutcome:
     kind: str  # "error" or "result"
     payload: Any
     at: float
-
-
-def preflight(cfg: TrainConfig, world_size: int, local_ranks: int) -> None:
-    """Everything that can be refused before a rank starts, each with what to do about it."""
-    config_lib.validate(cfg, world_size)
-    if cfg.model.source == "torchvision":
-        from train.models import torchvision_builders
-
-        if cfg.model.name not in (builders := torchvision_builders()):
-            raise ConfigError(f"model=torchvision model.name={cfg.model.name!r} is not a "
-                              f"torchvision classification model; choose one of {builders}.")
-    if cfg.data.name not in ("digits", "synthetic") and not cfg.data.download:
-        from train import datasets  # torch and torchvision: only for data sets on disk
-
-        try:
-            datasets.check_available(cfg.data)
-        except datasets.DataMissingError as e:
-            raise LaunchError(str(e)) from None
-    if cfg.distributed.backend == "nccl" or cfg.distributed.device == "cuda":
-        import torch
-
-        gpus = torch.cuda.device_count()
-        if local_ranks > gpus:
-            raise LaunchError(
-                f"distributed.nproc_per_node={local_ranks} ranks need as many GPUs with "
-                f"backend={cfg.distributed.backend} device={cfg.distributed.device}, but this "
-                f"machine has {gpus}. Lower nproc_per_node, or use distributed.device=cpu "
-                "distributed.backend=gloo.")
-    if cfg.tracking.enabled:
-        from train.store import TrackingError, check_reachable, resolve_uri
-
-        try:
-            check_reachable(resolve_uri(cfg.tracking))
-        except TrackingError as e:
-            raise LaunchError(str(e)) from None
-
-
-def run(cfg: DictConfig, output_dir: str, command: str) -> float | None:
-    """Run the job this process was asked for; returns the objective for Hydra sweepers."""
-    config = config_lib.to_container(cfg)
-    typed = config_lib.to_typed(config)
-    external = distenv.external_world_size()
-    if external is not None:
-        # torchrun / srun / submitit started every rank: each validates, then trains.
-        config_lib.validate(typed, external)
-        from train.job import run_rank
-
-        return objective(typed, run_rank(config, output_dir, command))
-    nproc = typed.distributed.nproc_per_node
-    preflight(typed, nproc, nproc)
-    if typed.tracking.enabled:
-        from train.sweep import parent_run_for_jobs
-
-        if (ids := parent_run_for_jobs()) is not None:  # a job of a local sweep
-            config["tracking"]["experiment_id"], config["tracking"]["parent_run_id"] = ids
-    if nproc == 1:
-        return objective(typed, run_in_process(config, output_dir, command))
-    return objective(typed, start_local_ranks(config, output_dir, command, nproc))
-
-
-def objective(cfg: TrainConfig, final: dict[str, float]) -> float | None:
-    return final.get(cfg.trainer.objective)
 
 
 def run_in_process(config: dict[str, Any], output_dir: str, command: str) -> dict[str, float]:
