@@ -3,7 +3,8 @@
 `tracking_server(root)` starts it with its backend store and artifacts under `root`, waits until
 GET /health answers 200, yields the URL, and afterwards stops the whole process tree (the
 `mlflow server` wrapper, gunicorn's master and its workers). `ServerProcess` is the same with
-explicit start()/stop(), for tests that take the server away while a job runs.
+explicit start()/stop(), for tests that take the server away while a job runs. `wait_until`
+polls for what a test waits on, with a deadline (no bare sleeps).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
@@ -21,6 +22,16 @@ import psutil
 
 from tests.conftest import REPO
 from train.distenv import free_port
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout: float = 120,
+               job: subprocess.Popen[str] | None = None) -> None:
+    """Poll `condition` until it holds; fail after `timeout` s, or at once if `job` ended."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert job is None or job.poll() is None, f"the job ended before {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.2)
 
 
 class ServerProcess:

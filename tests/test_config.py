@@ -14,7 +14,23 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
 from tests.conftest import REPO, run_train, runs_in
-from train.config import ConfigError, register_schema, to_container, to_typed, validate
+from train.config import (
+    ClusterConfig,
+    ConfigError,
+    DataConfig,
+    DistributedConfig,
+    ModelConfig,
+    OptimConfig,
+    TrackingConfig,
+    TrainerConfig,
+    handed_overrides,
+    ranks_per_node,
+    register_schema,
+    to_container,
+    to_typed,
+    typed_by_user,
+)
+from train.preflight import validate
 
 GROUPS = ("model", "data", "optim", "trainer", "distributed", "tracking")
 
@@ -113,8 +129,11 @@ def test_cfg_job_prints_the_composed_config() -> None:
     (("optim.lr=-0.1",), "optim.lr must be positive"),
     (("data.batch_size=63", "distributed.nproc_per_node=2"), "must split evenly over the 2 ranks"),
     (("model.name=vgg",), "choose one of"),
-    (("distributed.backend=nccl", "distributed.nproc_per_node=2"), "need as many GPUs"),
-    (("model=torchvision", "model.name=not_a_net"), "not a torchvision classification model"),
+    # These two import torch or torchvision before refusing (seconds each): the slow layer.
+    pytest.param(("distributed.backend=nccl", "distributed.nproc_per_node=2"),
+                 "need as many GPUs", marks=pytest.mark.slow),
+    pytest.param(("model=torchvision", "model.name=not_a_net"),
+                 "not a torchvision classification model", marks=pytest.mark.slow),
 ])
 def test_cli_refuses_bad_input_before_anything_starts(store: dict[str, str],
                                                       overrides: tuple[str, ...],
@@ -126,6 +145,7 @@ def test_cli_refuses_bad_input_before_anything_starts(store: dict[str, str],
     assert runs_in(store["MLFLOW_TRACKING_URI"]) == []
 
 
+@pytest.mark.slow  # imports torchvision to look for the files
 def test_cli_names_the_download_command_for_a_missing_data_set(store: dict[str, str],
                                                                tmp_path: Path) -> None:
     out = run_train("data=mnist", f"data.root={tmp_path / 'nothing'}", env=store, timeout=120)
@@ -157,3 +177,75 @@ def test_tracking_uri_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -
         "http://tracking.example:5000"
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
     assert composed().tracking.uri is None
+
+
+# -- one source of defaults: the dataclasses ---------------------------------------------------
+
+SCHEMA = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig,
+          "trainer": TrainerConfig, "distributed": DistributedConfig,
+          "tracking": TrackingConfig, "cluster": ClusterConfig}
+OPTION_FILES = sorted((REPO / "conf").glob("*/*.yaml"))
+
+
+def restated_defaults(path: Path) -> list[str]:
+    """Keys a group option's YAML sets to the value its dataclass already has."""
+    text = path.read_text()
+    body = yaml.safe_load(text) or {}
+    body.pop("defaults", None)
+    groups = body if "@package _global_" in text else {path.parent.name: body}
+    restated = []
+    for group, values in groups.items():
+        if group not in SCHEMA or not values:
+            continue  # hydra.* (the launcher mapping, a sweeper)
+        defaults = OmegaConf.to_container(OmegaConf.structured(SCHEMA[group]))
+        restated += [f"{group}.{key}={value!r}" for key, value in values.items()
+                     if key in defaults and defaults[key] == value]
+    return restated
+
+
+@pytest.mark.parametrize("path", OPTION_FILES, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_yaml_sets_only_what_differs_from_the_dataclass(path: Path) -> None:
+    assert restated_defaults(path) == [], f"{path}: these equal train/config.py's defaults"
+
+
+@pytest.mark.parametrize("path", OPTION_FILES, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_every_group_option_composes_complete_and_valid(path: Path) -> None:
+    group, option = path.parent.name, path.stem
+    prefix = "" if group in GROUPS else "+"  # cluster and hparams_search are added, not chosen
+    cfg = composed(f"{prefix}{group}={option}")
+    typed = to_typed(to_container(cfg))
+    for name, schema in SCHEMA.items():
+        if name in cfg and cfg[name] is not None:  # every key of the dataclass is there
+            assert set(cfg[name]) == set(OmegaConf.structured(schema)), name
+    world = 1 if typed.cluster is None else ranks_per_node(typed.cluster) * typed.cluster.nodes
+    validate(typed, world)
+
+
+def test_cluster_keys_come_from_the_dataclass() -> None:
+    cfg = composed("+cluster=slurm", "cluster.nodes=2")
+    expected = OmegaConf.to_container(OmegaConf.structured(ClusterConfig))
+    assert OmegaConf.to_container(cfg.cluster) == {**expected, "nodes": 2}
+
+
+@pytest.mark.parametrize(("tasks", "gpus", "expected"), [
+    (None, 0, 1), (None, 4, 4), (2, 0, 2), (3, 3, 3)])
+def test_ranks_per_node(tasks: int | None, gpus: int, expected: int) -> None:
+    cluster = ClusterConfig(tasks_per_node=tasks, gpus_per_node=gpus)
+    assert ranks_per_node(cluster) == expected
+    # The launcher's tasks_per_node is the same function, through the YAML's resolver.
+    overrides = ["+cluster=slurm", f"cluster.gpus_per_node={gpus}"]
+    if tasks is not None:
+        overrides.append(f"cluster.tasks_per_node={tasks}")
+    register_schema()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
+    assert cfg.hydra.launcher.tasks_per_node == expected
+
+
+def test_launcher_ids_are_quoted_overrides_left_out_of_the_command() -> None:
+    handed = handed_overrides("123e45", "abc")
+    assert handed == ["tracking.experiment_id='123e45'", "tracking.parent_run_id='abc'"]
+    assert handed_overrides("1", None) == ["tracking.experiment_id='1'"]
+    typed = to_typed(to_container(composed(*handed)))
+    assert (typed.tracking.experiment_id, typed.tracking.parent_run_id) == ("123e45", "abc")
+    assert typed_by_user(["optim.lr=0.1", *handed]) == ["optim.lr=0.1"]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from train import config, data, datasets, models
+from train import data, datasets, models, preflight
 from train.config import DataConfig, ModelConfig
 
 
@@ -102,6 +102,66 @@ def test_the_split_is_fixed_disjoint_and_complete() -> None:
     assert not torch.equal(one.val_idx, data.split(1797, 0.2, seed=1).val_idx)
 
 
+@pytest.mark.parametrize(("n", "fraction", "n_val"), [(10, 0.2, 2), (103, 0.2, 21), (3, 0.1, 1),
+                                                    (1000, 0.5, 500)])
+def test_split_sizes_and_seeds(n: int, fraction: float, n_val: int) -> None:
+    parts = data.split(n, fraction, seed=7)
+    train, val = set(parts.train_idx.tolist()), set(parts.val_idx.tolist())
+    assert len(val) == len(parts.val_idx) == n_val  # at least one validation sample
+    assert not train & val and train | val == set(range(n))
+    again = data.split(n, fraction, seed=7)
+    assert torch.equal(again.train_idx, parts.train_idx) and torch.equal(again.val_idx,
+                                                                          parts.val_idx)
+
+
+def _rows(images: torch.Tensor) -> list[bytes]:
+    """Each image as bytes: with random pixels, the sample's identity."""
+    return [bytes(image.flatten().tolist()) for image in images]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
+def test_synthetic_shards_cover_every_sample_at_any_world_size(world_size: int) -> None:
+    """103 samples (21 validation, 82 training) over W ranks: validation shards hold every
+    validation sample exactly once, whatever W; training shards take the same number of steps
+    on every rank and together cover the training split (DistributedSampler pads by repeating
+    a few samples)."""
+    cfg = DataConfig(name="synthetic", num_samples=103, channels=1, image_size=4, num_classes=3,
+                     batch_size=4 * world_size, num_workers=0)
+    source = datasets.DATASETS["synthetic"](cfg)
+    parts = data.split(103, cfg.val_fraction, cfg.split_seed)
+    assert len(set(_rows(source.images))) == 103  # the byte rows do identify samples
+
+    bundles = [data.build(cfg, rank, world_size, world_size, torch.device("cpu"), seed=0)
+               for rank in range(world_size)]
+    assert {(b.num_train, b.num_val) for b in bundles} == {(82, 21)}
+    val_shards = [[row for images, _ in b.val.raw() for row in _rows(images)] for b in bundles]
+    assert sorted(sum(val_shards, [])) == sorted(_rows(source.images[parts.val_idx]))
+    sizes = [len(shard) for shard in val_shards]
+    assert max(sizes) - min(sizes) <= 1  # strided: balanced, no padding
+
+    for b in bundles:
+        b.train.set_epoch(0)
+    train_seen = [[row for images, _ in b.train.raw() for row in _rows(images)] for b in bundles]
+    assert len({len(rows) for rows in train_seen}) == 1  # the same shard size everywhere
+    assert len({len(b.train) for b in bundles}) == 1  # the same number of steps everywhere
+    everything = [row for rows in train_seen for row in rows]
+    assert len(everything) == -(-82 // world_size) * world_size
+    assert set(everything) == set(_rows(source.images[parts.train_idx]))
+
+
+def test_more_ranks_than_validation_samples_leaves_some_shards_empty() -> None:
+    """10 samples, 2 for validation, 3 ranks: rank 2 validates nothing (and adds nothing)."""
+    cfg = DataConfig(name="synthetic", num_samples=10, channels=1, image_size=4, num_classes=2,
+                     batch_size=3, num_workers=0)
+    bundles = [data.build(cfg, rank, 3, 3, torch.device("cpu"), seed=0) for rank in range(3)]
+    shards = [[row for images, _ in b.val.raw() for row in _rows(images)] for b in bundles]
+    assert [len(shard) for shard in shards] == [1, 1, 0]
+    assert [len(b.val) for b in bundles] == [1, 1, 0]
+    source = datasets.DATASETS["synthetic"](cfg)
+    assert sorted(shards[0] + shards[1]) == sorted(
+        _rows(source.images[data.split(10, 0.2, 0).val_idx]))
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_shards_cover_validation_exactly_once(world_size: int) -> None:
     cpu = torch.device("cpu")
@@ -156,8 +216,8 @@ def test_crop_and_flip_only_moves_pixels() -> None:
 
 
 def test_registries_match_the_names_config_validates() -> None:
-    assert set(datasets.DATASETS) == set(config.DATASET_NAMES)
-    assert set(models.MODELS) == set(config.MODEL_NAMES)
+    assert set(datasets.DATASETS) == set(preflight.DATASET_NAMES)
+    assert set(models.MODELS) == set(preflight.MODEL_NAMES)
 
 
 @pytest.mark.parametrize("name", ["cnn", "mlp", "resnet18"])

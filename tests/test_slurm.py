@@ -1,18 +1,103 @@
-"""`python -m train +cluster=slurm` against the real local Slurm cluster (slurm/)."""
+"""`python -m train +cluster=slurm` against the real local Slurm cluster (slurm/); first, fast
+tests of train/slurm.py's in-job part and request checks, which need no cluster."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
 from tests.conftest import REPO, history, run_train, runs_in, skip_or_fail
+from train import slurm
+from train.config import ClusterConfig, ConfigError, TrainConfig
 
-pytestmark = [pytest.mark.slow, pytest.mark.slurm]
+T = TypeVar("T")
+
+
+def on_slurm(test: T) -> T:
+    """The marks of a test that runs `python -m train +cluster=slurm` or Slurm's commands."""
+    return pytest.mark.slow(pytest.mark.slurm(test))
+
+
+def wait_until(check: Callable[[], T], timeout: float, what: str, every: float = 0.5) -> T:
+    """`check()` once it is truthy, polled every `every` seconds; fails after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not (value := check()):
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
+        time.sleep(every)
+    return value
+
+
+# -- no cluster needed -------------------------------------------------------------------------
+
+@pytest.fixture
+def fake_scontrol(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """`scontrol` on PATH that writes its arguments to a file; a Slurm job's environment."""
+    calls = tmp_path / "scontrol.calls"
+    script = tmp_path / "bin" / "scontrol"
+    script.parent.mkdir()
+    script.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{script.parent}{os.pathsep}{os.environ['PATH']}")
+    for key in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    return calls
+
+
+def test_a_time_limit_requeues_until_the_budget_is_spent(fake_scontrol: Path) -> None:
+    assert slurm.requeue_after_stop("SIGUSR2", 0, 3) == 1
+    assert slurm.requeue_after_stop("SIGUSR2", 2, 3) == 3
+    assert slurm.requeue_after_stop("SIGUSR2", 3, 3) is None  # spent: not requeued
+    assert fake_scontrol.read_text().splitlines() == ["requeue 41", "requeue 41"]
+
+
+def test_requeue_targets_the_array_task_and_only_after_usr2(
+        fake_scontrol: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert slurm.requeue_after_stop("SIGTERM", 0, 3) is None  # Slurm requeues it itself
+    assert not fake_scontrol.exists()
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "40")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "1")
+    assert slurm.requeue_target() == "40_1"
+    assert slurm.requeue_after_stop("SIGUSR2", 0, 1) == 1
+    assert fake_scontrol.read_text().splitlines() == ["requeue 40_1"]
+
+
+def test_outside_slurm_nothing_is_requeued_or_tagged(fake_scontrol: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SLURM_JOB_ID")
+    assert slurm.requeue_after_stop("SIGUSR2", 0, 3) is None
+    assert slurm.slurm_tags(["node1"]) == {}
+    assert not fake_scontrol.exists()
+
+
+def test_slurm_tags_name_the_job_and_its_nodes(fake_scontrol: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_JOB_PARTITION", "debug")
+    assert slurm.slurm_tags(["node2", "node1", "node2"]) == {
+        "slurm.job_id": "41", "slurm.nodes": "node1,node2", "slurm.partition": "debug"}
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "40")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "0")
+    tags = slurm.slurm_tags(["node1"])
+    assert tags["slurm.job_id"] == "40" and tags["slurm.array_task_id"] == "0"
+
+
+def test_the_request_is_checked_with_the_shared_ranks_per_node() -> None:
+    cfg = TrainConfig(cluster=ClusterConfig(nodes=2, gpus_per_node=4))
+    assert slurm.check_request(cfg) == 8
+    cfg.cluster = ClusterConfig(gpus_per_node=2, tasks_per_node=1, time_min=0)
+    with pytest.raises(ConfigError, match="a GPU job runs one rank per GPU.*time_min"):
+        slurm.check_request(cfg)
+
+
+# -- the local cluster ---------------------------------------------------------------------------
 
 ROOT_SKIP = 3  # cluster-up.sh's exit code when it cannot run here (not root)
 
@@ -65,6 +150,7 @@ def slurm_job(tmp_path: Path, *overrides: str, env: dict[str, str] | None = None
                      f"hydra.sweep.dir={tmp_path}/sweep", *overrides, env=env, timeout=timeout)
 
 
+@on_slurm
 def test_two_nodes_four_ranks_make_one_run(cluster: None, store: dict[str, str],
                                            tmp_path: Path) -> None:
     result = slurm_job(tmp_path, "cluster.nodes=2", "cluster.tasks_per_node=2",
@@ -85,6 +171,7 @@ def test_two_nodes_four_ranks_make_one_run(cluster: None, store: dict[str, str],
     assert history(uri, run.info.run_id, "train/samples") == [(0, 1440.0), (1, 1440.0)]
 
 
+@on_slurm
 def test_the_plain_sbatch_template_runs_the_same_code(cluster: None, store: dict[str, str],
                                                       tmp_path: Path) -> None:
     """slurm/train.sbatch: srun starts the ranks, which read SLURM_* themselves."""
@@ -111,22 +198,23 @@ def test_the_plain_sbatch_template_runs_the_same_code(cluster: None, store: dict
 
 def _wait_for_job(job_id: str, timeout: float) -> str:
     """The job's final state, polled twice a second (`sbatch --wait` polls every 10 s)."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def final_state() -> str | None:
         out = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "State", "-j", job_id],
                              capture_output=True, text=True).stdout.split()
-        if out and out[0] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
-            return out[0]
-        time.sleep(0.5)
-    raise AssertionError(f"job {job_id} did not end within {timeout} s")
+        ended = out and out[0] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
+        return out[0] if ended else None
+
+    return wait_until(final_state, timeout, f"job {job_id} ending")
 
 
+def _listed_by_squeue(job_id: str) -> bool:
+    return bool(subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True,
+                               text=True).stdout.strip())
+
+
+@on_slurm
 def test_the_tracking_server_runs_as_a_slurm_job(cluster: None, tmp_path: Path) -> None:
     """slurm/mlflow-server.sbatch on a node; a job elsewhere logs to it by the node's name."""
-    import time
-
     from train.distenv import free_port
 
     env_file, artifacts = tmp_path / "server.env", tmp_path / "artifacts"
@@ -139,14 +227,15 @@ def test_the_tracking_server_runs_as_a_slurm_job(cluster: None, tmp_path: Path) 
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip().split(";")[0]
+    def server_url() -> str | None:
+        text = env_file.read_text() if env_file.exists() else ""
+        key = "MLFLOW_TRACKING_URI="
+        return text.split(key)[1].strip() if key in text else None
+
     try:
-        deadline = time.monotonic() + 120
-        url = None
-        while url is None or not _answers(url):
-            assert time.monotonic() < deadline, (tmp_path / f"mlflow-server-{job_id}.out")
-            if url is None and env_file.exists():
-                url = env_file.read_text().split("MLFLOW_TRACKING_URI=")[1].strip()
-            time.sleep(0.5)
+        log = tmp_path / f"mlflow-server-{job_id}.out"
+        url = wait_until(server_url, 120, f"the server's address (see {log})")
+        wait_until(lambda: _answers(url), 120, f"the server answering (see {log})")
         assert url.split(":")[1].lstrip("/") in ("node1", "node2")  # the node's name
         result = run_train("trainer.epochs=1", "tracking.log_model=false",
                            f"hydra.run.dir={tmp_path}/job", env={"MLFLOW_TRACKING_URI": url})
@@ -157,10 +246,9 @@ def test_the_tracking_server_runs_as_a_slurm_job(cluster: None, tmp_path: Path) 
     finally:
         subprocess.run(["scancel", job_id], check=False)
         _wait_for_job(job_id, timeout=60)
-        deadline = time.monotonic() + 60  # sacct says CANCELLED while squeue still lists it
-        while subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True,
-                             text=True).stdout.strip() and time.monotonic() < deadline:
-            time.sleep(0.5)
+        # sacct says CANCELLED while squeue still lists it (the fixture checks none is left)
+        with contextlib.suppress(AssertionError):
+            wait_until(lambda: not _listed_by_squeue(job_id), 60, f"job {job_id} leaving squeue")
 
 
 def _answers(url: str) -> bool:
@@ -173,6 +261,7 @@ def _answers(url: str) -> bool:
         return False
 
 
+@on_slurm
 def test_dry_run_prints_the_script_and_submits_nothing(cluster: None, tmp_path: Path) -> None:
     before = subprocess.run(["sacct", "-n", "-X", "-o", "JobID"], capture_output=True,
                             text=True).stdout
@@ -190,6 +279,7 @@ def test_dry_run_prints_the_script_and_submits_nothing(cluster: None, tmp_path: 
     assert after == before
 
 
+@on_slurm
 @pytest.mark.parametrize(("overrides", "expected"), [
     (("cluster.gpus_per_node=2", "cluster.tasks_per_node=1"), "a GPU job runs one rank per GPU"),
     (("cluster.nodes=2", "cluster.tasks_per_node=2", "data.batch_size=30"),
@@ -208,6 +298,7 @@ def test_preflight_refuses_before_submitting(cluster: None, store: dict[str, str
     assert runs_in(store["MLFLOW_TRACKING_URI"]) == []
 
 
+@on_slurm
 def test_preflight_refuses_an_unreachable_tracking_server(cluster: None, tmp_path: Path) -> None:
     from train.distenv import free_port
 
@@ -217,6 +308,7 @@ def test_preflight_refuses_an_unreachable_tracking_server(cluster: None, tmp_pat
     assert "cannot be reached" in result.stderr and "Submitted" not in result.stdout
 
 
+@on_slurm
 def test_preflight_without_slurm_commands(tmp_path: Path) -> None:
     """A login node without Slurm on PATH (no cluster needed for this one)."""
     bare_path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)
@@ -226,6 +318,7 @@ def test_preflight_without_slurm_commands(tmp_path: Path) -> None:
     assert "sbatch is not on PATH" in result.stderr
 
 
+@on_slurm
 def test_an_optuna_search_cannot_leave_its_trials_unwaited(tmp_path: Path) -> None:
     result = slurm_job(tmp_path, "-m", "+hparams_search=optuna_digits", "cluster.wait=false",
                        timeout=120)
@@ -234,6 +327,7 @@ def test_an_optuna_search_cannot_leave_its_trials_unwaited(tmp_path: Path) -> No
     assert "Submitted" not in result.stdout
 
 
+@on_slurm
 def test_a_failing_rank_ends_the_job_promptly(cluster: None, store: dict[str, str],
                                               tmp_path: Path) -> None:
     result = slurm_job(tmp_path, "cluster.nodes=2", "cluster.tasks_per_node=2",
@@ -247,6 +341,7 @@ def test_a_failing_rank_ends_the_job_promptly(cluster: None, store: dict[str, st
     assert run.data.tags["error"].startswith("rank 3 on node2")
 
 
+@on_slurm
 def test_a_sweep_is_one_job_array_under_a_parent_run(cluster: None, store: dict[str, str],
                                                      tmp_path: Path) -> None:
     result = slurm_job(tmp_path, "-m", "optim.lr=0.1,0.02", "cluster.tasks_per_node=2",
@@ -267,23 +362,22 @@ def test_a_sweep_is_one_job_array_under_a_parent_run(cluster: None, store: dict[
         assert history(uri, child.info.run_id, "val/samples") == [(0, 359.0)]
 
 
+@on_slurm
 def test_an_unwaited_sweep_is_ended_by_its_last_job(cluster: None, store: dict[str, str],
                                                    tmp_path: Path) -> None:
     """cluster.wait=false: the command returns at once; the parent run stays RUNNING until the
     last of its jobs has ended, and that job summarises and ends it."""
-    import time
-
     result = slurm_job(tmp_path, "-m", "optim.lr=0.1,0.02", "cluster.wait=false",
                        "trainer.epochs=1", "tracking.log_model=false", env=store, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "stays RUNNING" in result.stdout and "COMPLETED" not in result.stdout
     uri = store["MLFLOW_TRACKING_URI"]
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
+
+    def ended_parent() -> object:
         [parent] = [r for r in runs_in(uri) if r.data.tags.get("sweep") == "true"]
-        if parent.info.status != "RUNNING":
-            break
-        time.sleep(2)
+        return parent if parent.info.status != "RUNNING" else None
+
+    parent = wait_until(ended_parent, 240, "the last job ending the parent run")
     children = [r for r in runs_in(uri)
                 if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
     assert parent.info.status == "FINISHED", parent.data.tags
@@ -298,6 +392,7 @@ def _attempts(tmp_path: Path) -> str:
     return "\n".join(p.read_text(errors="replace") for p in logs)
 
 
+@on_slurm
 def test_a_time_limit_requeues_and_resumes_into_the_same_run(cluster: None,
                                                              store: dict[str, str],
                                                              tmp_path: Path) -> None:
@@ -323,21 +418,20 @@ def test_a_time_limit_requeues_and_resumes_into_the_same_run(cluster: None,
     assert "resumed from" in _attempts(tmp_path)
 
 
+@on_slurm
 def test_scontrol_requeue_resumes_from_the_checkpoint(cluster: None, store: dict[str, str],
                                                       tmp_path: Path) -> None:
-    import time
-
     proc = subprocess.Popen(
         [*_train_argv(tmp_path), "cluster.tasks_per_node=2", "trainer.epochs=20",
          "trainer.log_every_n_steps=5"], cwd=REPO, env={**os.environ, **store},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     checkpoints = tmp_path / "sweep" / "0" / "checkpoints"
-    deadline = time.monotonic() + 180
-    while not list(checkpoints.glob("step-*.pt")) and time.monotonic() < deadline:
-        time.sleep(0.5)
+    first = wait_until(lambda: _newest_step(checkpoints), 180, "the first checkpoint")
     job_id = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True,
                             text=True).stdout.split()[0]
-    time.sleep(3)  # a few epochs further: the requeue lands mid-training
+    # Two epochs further (23 steps each with 2 ranks): the requeue lands mid-training.
+    wait_until(lambda: (_newest_step(checkpoints) or 0) >= first + 2 * 23, 120,
+               "two more epochs")
     subprocess.run(["scontrol", "requeue", job_id], check=True)
     stdout, stderr = proc.communicate(timeout=420)
     assert proc.returncode == 0, stdout + stderr
@@ -349,6 +443,11 @@ def test_scontrol_requeue_resumes_from_the_checkpoint(cluster: None, store: dict
     steps = [s for s, _ in history(uri, run.info.run_id, "train/step_loss")]
     assert steps == sorted(set(steps))
     assert "resumed from" in _attempts(tmp_path)
+
+
+def _newest_step(checkpoints: Path) -> int | None:
+    """The global step of the newest checkpoint written (files are renamed into place)."""
+    return max((int(p.stem.split("-")[1]) for p in checkpoints.glob("step-*.pt")), default=None)
 
 
 def _train_argv(tmp_path: Path) -> list[str]:

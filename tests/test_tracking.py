@@ -1,9 +1,13 @@
-"""Rank 0's tracker in-process, against real MLflow stores: batching, outages, the unsent file,
-and the model FLOP figures behind train/mfu."""
+"""Rank 0's MLflow run in-process, against real MLflow stores: batching, flush, outages, the
+unsent file and its typed records, the do-nothing run; and the model FLOP figures behind
+train/mfu."""
 
 from __future__ import annotations
 
 import json
+import re
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -14,14 +18,29 @@ from tests.conftest import history, runs_in
 from train import flops, models, outbox
 from train.config import ModelConfig, TrackingConfig
 from train.distenv import free_port
-from train.tracker import RunTracker
+from train.tracking import NullRun, open_run, records, unsent
+from train.tracking.records import (
+    ArtifactFile,
+    Batch,
+    CreateRun,
+    DatasetInput,
+    EndRun,
+    Model,
+    ResumeRun,
+    Table,
+    Text,
+)
+from train.tracking.run import MlflowRun
 
 
-def tracker(uri: str, out: Path, **overrides: object) -> RunTracker:
+def unit_config(uri: str, **overrides: object) -> TrackingConfig:
+    return TrackingConfig(uri=uri, experiment="unit", experiment_id=None, parent_run_id=None,
+                          **overrides)  # type: ignore[arg-type]
+
+
+def tracker(uri: str, out: Path, **overrides: object) -> MlflowRun:
     out.mkdir(parents=True, exist_ok=True)
-    cfg = TrackingConfig(uri=uri, experiment="unit", experiment_id=None, parent_run_id=None,
-                         **overrides)  # type: ignore[arg-type]
-    return RunTracker(cfg, out / "mlflow_run.json")
+    return MlflowRun(unit_config(uri, **overrides), out)
 
 
 def test_rows_logged_together_travel_together_and_none_is_lost(tmp_path: Path) -> None:
@@ -51,24 +70,28 @@ def test_a_store_never_reached_leaves_a_file_that_creates_the_run_later(tmp_path
     t = tracker(dead, job, flush_timeout_s=1.0)
     t.start(tags={"world_size": 1}, run_name="late")
     t.log_params({"optim.lr": "0.1"})
-    t.log("text", text="optim:\n  lr: 0.1\n", artifact_file="config.yaml")
+    t.log(Text(text="optim:\n  lr: 0.1\n", artifact_file="config.yaml"))
     for epoch in range(3):
         t.log_metrics({"train/loss": 3.0 - epoch, "val/samples": 359.0}, epoch)
     weights = job / "model.pt"
     torch.save({"w": torch.ones(2)}, weights)
-    t.log("file", path=str(weights), artifact_path="weights")
-    t.log("dataset", name="digits-train", images=torch.zeros(4, 1, 8, 8),
-          labels=torch.zeros(4), rows=torch.arange(3))
+    t.log(ArtifactFile(path=str(weights), artifact_path="weights"))
+    dataset = records.dataset_input("digits-train", images=torch.zeros(4, 1, 8, 8),
+                                    labels=torch.zeros(4), rows=torch.arange(3))
+    t.log(dataset)
+    t.log(Model(model=torch.nn.Linear(2, 2), input_example=None))  # cannot wait in a file
     t.finish(error="rank 1 on node2: ValueError: boom")
 
-    unsent = job / outbox.UNSENT_FILE
-    header, rows, records = outbox.load(unsent)
+    unsent_file = job / unsent.UNSENT_FILE
+    header, rows, waiting = unsent.load(unsent_file)
     assert header == {"run_id": None, "tracking_uri": dead, "status": "FAILED"}
-    assert [r.kind for r in records] == ["create", "text", "file", "end"]  # not the dataset
+    # Everything but the model, the data set record included.
+    assert [type(r) for r in waiting] == [CreateRun, Text, ArtifactFile, DatasetInput, EndRun]
+    assert waiting[3] == dataset and dataset.features_shape == [3, 1, 8, 8]
     assert len(rows.metrics) == 6 and rows.params == [("optim.lr", "0.1")]
 
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    outbox.upload(unsent, tracking_uri=store)
+    unsent.upload(unsent_file, tracking_uri=store)
     [run] = runs_in(store, "unit")
     assert run.info.run_name == "late" and run.info.status == "FAILED"
     assert run.data.tags["error"] == "rank 1 on node2: ValueError: boom"
@@ -76,7 +99,10 @@ def test_a_store_never_reached_leaves_a_file_that_creates_the_run_later(tmp_path
     assert history(store, run.info.run_id, "train/loss") == [(0, 3.0), (1, 2.0), (2, 1.0)]
     client = MlflowClient(tracking_uri=store)
     assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"config.yaml", "weights"}
-    assert unsent.with_suffix(".uploaded").exists() and not unsent.exists()
+    [logged] = client.get_run(run.info.run_id).inputs.dataset_inputs
+    assert (logged.dataset.name, logged.dataset.digest) == ("digits-train", dataset.digest)
+    assert json.loads(logged.dataset.profile)["features_shape"] == [3, 1, 8, 8]
+    assert unsent_file.with_suffix(".uploaded").exists() and not unsent_file.exists()
 
 
 def test_upload_adds_only_the_steps_the_run_lacks(tmp_path: Path) -> None:
@@ -87,21 +113,110 @@ def test_upload_adds_only_the_steps_the_run_lacks(tmp_path: Path) -> None:
     t.log_metrics({"train/loss": 1.0}, 0)
     t.finish()
     [run] = runs_in(store, "unit")
-    unsent = tmp_path / "unsent.jsonl"
-    rows = outbox.Batch(metrics=[("train/loss", 1.0, 0, 0), ("train/loss", 0.5, 0, 1)])
-    outbox.save(unsent, {"run_id": run.info.run_id, "tracking_uri": store,
-                         "status": "FINISHED"}, rows, [])
-    outbox.upload(unsent)
+    unsent_file = tmp_path / "unsent.jsonl"
+    rows = Batch(metrics=[("train/loss", 1.0, 0, 0), ("train/loss", 0.5, 0, 1)])
+    unsent.save(unsent_file, {"run_id": run.info.run_id, "tracking_uri": store,
+                              "status": "FINISHED"}, rows, [])
+    unsent.upload(unsent_file)
     assert history(store, run.info.run_id, "train/loss") == [(0, 1.0), (1, 0.5)]
 
 
 def test_batches_respect_mlflows_request_limits() -> None:
-    batch = outbox.Batch(metrics=[("m", 0.0, 0, i) for i in range(2500)],
+    batch = Batch(metrics=[("m", 0.0, 0, i) for i in range(2500)],
                          params=[(f"p{i}", "v") for i in range(150)])
     chunks = batch.chunks()
     assert [len(c.metrics) for c in chunks] == [1000, 1000, 500]
     assert [len(c.params) for c in chunks] == [100, 50, 0]
-    assert outbox.Batch().chunks() == []
+    assert Batch().chunks() == []
+
+
+def test_flush_returns_once_the_rows_are_in_the_store(tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    # Rows would otherwise wait a minute for their batch: flush sends them at once.
+    t = tracker(uri, tmp_path / "job", batch_interval_s=60.0, flush_timeout_s=60.0)
+    t.start(tags={}, run_name="flushed")
+    t.begin_sending()
+    t.log_metrics({"train/loss": 2.0}, 0)
+    t.flush()  # the run's creation, then the row
+    [run] = runs_in(uri, "unit")
+    assert history(uri, run.info.run_id, "train/loss") == [(0, 2.0)]
+    t.log_metrics({"train/loss": 1.0}, 1)
+    t.set_tags({"stage": "two"})
+    time.sleep(1)  # not a wait for an event: the sender is now idle until the batch is due
+    began = time.monotonic()
+    t.flush()  # wakes it: the rows go now, not at the batch interval
+    assert time.monotonic() - began < 10
+    assert history(uri, run.info.run_id, "train/loss") == [(0, 2.0), (1, 1.0)]
+    assert runs_in(uri, "unit")[0].data.tags["stage"] == "two"
+    t.finish()
+    assert runs_in(uri, "unit")[0].info.status == "FINISHED"
+
+
+def test_typed_records_survive_the_unsent_file(tmp_path: Path) -> None:
+    saved = [CreateRun(experiment_id=None, experiment="unit", run_name="r", tags={"a": "1"}),
+             ResumeRun(run_id="abc"),
+             ArtifactFile(path="/tmp/model.pt", artifact_path="weights"),
+             ArtifactFile(path="/tmp/confusion_matrix.svg"),
+             Text(text="optim:\n  lr: 0.1\n", artifact_file="config.yaml"),
+             Table(table={"class": ["0", "1"], "accuracy": [0.5, 1.0]},
+                   artifact_file="per_class_accuracy.json"),
+             DatasetInput(name="digits-train", digest="0123abcd", num_rows=3,
+                          features_shape=[3, 1, 8, 8], features_dtype="float32"),
+             Model(model=object(), input_example=None),
+             EndRun(status="FAILED", error="boom")]
+    rows = Batch(metrics=[("m", 0.5, 1000, 3)], params=[("p", "v")], tags=[("t", "x")])
+    path = tmp_path / unsent.UNSENT_FILE
+    header = {"run_id": None, "tracking_uri": "http://x", "status": "FAILED"}
+    assert unsent.save(path, header, rows, saved) == ["model"]
+    assert json.loads(path.read_text().splitlines()[1])["record"] == "create"
+    assert unsent.load(path) == (header, rows, [r for r in saved if not isinstance(r, Model)])
+
+
+@pytest.mark.parametrize(("line", "problem"), [
+    ({"record": "confusion", "confusion": [[1]], "class_names": ["a"]},
+     "unknown record kind 'confusion'"),
+    ({"record": "text", "text": 3, "artifact_file": "config.yaml"}, "text=3 is not str"),
+    ({"record": "file", "path": "a", "event": "x"}, "unknown fields ['event']"),
+    ({"record": "end"}, "missing 1 required positional argument: 'status'"),
+    ({"metric": ["m", 1.0]}, "not enough values"),
+    ({"something": 1}, "neither a record nor"),
+])
+def test_the_unsent_file_accepts_only_known_records(tmp_path: Path, line: dict[str, object],
+                                                     problem: str) -> None:
+    path = tmp_path / unsent.UNSENT_FILE
+    header = {"run_id": "abc", "tracking_uri": "http://x", "status": "FINISHED"}
+    path.write_text(json.dumps(header) + "\n" + '{"tag": ["t", "x"]}\n' + json.dumps(line) + "\n")
+    with pytest.raises(ValueError, match=f"{re.escape(str(path))}:3: .*{re.escape(problem)}"):
+        unsent.load(path)
+    # The command refuses the file with that message, before any request.
+    with pytest.raises(SystemExit, match=f"{re.escape(str(path))}:3"):
+        outbox.main(["upload", str(path)])
+    assert path.exists()
+
+
+def test_null_run_does_nothing(tmp_path: Path) -> None:
+    threads = threading.active_count()
+    for run in (open_run(unit_config("http://127.0.0.1:1"), tmp_path, is_main=False),
+                open_run(unit_config("http://127.0.0.1:1", enabled=False), tmp_path,
+                         is_main=True)):
+        assert type(run) is NullRun
+        run.start(tags={"a": "1"}, run_name="n", resume_run_id=None)
+        run.log_params({"p": "1"})
+        run.log_metrics({"m": 1.0}, step=0)
+        run.set_tags({"t": "x"})
+        run.log(Text(text="t", artifact_file="t.txt"))
+        run.begin_sending()
+        run.flush()
+        run.finish(status="FAILED", error="boom")
+        assert (run.run_id, run.experiment_id, run.uri, run.cpu_seconds) == (None, None, "", 0.0)
+    assert list(tmp_path.iterdir()) == [] and threading.active_count() == threads
+
+
+def test_a_run_refuses_what_is_not_a_record(tmp_path: Path) -> None:
+    t = tracker("http://127.0.0.1:1", tmp_path / "job", flush_timeout_s=1.0)
+    with pytest.raises(TypeError, match="not a record"):
+        t.log(("text", "config.yaml"))  # type: ignore[arg-type]
+    t.finish()
 
 
 def test_training_flops_are_counted_without_computing() -> None:

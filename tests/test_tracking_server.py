@@ -4,10 +4,10 @@ its artifacts proxied by the server, eight jobs at once, cluster host names, out
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -18,7 +18,7 @@ import yaml
 from mlflow import MlflowClient
 
 from tests.conftest import REPO, history, run_train, runs_in
-from tests.servers import ServerProcess, tracking_server
+from tests.servers import ServerProcess, tracking_server, wait_until
 from train.distenv import free_port
 
 pytestmark = pytest.mark.slow
@@ -137,15 +137,22 @@ def test_a_server_outage_loses_no_metric(tmp_path: Path) -> None:
          f"hydra.run.dir={tmp_path}/job"], cwd=REPO,
         env={**os.environ, "MLFLOW_TRACKING_URI": server.url}, stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE, text=True)
+    log_file = tmp_path / "job" / "train.log"
+
+    def epochs_ended() -> int:  # rank 0's "epoch 3/12  train/loss=..." lines
+        return len(re.findall(rf"epoch \d+/{epochs} ", log_file.read_text()))
+
+    def logging_epochs() -> bool:
+        runs = runs_in(server.url)
+        return bool(runs) and len(history(server.url, runs[0].info.run_id, "train/loss")) >= 2
+
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:  # training is under way and logging
-            runs = runs_in(server.url)
-            if runs and len(history(server.url, runs[0].info.run_id, "train/loss")) >= 2:
-                break
-            time.sleep(0.5)
+        wait_until(logging_epochs, "two epochs in the run", job=job)
         server.stop()
-        time.sleep(6)  # epochs go on while nobody listens
+        before = epochs_ended()
+        # Training goes on while nobody listens: an epoch ends (its checkpoint then waits on
+        # the flush, which MLflow's client keeps retrying until the server is back).
+        wait_until(lambda: epochs_ended() > before, "epoch ended during the outage", job=job)
         server.start()
         _, stderr = job.communicate(timeout=400)
         assert job.returncode == 0, stderr[-3000:]
@@ -173,9 +180,7 @@ def test_what_the_server_never_took_is_kept_and_uploaded_later(tmp_path: Path) -
         env={**os.environ, "MLFLOW_TRACKING_URI": server.url}, stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while not (job_dir / "mlflow_run.json").exists() and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_until((job_dir / "mlflow_run.json").exists, "run created", job=job)
         server.stop()  # as soon as the run exists, and down until the job has ended
         _, stderr = job.communicate(timeout=400)
         assert job.returncode == 0, stderr[-3000:]
@@ -220,16 +225,16 @@ def test_make_ui_serves_a_store_and_prints_its_url(tmp_path: Path) -> None:
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           start_new_session=True)
     url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as health:
+                return health.status == 200
+        except OSError:
+            return False
+
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as health:
-                    assert health.status == 200
-                    break
-            except OSError:
-                assert time.monotonic() < deadline and ui.poll() is None, "make ui did not serve"
-                time.sleep(0.3)
+        wait_until(healthy, "answer from `make ui`", job=ui)
         [run] = runs_in(url)
         assert run.info.run_name == "shown"
         config = MlflowClient(tracking_uri=url).download_artifacts(

@@ -1,6 +1,6 @@
 """What a person sees in the MLflow UI: a real headless Chromium, driven by Playwright, over a
-real tracking server (`python -m train.server`) and a real 2-rank run. Also makes the
-screenshots in docs/img/."""
+real tracking server (`python -m train.server`) and a real 2-rank run. Takes the screenshots
+of docs/img/: into that folder only with UPDATE_SCREENSHOTS=1, else into the test's tmp_path."""
 
 from __future__ import annotations
 
@@ -9,13 +9,18 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from mlflow import MlflowClient
 
 from tests.conftest import REPO, run_train, skip_or_fail
 from tests.servers import tracking_server
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Page
 
 pytestmark = pytest.mark.slow
 
@@ -24,8 +29,32 @@ CHROMIUM = "/usr/bin/chromium"
 # services that would call out, a fresh profile per launch (Playwright adds --user-data-dir).
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-SCREENSHOTS = REPO / "docs" / "img"
+DOCS_IMG = REPO / "docs" / "img"
+SCREENSHOT_NAMES = ("ui-runs.png", "ui-run.png", "ui-charts.png", "ui-confusion.png")
 WAIT_MS = 60_000  # the UI loads its bundle and polls; wait for text, never for network idle
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture
+def screenshots(tmp_path: Path) -> Path:
+    """docs/img with UPDATE_SCREENSHOTS=1 (to refresh the README's pictures); else a scratch
+    folder, so that a test run leaves the working tree alone."""
+    folder = DOCS_IMG if os.environ.get("UPDATE_SCREENSHOTS") == "1" else tmp_path / "img"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def settled_screenshot(page: Page, path: Path, timeout_s: float = 10.0) -> None:
+    """A screenshot once the page stops changing (charts animate in): two identical frames in
+    a row, polled until the deadline; past it, the latest frame (a spinner never settles)."""
+    deadline = time.monotonic() + timeout_s
+    frame = page.screenshot()
+    while time.monotonic() < deadline:
+        time.sleep(0.25)
+        previous, frame = frame, page.screenshot()
+        if frame == previous:
+            break
+    path.write_bytes(frame)
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +76,8 @@ def chromium() -> str:
     return CHROMIUM
 
 
-def test_a_run_shows_its_name_params_metrics_and_artifacts(chromium: str,
-                                                           tmp_path: Path) -> None:
+def test_a_run_shows_its_name_params_metrics_and_artifacts(chromium: str, tmp_path: Path,
+                                                           screenshots: Path) -> None:
     from playwright.sync_api import sync_playwright
 
     with tracking_server(tmp_path / "server") as url:
@@ -61,7 +90,6 @@ def test_a_run_shows_its_name_params_metrics_and_artifacts(chromium: str,
         prefixed = {p: [k for k in logged if k.startswith(f"{p}/")] for p in ("train", "val")}
         assert len(prefixed["train"]) >= 7 and len(prefixed["val"]) == 3
         runs_page = f"{url}/#/experiments/{run['experiment_id']}/runs"
-        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
 
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=chromium, args=FLAGS, headless=True)
@@ -75,7 +103,7 @@ def test_a_run_shows_its_name_params_metrics_and_artifacts(chromium: str,
             page.get_by_role("button", name="Close").click()
             page.get_by_text("Model training").first.click()
             page.get_by_text("1 matching run").wait_for(timeout=WAIT_MS)
-            page.screenshot(path=str(SCREENSHOTS / "ui-runs.png"))
+            settled_screenshot(page, screenshots / "ui-runs.png")
 
             # Its page: the latest value of every metric, and the params.
             page.get_by_text("ui-check").first.click()
@@ -86,13 +114,12 @@ def test_a_run_shows_its_name_params_metrics_and_artifacts(chromium: str,
                          "val/accuracy", "Finished", "digits-train"):
                 assert name in body, name
             page.get_by_text("Metrics (").first.scroll_into_view_if_needed()
-            page.screenshot(path=str(SCREENSHOTS / "ui-run.png"))
+            settled_screenshot(page, screenshots / "ui-run.png")
 
             # The metrics tab: one chart per metric, in sections by prefix (train/, val/).
             page.get_by_text("Model metrics").first.click()
             page.get_by_text("ui-check (train/loss)").first.wait_for(timeout=WAIT_MS)
-            page.wait_for_timeout(1500)  # the charts animate in; let them settle for the picture
-            page.screenshot(path=str(SCREENSHOTS / "ui-charts.png"))
+            settled_screenshot(page, screenshots / "ui-charts.png")
             # One chart per train/ metric of the run, in the train section.
             assert re.search(rf"train\s*\({len(prefixed['train'])}\)", page.inner_text("body"))
             # Charts below the fold are drawn only once scrolled to.
@@ -108,5 +135,9 @@ def test_a_run_shows_its_name_params_metrics_and_artifacts(chromium: str,
             preview = page.locator("img[src^='blob:']").first  # the image, as the UI shows it
             preview.wait_for(timeout=WAIT_MS)
             assert preview.evaluate("img => img.naturalWidth") > 300
-            page.screenshot(path=str(SCREENSHOTS / "ui-confusion.png"))
+            settled_screenshot(page, screenshots / "ui-confusion.png")
             browser.close()
+
+    for name in SCREENSHOT_NAMES:
+        picture = (screenshots / name).read_bytes()
+        assert picture.startswith(PNG_SIGNATURE) and len(picture) > 10_000, name

@@ -1,4 +1,10 @@
-"""The Hydra application: compose the config, then hand it to the launcher."""
+"""The Hydra application: compose the config; in a rank started by torchrun, srun or submitit,
+train; otherwise pre-flight, then start this machine's ranks.
+
+Under `-m` (sweeps) and `+cluster=slurm` the project's launchers (hydra_plugins/train_launcher)
+pre-flight every job before the first starts and hand each job the experiment and sweep parent
+run ids as overrides; a single run is pre-flighted here.
+"""
 
 from __future__ import annotations
 
@@ -30,8 +36,10 @@ def main(cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
     try:
         # What the user typed (also inside a Slurm job, where argv is submitit's).
-        command = " ".join(["python -m train", *hydra_cfg.overrides.task])
-        return run(cfg, hydra_cfg.runtime.output_dir, command)
+        overrides = config_lib.typed_by_user(hydra_cfg.overrides.task)
+        command = " ".join(["python -m train", *overrides])
+        return run(cfg, hydra_cfg.runtime.output_dir, command,
+                   preflighted=launched_by_us(hydra_cfg))
     except (ConfigError, DistEnvError, LaunchError, JobFailedError) as e:
         if hydra_cfg.mode == RunMode.MULTIRUN:
             raise  # Hydra marks this job FAILED; the other jobs of the sweep go on
@@ -40,27 +48,34 @@ def main(cfg: DictConfig) -> float | None:
         raise SystemExit(1 if isinstance(e, JobFailedError) else 2) from None
 
 
-def run(cfg: DictConfig, output_dir: str, command: str) -> float | None:
-    """Run the job this process was asked for; returns the objective for Hydra sweepers."""
+def launched_by_us(hydra_cfg: DictConfig) -> bool:
+    """A job of a multirun started by one of this project's launchers, which pre-flighted it
+    together with the rest of its sweep."""
+    launcher = str(hydra_cfg.launcher.get("_target_", ""))
+    return (hydra_cfg.mode == RunMode.MULTIRUN
+            and launcher.startswith("hydra_plugins.train_launcher."))
+
+
+def run(cfg: DictConfig, output_dir: str, command: str,
+        preflighted: bool = False) -> float | None:
+    """Run the job this process was asked for; returns the objective for Hydra sweepers.
+    `preflighted`: the launcher checked this job already."""
     config = config_lib.to_container(cfg)
     typed = config_lib.to_typed(config)
+    from train.preflight import preflight, validate
+
     external = distenv.external_world_size()
     if external is not None:
         # torchrun / srun / submitit started every rank: each validates, then trains.
-        config_lib.validate(typed, external)
+        validate(typed, external)
         from train.job import run_rank
 
         return objective(typed, run_rank(config, output_dir, command))
     from train.launch import run_in_process, start_local_ranks
-    from train.preflight import preflight
 
+    if not preflighted:
+        preflight([typed])
     nproc = typed.distributed.nproc_per_node
-    preflight(typed, nproc, nproc)
-    if typed.tracking.enabled:
-        from train.sweep import parent_run_for_jobs
-
-        if (ids := parent_run_for_jobs()) is not None:  # a job of a local sweep
-            config["tracking"]["experiment_id"], config["tracking"]["parent_run_id"] = ids
     if nproc == 1:
         return objective(typed, run_in_process(config, output_dir, command))
     return objective(typed, start_local_ranks(config, output_dir, command, nproc))

@@ -14,13 +14,17 @@ import logging
 import os
 import random
 import re
-import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from train.config import TrainerConfig
+from train.metrics import Totals
+from train.state import TrainState
 
 log = logging.getLogger("train")
 
@@ -109,80 +113,59 @@ def find(resume: str, output_dir: Path) -> Resumed | None:
     return found
 
 
-class Preempted(Exception):
-    """The job was asked to stop (time limit, preemption, requeue); a checkpoint was saved."""
-
-    def __init__(self, signal_name: str) -> None:
-        super().__init__(f"stopped by {signal_name} after saving a checkpoint")
-        self.signal_name = signal_name
-
-
 class Checkpointer:
-    """Decides when to checkpoint and writes checkpoints; the same object on every rank.
+    """When to checkpoint, and the checkpoint itself; the same object on every rank.
 
-    Signals (USR2 before a Slurm time limit, TERM on preemption or `scontrol requeue`) only set
-    a flag: the ranks agree on it at the next logging step or epoch end, where they already
-    exchange numbers, save one checkpoint together, and stop.
+    `save` is collective: every rank's RNG state and partial sums go to rank 0, which alone
+    writes the file - after `before_write` (MLflow's flush: what a crash can lose is then only
+    what a resume from this checkpoint replays) and with `run_fields()` added (the MLflow run
+    id, the config, the restart count), so that a restarted job continues the same run.
     """
 
-    STOP_SIGNALS = ("SIGUSR2", "SIGTERM")
-
-    def __init__(self, folder: Path, every_epochs: int, interval_min: float | None,
-                 keep: int, rank: int, world_size: int) -> None:
-        self.folder, self.every_epochs, self.keep = folder, every_epochs, keep
+    def __init__(self, folder: Path, cfg: TrainerConfig, rank: int, world_size: int,
+                 before_write: Callable[[], None], run_fields: Callable[[], dict[str, Any]]
+                 ) -> None:
+        self.folder, self.keep = folder, cfg.keep_checkpoints
+        self.every_epochs = cfg.checkpoint_every
+        interval_min = cfg.checkpoint_interval_min
         self.interval_s = None if interval_min is None else interval_min * 60
         self.rank, self.world_size = rank, world_size
+        self.before_write, self.run_fields = before_write, run_fields
         self.last_save = time.monotonic()
-        self.stop_signal: str | None = None
 
-    def install_signal_handlers(self) -> dict[int, Any]:
-        """Catch the stop signals; returns the handlers they replace (to put back)."""
-        def request_stop(signum: int, _frame: Any) -> None:
-            self.stop_signal = signal.Signals(signum).name
-            log.warning("received %s: checkpointing at the next step boundary", self.stop_signal)
+    def interval_due(self) -> bool:
+        """checkpoint_interval_min has passed since the last checkpoint (on this rank's clock)."""
+        return self.interval_s is not None and time.monotonic() - self.last_save >= self.interval_s
 
-        previous = {}
-        for name in self.STOP_SIGNALS:
-            number = getattr(signal, name)
-            previous[number] = signal.signal(number, request_stop)
-        return previous
+    def epoch_end_due(self, epochs_done: int) -> bool:
+        return self.every_epochs > 0 and epochs_done % self.every_epochs == 0
 
-    def request(self) -> float:
-        """This rank's wish at a step boundary: 0 nothing, 1 an interval checkpoint, 2 stop."""
-        if self.stop_signal is not None:
-            return 2.0
-        due = self.interval_s is not None and time.monotonic() - self.last_save >= self.interval_s
-        return 1.0 if due else 0.0
-
-    def epoch_end_due(self, epoch: int) -> bool:
-        return self.every_epochs > 0 and epoch % self.every_epochs == 0
-
-    def save(self, train: Any, totals: Any, batch_in_epoch: int, reporter: Any) -> None:
-        """Collective: every rank's RNG and partial sums go to rank 0, which writes the file."""
+    def save(self, train: TrainState, totals: Totals | None, batch_in_epoch: int) -> None:
+        """Collective: call it on every rank at the same point."""
         from train import distributed
 
         mine = {"rng": rng_state(), "totals": totals.snapshot() if totals is not None else None}
         ranks = distributed.gather_to_main(mine)
-        bare = getattr(train.model, "module", train.model)
-        reporter.write_checkpoint(self, lambda: {
-            "model": bare.state_dict(), "optimizer": train.optimizer.state_dict(),
-            "scheduler": train.scheduler.state_dict(), "scaler": train.scaler.state_dict(),
-            "epoch": train.epoch, "step": train.step, "batch_in_epoch": batch_in_epoch,
-            "world_size": self.world_size, "ranks": ranks})
+        if ranks is not None:  # rank 0: the one writer
+            self.before_write()
+            state = {"model": train.module.state_dict(), "optimizer": train.optimizer.state_dict(),
+                     "scheduler": train.scheduler.state_dict(),
+                     "scaler": train.scaler.state_dict(), "epoch": train.epoch,
+                     "step": train.step, "batch_in_epoch": batch_in_epoch,
+                     "world_size": self.world_size, "ranks": ranks, **self.run_fields()}
+            path = save(self.folder, state, self.keep)
+            log.info("checkpoint %s (epoch %d, step %d)", path, train.epoch, train.step)
         distributed.barrier()  # nobody stops (or goes on) before the file is complete
         self.last_save = time.monotonic()
 
-    def write(self, state: dict[str, Any]) -> Path:
-        return save(self.folder, state, self.keep)
 
-
-def restore(train: Any, resumed: Resumed, rank: int, world_size: int) -> None:
+def restore(train: TrainState, resumed: Resumed, rank: int, world_size: int) -> None:
     """Put a loaded checkpoint back into this rank's training state."""
     s = resumed.state
     if s["world_size"] != world_size and s["batch_in_epoch"]:
         raise ValueError(f"{resumed.path} was written mid-epoch by {s['world_size']} ranks; "
                          f"resume it with the same world size (not {world_size}).")
-    getattr(train.model, "module", train.model).load_state_dict(s["model"])
+    train.module.load_state_dict(s["model"])
     train.optimizer.load_state_dict(s["optimizer"])
     train.scheduler.load_state_dict(s["scheduler"])
     train.scaler.load_state_dict(s["scaler"])

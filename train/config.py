@@ -4,26 +4,19 @@
 is merged onto these dataclasses: a misspelt key or a value of the wrong type is refused by
 OmegaConf while composing; `validate()` then checks what types cannot express (ranges, names,
 divisibility) before any process starts.
+
+The defaults live here and only here: a group's YAML file sets just what differs for its option
+(tests/test_config.py checks that none restates a default).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
-
-# The registries in train/models.py and train/data.py are keyed by exactly these names; they are
-# repeated here so validation (and --help) need not import torch.
-MODEL_NAMES = ("cnn", "mlp", "resnet18")
-MODEL_SOURCES = ("builtin", "torchvision")
-DATASET_NAMES = ("digits", "synthetic", "mnist", "fashion_mnist", "cifar10")
-PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
-OPTIMIZERS = ("sgd", "adamw")
-SCHEDULES = ("cosine", "constant")
-BACKENDS = ("auto", "gloo", "nccl")
-DIRECTIONS = ("maximize", "minimize")
 
 
 class ConfigError(ValueError):
@@ -168,10 +161,11 @@ class TrackingConfig:
     """Tracking URI; null = the embedded SQLite store at <repo>/mlruns/mlflow.db."""
     experiment: str = "train"
     """MLflow experiment name."""
-    experiment_id: str | None = "${oc.env:TRAIN_EXPERIMENT_ID,null}"
-    """Set by the submitting process so jobs never race to create the experiment."""
-    parent_run_id: str | None = "${oc.env:TRAIN_PARENT_RUN_ID,null}"
-    """Set by the submitting process of a sweep: the run every job is a child of."""
+    experiment_id: str | None = None
+    """Handed to every job by the launcher (an override), so jobs never race to create the
+    experiment; null = the job finds or creates `experiment` itself."""
+    parent_run_id: str | None = None
+    """Handed to every job of a sweep by the launcher (an override): its parent run."""
     run_name: str | None = None
     """MLflow run name; null = MLflow's generated name."""
     log_model: bool = True
@@ -189,7 +183,8 @@ class TrackingConfig:
 
 @dataclass
 class ClusterConfig:
-    """Slurm resources; present only with `+cluster=slurm` (see conf/cluster/slurm.yaml)."""
+    """Slurm resources; present only with `+cluster=slurm`, which maps them onto submitit's
+    launcher (conf/cluster/slurm.yaml)."""
 
     nodes: int = 1
     """Nodes per job."""
@@ -226,7 +221,9 @@ class ClusterConfig:
     signal_delay_s: int = 120
     """Slurm sends USR2 this long before the time limit: checkpoint, then requeue."""
     max_requeues: int = 3
-    """How often a job requeues itself after a time limit (USR2) before it gives up."""
+    """How often a job requeues itself after a time limit (USR2) before it gives up. The only
+    requeue budget: submitit's own (max_num_timeout) is pinned to 0, as the job's USR2 handler
+    replaces submitit's."""
 
 
 @dataclass
@@ -240,15 +237,47 @@ class TrainConfig:
     cluster: ClusterConfig | None = None
 
 
-def _ranks_per_node(tasks_per_node: int | None, gpus_per_node: int) -> int:
-    return tasks_per_node if tasks_per_node is not None else max(1, gpus_per_node)
+DATASETS_WITHOUT_FILES = frozenset({"digits", "synthetic"})
+"""Data sets that need nothing on disk: bundled with scikit-learn, or generated."""
+
+
+def reads_files(data: DataConfig) -> bool:
+    """Whether the data set must already be on disk (pre-flight checks it is)."""
+    return data.name not in DATASETS_WITHOUT_FILES and not data.download
+
+
+HANDED_KEYS = ("tracking.experiment_id", "tracking.parent_run_id")
+"""Keys the launchers append to each job's overrides; no user types them."""
+
+
+def ranks_per_node(cluster: ClusterConfig) -> int:
+    """Ranks (Slurm tasks) per node: one per GPU unless tasks_per_node says otherwise. The one
+    place this is decided: the launcher's tasks_per_node (conf/cluster/slurm.yaml) and the
+    request check (train/slurm.py) both use it."""
+    if cluster.tasks_per_node is not None:
+        return cluster.tasks_per_node
+    return max(1, cluster.gpus_per_node)
+
+
+def handed_overrides(experiment_id: str, parent_run_id: str | None) -> list[str]:
+    """What a launcher appends to each job's overrides: the experiment (created once, by the
+    launching process) and, for a sweep, the parent run. Quoted: an id made of digits and one
+    `e` would otherwise be read as a number."""
+    ids = (experiment_id, parent_run_id)
+    return [f"{key}='{value}'" for key, value in zip(HANDED_KEYS, ids, strict=True)
+            if value is not None]
+
+
+def typed_by_user(overrides: Sequence[str]) -> list[str]:
+    """A job's overrides without those a launcher appended (for the command a run records)."""
+    return [o for o in overrides if o.split("=", 1)[0] not in HANDED_KEYS]
 
 
 def register_schema() -> None:
     """The schema and the resolvers the YAML files use (idempotent)."""
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
-    # ${ranks_per_node:tasks,gpus}: one rank per GPU unless tasks_per_node says otherwise.
-    OmegaConf.register_new_resolver("ranks_per_node", _ranks_per_node, replace=True)
+    # ${ranks_per_node:${cluster}} in conf/cluster/slurm.yaml: the same rule as everywhere.
+    OmegaConf.register_new_resolver("ranks_per_node", ranks_per_node, replace=True)
     # ${first_set:a,b}: a unless it is null.
     OmegaConf.register_new_resolver("first_set", lambda a, b: b if a is None else a,
                                     replace=True)
@@ -264,61 +293,3 @@ def to_typed(cfg: DictConfig | dict[str, Any]) -> TrainConfig:
     schema = OmegaConf.structured(TrainConfig)
     merged = OmegaConf.merge(schema, cfg)
     return OmegaConf.to_object(merged)  # type: ignore[return-value]
-
-
-def _require(ok: bool, message: str, problems: list[str]) -> None:
-    if not ok:
-        problems.append(message)
-
-
-def validate(cfg: TrainConfig, world_size: int) -> None:
-    """Refuse what the types allow but training cannot use; every problem in one message."""
-    p: list[str] = []
-    _require(cfg.model.source in MODEL_SOURCES,
-             f"model.source={cfg.model.source!r}; choose one of {list(MODEL_SOURCES)}.", p)
-    _require(cfg.model.source != "builtin" or cfg.model.name in MODEL_NAMES,
-             f"model.name={cfg.model.name!r} is not a model; choose one of "
-             f"{[*MODEL_NAMES, 'torchvision']} (for a torchvision.models builder: "
-             f"model=torchvision model.name={cfg.model.name}).", p)
-    _require(cfg.data.name in DATASET_NAMES,
-             f"data={cfg.data.name!r} is not a data set; choose one of {list(DATASET_NAMES)}.", p)
-    _require(cfg.optim.name in OPTIMIZERS,
-             f"optim.name={cfg.optim.name!r}; choose one of {list(OPTIMIZERS)}.", p)
-    _require(cfg.optim.schedule in SCHEDULES,
-             f"optim.schedule={cfg.optim.schedule!r}; choose one of {list(SCHEDULES)}.", p)
-    _require(cfg.trainer.precision in PRECISIONS,
-             f"trainer.precision={cfg.trainer.precision!r}; choose one of {list(PRECISIONS)}.", p)
-    _require(cfg.distributed.backend in BACKENDS,
-             f"distributed.backend={cfg.distributed.backend!r}; choose one of {list(BACKENDS)}.",
-             p)
-    _require(cfg.distributed.device in ("auto", "cuda", "cpu"),
-             f"distributed.device={cfg.distributed.device!r}; choose auto, cuda or cpu.", p)
-    _require(cfg.trainer.objective_direction in DIRECTIONS,
-             f"trainer.objective_direction must be one of {list(DIRECTIONS)}.", p)
-    _require(cfg.optim.lr > 0, f"optim.lr must be positive (got {cfg.optim.lr}).", p)
-    _require(cfg.trainer.epochs > 0, f"trainer.epochs must be positive (got {cfg.trainer.epochs}).",
-             p)
-    _require(cfg.trainer.eval_every > 0, "trainer.eval_every must be positive.", p)
-    _require(cfg.trainer.log_every_n_steps > 0, "trainer.log_every_n_steps must be positive.", p)
-    _require(cfg.trainer.keep_checkpoints > 0, "trainer.keep_checkpoints must be positive.", p)
-    _require(cfg.trainer.checkpoint_every >= 0, "trainer.checkpoint_every cannot be negative.",
-             p)
-    _require(cfg.data.batch_size > 0,
-             f"data.batch_size must be positive (got {cfg.data.batch_size}).", p)
-    _require(0 < cfg.data.val_fraction < 1,
-             f"data.val_fraction must be between 0 and 1 (got {cfg.data.val_fraction}).", p)
-    _require(cfg.distributed.nproc_per_node > 0, "distributed.nproc_per_node must be positive.", p)
-    _require(cfg.distributed.timeout_s > 0, "distributed.timeout_s must be positive.", p)
-    _require(cfg.trainer.peak_tflops is None or cfg.trainer.peak_tflops > 0,
-             "trainer.peak_tflops must be positive or null.", p)
-    _require(cfg.optim.grad_clip is None or cfg.optim.grad_clip > 0,
-             "optim.grad_clip must be positive or null.", p)
-    if cfg.data.batch_size > 0 and world_size > 0:
-        suggestion = max(world_size, cfg.data.batch_size // world_size * world_size)
-        _require(cfg.data.batch_size % world_size == 0,
-                 f"data.batch_size={cfg.data.batch_size} is the GLOBAL batch and must split evenly "
-                 f"over the {world_size} ranks; use a multiple of {world_size}, e.g. "
-                 f"data.batch_size={suggestion}.",
-                 p)
-    if p:
-        raise ConfigError("Refusing to start: " + " ".join(p))

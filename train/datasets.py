@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from train.config import DataConfig
+from train.config import DataConfig, reads_files
 
 
 class DataMissingError(FileNotFoundError):
@@ -133,6 +133,5 @@ DATASETS: dict[str, Callable[[DataConfig], ImageSet]] = {
 
 def check_available(cfg: DataConfig) -> None:
     """Pre-flight: refuse early (before ranks start) when a data set is missing."""
-    if cfg.name in ("digits", "synthetic") or cfg.download:
-        return
-    DATASETS[cfg.name](cfg)
+    if reads_files(cfg):
+        DATASETS[cfg.name](cfg)

@@ -57,6 +57,13 @@ def gather_to_main(obj: Any) -> list[Any] | None:
     return out
 
 
+def gather_to_all(obj: Any) -> list[Any]:
+    """Every rank's `obj` on every rank (in rank order)."""
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def publish_failure(env: DistEnv, exc: BaseException) -> None:
     """Leave the first failing rank's error in the job's store so rank 0 can report it.
 

@@ -59,3 +59,28 @@ def peak_tflops(device: torch.device, precision: str, configured: float | None) 
         if key in name:
             return single if precision == "fp32" else half
     return None
+
+
+class Throughput:
+    """train/tflops_per_sec and train/mfu of all ranks together. The FLOPs are counted at the
+    first epoch end, so that counting (~1 s on a CPU) does not delay the first step."""
+
+    def __init__(self, model: nn.Module, channels: int, image_size: int, device: torch.device,
+                 precision: str, configured_peak: float | None, world_size: int) -> None:
+        self._model, self._shape = model, (channels, image_size)
+        peak = peak_tflops(device, precision, configured_peak)
+        self.peak_total = None if peak is None else peak * world_size
+        self.flops_per_sample: float | None = None
+        self._counted = False
+
+    def metrics(self, samples: int, seconds: float) -> dict[str, float]:
+        if not self._counted:
+            self.flops_per_sample, self._counted = training_flops_per_sample(
+                self._model, *self._shape), True
+        if not self.flops_per_sample or seconds <= 0:
+            return {}
+        tflops = self.flops_per_sample * samples / seconds / 1e12
+        out = {"train/tflops_per_sec": tflops}
+        if self.peak_total:
+            out["train/mfu"] = tflops / self.peak_total
+        return out

@@ -1,15 +1,22 @@
 """One rank of a training job, from environment to finished (or failed) MLflow run.
 
 `run_rank` is what every process runs, however it was started: by the local launcher, by
-torchrun, by srun or by submitit.
+torchrun, by srun or by submitit. Every rank runs the same code; what only rank 0 does is
+decided here and nowhere else:
+- it talks to MLflow (`tracking.open_run` gives the other ranks the do-nothing NullRun);
+- it prints the story (the other ranks log warnings and errors only: `setup_logging`);
+- it writes the job's files: checkpoints (train/checkpoint.py, after gathering every rank's
+  state), model.pt, confusion_matrix.svg and summary.json (`_write_outputs`);
+- after a stop before a Slurm time limit, it requeues the job; as the last job of an unwaited
+  sweep, it ends the sweep's parent run.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import resource
-import signal
 import socket
 import sys
 from pathlib import Path
@@ -17,12 +24,16 @@ from typing import Any
 
 import torch
 from omegaconf import OmegaConf
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from train import checkpoint, distenv, distributed, loop, models, optim
+from train import checkpoint, distenv, distributed, flops, loop, models, slurm, sweep, tracking
 from train import data as data_lib
+from train import state as train_state
 from train.config import TrainConfig, to_typed
-from train.report import open_reporter
+from train.figures import per_class_accuracy, render_confusion
+from train.metrics import Reduced
+from train.progress import Progress
+from train.runlog import RunLogger
+from train.stopping import Preempted, StopSignals
 
 log = logging.getLogger("train")
 
@@ -38,45 +49,86 @@ def setup_logging(rank: int, log_file: Path) -> None:
                                   logging.FileHandler(log_file, mode="a")])
 
 
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def _rank_info(device: torch.device) -> dict[str, str]:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {"host": socket.gethostname(), "device": name}
 
 
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def _previous_run(cfg: TrainConfig, out: Path,
+                  resumed: checkpoint.Resumed | None) -> tuple[str, int] | None:
+    """(run id, restarts so far) of an earlier start of this job: a Slurm requeue, or the same
+    output directory again. Its run continues instead of a new one being made."""
+    if resumed is not None and resumed.state.get("run_id"):
+        return str(resumed.state["run_id"]), int(resumed.state.get("restarts") or 0)
+    if cfg.trainer.resume != "never" and (run_id := tracking.recorded_run_id(out)):
+        return run_id, 0
+    return None
 
 
-def build_state(cfg: TrainConfig, bundle: data_lib.DataBundle,
-                device: torch.device) -> loop.TrainState:
-    if device.type == "cuda":  # fixed input shapes: let cuDNN pick the fastest kernels once
-        torch.backends.cudnn.benchmark = True
+def _write_outputs(out: Path, state: train_state.TrainState, bundle: data_lib.DataBundle,
+                   final_val: Reduced | None, logger: RunLogger, peaks: list[float]) -> None:
+    """Rank 0's files beside the job's outputs, and the same in the run."""
+    files: dict[str, Path] = {}
+    table = None
+    if final_val is not None and final_val.confusion is not None:
+        names = bundle.class_names
+        files[""] = render_confusion(final_val.confusion, names, out / "confusion_matrix.svg")
+        table = per_class_accuracy(final_val.confusion, names)
+    files["weights"] = out / "model.pt"
+    torch.save(state.module.state_dict(), files["weights"])
+    example = next(iter(bundle.val))[0][:4].cpu().numpy()  # batch > 1: any size loads back
+    logger.log_outputs(files, table, state.module, example)
+    (out / "summary.json").write_text(json.dumps(logger.summary(peaks), indent=2))
+
+
+def _train(cfg: TrainConfig, config: dict[str, Any], env: distenv.DistEnv, out: Path,
+           command: str, device: torch.device, backend: str, logger: RunLogger,
+           stop: StopSignals) -> dict[str, float]:
+    resumed = checkpoint.find(cfg.trainer.resume, out)
+    # The run exists before anything that can fail on one node (data, model): such a failure
+    # then shows in MLflow as a FAILED run with the failing rank's error.
+    ranks = distributed.gather_to_all(_rank_info(device))
+    tags = {"command": command, "output_dir": str(out),
+            **slurm.slurm_tags([r["host"] for r in ranks])}
+    logger.start(config, ranks, env, backend, tags, OmegaConf.to_yaml(config),
+                 _previous_run(cfg, out, resumed))
+    bundle = data_lib.build(cfg.data, env.rank, env.world_size, env.local_world_size, device,
+                            cfg.trainer.seed, cfg.trainer.channels_last)
+    logger.log_data(bundle)
+    torch.manual_seed(cfg.trainer.seed)  # identical initial weights on every rank
     spec = models.InputSpec(bundle.channels, bundle.image_size, bundle.num_classes)
-    model: torch.nn.Module = models.build(cfg.model, spec)
-    if cfg.distributed.sync_batchnorm:
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    model = model.to(device)
-    if cfg.trainer.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-              find_unused_parameters=cfg.distributed.find_unused_parameters,
-              gradient_as_bucket_view=cfg.distributed.gradient_as_bucket_view,
-              static_graph=cfg.distributed.static_graph,
-              bucket_cap_mb=cfg.distributed.bucket_cap_mb)
-    if cfg.trainer.compile:
-        ddp = torch.compile(ddp)  # type: ignore[assignment]
-    optimizer = optim.build_optimizer(cfg.optim, model)
-    scheduler = optim.build_scheduler(cfg.optim, optimizer, len(bundle.train), cfg.trainer.epochs)
-    scaler = torch.amp.GradScaler(device.type, enabled=cfg.trainer.precision == "fp16-mixed")
-    return loop.TrainState(ddp, optimizer, scheduler, scaler)
+    state = train_state.build(cfg, spec, len(bundle.train), device)
+    logger.throughput = flops.Throughput(state.module, bundle.channels, bundle.image_size, device,
+                                         cfg.trainer.precision, cfg.trainer.peak_tflops,
+                                         env.world_size)
+    torch.manual_seed(cfg.trainer.seed + env.rank)  # different augmentation per rank
+    if resumed is not None:
+        checkpoint.restore(state, resumed, env.rank, env.world_size)
+    checkpointer = checkpoint.Checkpointer(checkpoint.directory(out), cfg.trainer, env.rank,
+                                           env.world_size, before_write=logger.run.flush,
+                                           run_fields=logger.run_fields)
+    duties = loop.Duties(logger, checkpointer, stop, env.rank, env.local_rank)
+    final_val = loop.fit(cfg, state, bundle, device, duties)
+    peaks = distributed.gather_to_all(peak_rss_mb())
+    if env.is_main:
+        _write_outputs(out, state, bundle, final_val, logger, peaks)
+    logger.finish()
+    if env.is_main:
+        sweep.end_parent_if_last(cfg.tracking, cfg.trainer.objective,
+                                 cfg.trainer.objective_direction)
+    return dict(logger.final_metrics)
 
 
 def run_rank(config: dict[str, Any], output_dir: str, command: str,
              own_process: bool = True) -> dict[str, float]:
-    """Train on this rank; rank 0 returns the final metrics, the other ranks an empty dict.
+    """Train on this rank; returns the final metrics (the same on every rank).
 
     `own_process=False`: a one-rank job run inside the launching process (a local sweep runs
-    several in turn), which keeps Hydra's logging and gets its signal handlers back.
+    several in turn), which keeps Hydra's logging.
     """
     env = distenv.detect()
     if own_process:
@@ -86,54 +138,27 @@ def run_rank(config: dict[str, Any], output_dir: str, command: str,
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // env.local_world_size))
     cfg: TrainConfig = to_typed(config)
     out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)  # Hydra makes it; torchrun or a test may not
     device = distributed.select_device(cfg.distributed.device, env.local_rank)
     backend = distributed.select_backend(cfg.distributed.backend, device)
     distributed.init(env, backend, device, cfg.distributed.timeout_s)
-    reporter = open_reporter(cfg, env.is_main, out)
-    checkpointer = checkpoint.Checkpointer(
-        checkpoint.directory(out), cfg.trainer.checkpoint_every,
-        cfg.trainer.checkpoint_interval_min, cfg.trainer.keep_checkpoints, env.rank,
-        env.world_size)
-    previous_handlers = checkpointer.install_signal_handlers()
+    progress = Progress(env.is_main and sys.stderr.isatty(), cfg.trainer.epochs,
+                        cfg.data.batch_size)
+    logger = RunLogger(cfg, tracking.open_run(cfg.tracking, out, env.is_main), progress)
     try:
-        resumed = checkpoint.find(cfg.trainer.resume, out)
-        # The run exists before anything that can fail on one node (data, model): such a
-        # failure then shows in MLflow as a FAILED run with the failing rank's error.
-        ranks = distributed.gather_to_main(_rank_info(device))
-        reporter.start(config=config, ranks=ranks, backend=backend, output_dir=out, env=env,
-                       run_name=cfg.tracking.run_name, config_yaml=OmegaConf.to_yaml(config),
-                       command=command, resume=cfg.trainer.resume,
-                       checkpoint_run_id=resumed.state.get("run_id") if resumed else None,
-                       checkpoint_restarts=resumed.state.get("restarts") if resumed else None)
-        bundle = data_lib.build(cfg.data, env.rank, env.world_size, env.local_world_size, device,
-                                cfg.trainer.seed, cfg.trainer.channels_last)
-        reporter.log_params({"data.num_train": bundle.num_train, "data.num_val": bundle.num_val})
-        reporter.class_names = bundle.class_names
-        reporter.log_dataset(cfg.data.name, bundle.source, bundle.train_index)
-        torch.manual_seed(cfg.trainer.seed)  # identical initial weights on every rank
-        state = build_state(cfg, bundle, device)
-        reporter.describe_model(state.model, bundle.channels, bundle.image_size, device,
-                                cfg.trainer.precision, cfg.trainer.peak_tflops, env.world_size)
-        torch.manual_seed(cfg.trainer.seed + env.rank)  # different augmentation per rank
-        if resumed is not None:
-            checkpoint.restore(state, resumed, env.rank, env.world_size)
-        loop.fit(cfg, state, bundle, device, reporter, env.rank, env.local_rank, checkpointer)
-        example = next(iter(bundle.val))[0][:4].cpu().numpy()  # batch > 1: any size loads back
-        reporter.save_model(state.model, out, example)
-        reporter.write_summary(out, distributed.gather_to_main(peak_rss_mb()))
-        reporter.finish()
-        return dict(reporter.final_metrics)
-    except checkpoint.Preempted as stop:
-        log.warning("rank %d: %s", env.rank, stop)
-        reporter.preempted(stop.signal_name, cfg.cluster.max_requeues if cfg.cluster else 0)
+        with StopSignals() as stop:
+            return _train(cfg, config, env, out, command, device, backend, logger, stop)
+    except Preempted as stopped:
+        log.warning("rank %d: %s", env.rank, stopped)
+        logger.stopped(stopped.signal_name)
+        if env.is_main and cfg.cluster is not None:
+            slurm.requeue_after_stop(stopped.signal_name, logger.restarts,
+                                     cfg.cluster.max_requeues)
         raise
     except BaseException as exc:
         distributed.publish_failure(env, exc)
         reason = distributed.first_failure() or f"rank {env.rank}: {type(exc).__name__}: {exc}"
-        reporter.finish(error=reason)
+        logger.finish(error=reason)
         raise
     finally:
         distributed.shutdown()
-        if not own_process:
-            for number, handler in previous_handlers.items():
-                signal.signal(number, handler)

@@ -1,8 +1,8 @@
 """The training loop of one rank: epochs of DDP steps, exact validation, reduced metrics.
 
 The loop is the same on every rank. It syncs with the host only at the end of an epoch and on
-every `trainer.log_every_n_steps`-th step; what rank 0 does with the numbers is up to the
-reporter it is handed.
+every `trainer.log_every_n_steps`-th step; the metrics it reduces are the same on every rank, and
+what is recorded of them is the run logger's business (train/runlog.py).
 """
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ import torch
 from torch import nn
 
 from train import distributed, metrics, system_stats
-from train.checkpoint import Checkpointer, Preempted
+from train.checkpoint import Checkpointer
 from train.config import TrainConfig
 from train.data import Batches, DataBundle
-from train.report import NullReporter
+from train.runlog import RunLogger
+from train.state import TrainState
+from train.stopping import StopSignals
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -31,18 +33,14 @@ class FailureDrill(RuntimeError):
 
 
 @dataclass
-class TrainState:
-    model: nn.Module
-    """The DDP-wrapped model."""
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
-    scaler: torch.amp.GradScaler
-    epoch: int = 0
-    step: int = 0
-    batch_in_epoch: int = 0
-    """Batches of `epoch` already trained (resuming mid-epoch)."""
-    partial_totals: list[float] | None = None
-    """This rank's sums over those batches."""
+class Duties:
+    """What a rank must look after besides training: record, checkpoint, heed stop signals."""
+
+    logger: RunLogger
+    checkpointer: Checkpointer
+    stop: StopSignals
+    rank: int
+    local_rank: int
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
@@ -58,8 +56,26 @@ def _check_finite(value: float, rank: int, step: int, where: str) -> None:
                                  "diverged (lower optim.lr, set optim.grad_clip, or use fp32).")
 
 
+def _optimiser_step(cfg: TrainConfig, state: TrainState, images: torch.Tensor,
+                    labels: torch.Tensor, device: torch.device,
+                    loss_fn: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    with autocast(device, cfg.trainer.precision):
+        logits = state.model(images)
+        loss = loss_fn(logits, labels)
+    state.optimizer.zero_grad(set_to_none=True)
+    state.scaler.scale(loss).backward()
+    if cfg.optim.grad_clip is not None:
+        state.scaler.unscale_(state.optimizer)
+        nn.utils.clip_grad_norm_(state.model.parameters(), cfg.optim.grad_clip)
+    state.scaler.step(state.optimizer)
+    state.scaler.update()
+    state.scheduler.step()
+    state.step += 1
+    return logits, loss
+
+
 def train_epoch(cfg: TrainConfig, state: TrainState, batches: Batches, device: torch.device,
-                reporter: NullReporter, rank: int, checkpointer: Checkpointer) -> metrics.Totals:
+                duties: Duties) -> metrics.Totals:
     state.model.train()
     batches.set_epoch(state.epoch)  # the same order as before a restart
     totals = metrics.Totals(device)
@@ -70,40 +86,29 @@ def train_epoch(cfg: TrainConfig, state: TrainState, batches: Batches, device: t
     loss_fn = nn.CrossEntropyLoss()
     every = cfg.trainer.log_every_n_steps
     window_start, window_steps = time.perf_counter(), 0
-    for index, (images, labels) in enumerate(reporter.progress(batches, state.epoch,
-                                                              len(batches))):
+    for index, (images, labels) in enumerate(duties.logger.progress(batches, state.epoch)):
         if index < skip:  # trained before the checkpoint this job resumed from
             continue
-        with autocast(device, cfg.trainer.precision):
-            logits = state.model(images)
-            loss = loss_fn(logits, labels)
-        state.optimizer.zero_grad(set_to_none=True)
-        state.scaler.scale(loss).backward()
-        if cfg.optim.grad_clip is not None:
-            state.scaler.unscale_(state.optimizer)
-            nn.utils.clip_grad_norm_(state.model.parameters(), cfg.optim.grad_clip)
-        state.scaler.step(state.optimizer)
-        state.scaler.update()
-        state.scheduler.step()
+        logits, loss = _optimiser_step(cfg, state, images, labels, device, loss_fn)
         totals.add(logits, labels, loss)
-        state.step += 1
         window_steps += 1
         if state.step == 1:
-            reporter.first_step_done()
-        if state.step == cfg.trainer.fail_at_step and rank == cfg.trainer.fail_on_rank:
-            raise FailureDrill(f"trainer.fail_on_rank={rank}: failing on purpose at step "
+            duties.logger.first_step()
+        if state.step == cfg.trainer.fail_at_step and duties.rank == cfg.trainer.fail_on_rank:
+            raise FailureDrill(f"trainer.fail_on_rank={duties.rank}: failing on purpose at step "
                                f"{state.step}")
         if state.step % every == 0:  # the only steps that wait for the device
-            now = time.perf_counter()
-            mean_loss, slowest, fastest, request = metrics.step_stats_to_all(
-                loss, (now - window_start) / window_steps, checkpointer.request())
-            _check_finite(mean_loss, rank, state.step, "train/step_loss (mean over ranks)")
-            reporter.step({"train/step_loss": mean_loss, "train/step_time_max_s": slowest,
-                           "train/step_time_min_s": fastest}, state.step)
-            if request > 0 and index + 1 < len(batches):  # the epoch end checkpoints anyway
-                checkpointer.save(state, totals, index + 1, reporter)
-                if request >= 2:
-                    raise Preempted(checkpointer.stop_signal or "a stop request on another rank")
+            sync = metrics.sync_step(loss, (time.perf_counter() - window_start) / window_steps,
+                                     duties.stop.received is not None,
+                                     duties.checkpointer.interval_due())
+            _check_finite(sync.mean_loss, duties.rank, state.step,
+                          "train/step_loss (mean over ranks)")
+            duties.logger.step(state.step, sync)
+            wanted = sync.stop_requested or sync.checkpoint_due
+            if wanted and index + 1 < len(batches):  # the epoch end checkpoints anyway
+                duties.checkpointer.save(state, totals, index + 1)
+                if sync.stop_requested:
+                    raise duties.stop.preempted()
             window_start, window_steps = time.perf_counter(), 0
     return totals
 
@@ -126,30 +131,32 @@ def evaluate(model: nn.Module, batches: Batches, device: torch.device, precision
 
 
 def fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.device,
-        reporter: NullReporter, rank: int, local_rank: int, checkpointer: Checkpointer) -> None:
-    bare = state.model.module if hasattr(state.model, "module") else state.model
-    epochs = cfg.trainer.epochs
+        duties: Duties) -> metrics.Reduced | None:
+    """Train from `state` to trainer.epochs; returns the last validation (with its confusion
+    matrix), or None when this start had no epoch left to train."""
+    epochs, val = cfg.trainer.epochs, None
     while state.epoch < epochs:
         started = time.perf_counter()
-        train_totals = train_epoch(cfg, state, data.train, device, reporter, rank, checkpointer)
-        loss_sum = train_totals.as_host()[0]
-        _check_finite(loss_sum, rank, state.step, "the epoch's training loss")
+        train_totals = train_epoch(cfg, state, data.train, device, duties)
+        _check_finite(train_totals.as_host()[0], duties.rank, state.step,
+                      "the epoch's training loss")
         train_time = time.perf_counter() - started
-        train = metrics.reduce_to_main(train_totals)
+        train = metrics.reduce(train_totals)
         last = state.epoch + 1 == epochs
         val = None
         if last or (state.epoch + 1) % cfg.trainer.eval_every == 0:
-            val = metrics.reduce_to_main(evaluate(bare, data.val, device, cfg.trainer.precision,
-                                                  data.num_classes if last else None))
+            val = metrics.reduce(evaluate(state.module, data.val, device, cfg.trainer.precision,
+                                          data.num_classes if last else None))
         nodes = None
         if cfg.tracking.system_metrics:  # one more small gather per epoch
-            nodes = distributed.gather_to_main(system_stats.node_sample(local_rank, device))
-        reporter.epoch(state.epoch, train=train, val=val, train_time_s=train_time,
-                       epoch_time_s=time.perf_counter() - started,
-                       lr=state.scheduler.get_last_lr()[0], nodes=nodes)
+            nodes = distributed.gather_to_all(system_stats.node_sample(duties.local_rank, device))
+        duties.logger.epoch(state.epoch, train=train, val=val, train_time_s=train_time,
+                            epoch_time_s=time.perf_counter() - started,
+                            lr=state.scheduler.get_last_lr()[0], nodes=nodes)
         state.epoch += 1
-        stop = distributed.any_rank(checkpointer.stop_signal is not None)
-        if stop or checkpointer.epoch_end_due(state.epoch):
-            checkpointer.save(state, None, 0, reporter)
+        stop = distributed.any_rank(duties.stop.received is not None)
+        if stop or duties.checkpointer.epoch_end_due(state.epoch):
+            duties.checkpointer.save(state, None, 0)
         if stop and state.epoch < epochs:
-            raise Preempted(checkpointer.stop_signal or "a stop request on another rank")
+            raise duties.stop.preempted()
+    return val

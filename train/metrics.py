@@ -1,4 +1,5 @@
-"""Per-rank sums kept on the device, and their exact, sample-weighted reduction on rank 0."""
+"""Per-rank sums kept on the device, their exact sample-weighted reduction, and what the ranks
+exchange at a logging step."""
 
 from __future__ import annotations
 
@@ -66,11 +67,13 @@ class Reduced:
     """confusion[true][predicted], summed over ranks (final validation only)."""
 
 
-def reduce_to_main(totals: Totals) -> Reduced | None:
-    """Gather every rank's sums on rank 0 and return the sample-weighted means there."""
-    gathered = distributed.gather_to_main(totals.as_host())
-    if gathered is None:
-        return None
+def reduce(totals: Totals) -> Reduced:
+    """Every rank's sums, gathered to every rank: the sample-weighted means, the same on all.
+
+    All ranks hold the same numbers, so what they decide from them (stop early, save the best)
+    needs no further agreement, and no rank needs to know it is rank 0 to compute them.
+    """
+    gathered = distributed.gather_to_all(totals.as_host())
     loss_sum = sum(g[0] for g in gathered)
     correct = sum(g[1] for g in gathered)
     samples = sum(g[2] for g in gathered)
@@ -83,15 +86,32 @@ def reduce_to_main(totals: Totals) -> Reduced | None:
                    samples=samples, confusion=confusion)
 
 
-def step_stats_to_all(loss: torch.Tensor, step_time_s: float,
-                      request: float) -> tuple[float, float, float, float]:
-    """On a logging step, on every rank: the mean loss over ranks, the slowest and fastest
-    rank's step time, and the strongest checkpoint request of any rank (see Checkpointer)."""
-    extra = torch.tensor([step_time_s, request], dtype=torch.float32, device=loss.device)
-    mine = torch.cat([loss.detach().float().reshape(1), extra])
+@dataclass
+class StepSync:
+    """What the ranks exchange at a logging step (the only steps that wait for the device)."""
+
+    mean_loss: float
+    """train/step_loss: the mean of every rank's last loss."""
+    slowest_s: float
+    fastest_s: float
+    """The slowest and fastest rank's mean step time since the previous logging step."""
+    stop_requested: bool
+    """Some rank received a stop signal: every rank checkpoints and stops."""
+    checkpoint_due: bool
+    """Some rank's checkpoint interval ran out: every rank checkpoints."""
+
+
+def sync_step(loss: torch.Tensor, step_time_s: float, stop_requested: bool,
+              checkpoint_due: bool) -> StepSync:
+    """One small all_gather on a logging step: loss, step time and each rank's requests."""
+    flags = torch.tensor([step_time_s, float(stop_requested), float(checkpoint_due)],
+                         dtype=torch.float32, device=loss.device)
+    mine = torch.cat([loss.detach().float().reshape(1), flags])
     everyone = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
     torch.distributed.all_gather(everyone, mine)
     table = torch.stack(everyone).tolist()
-    losses = [row[0] for row in table]
-    times = [row[1] for row in table]
-    return sum(losses) / len(losses), max(times), min(times), max(row[2] for row in table)
+    return StepSync(mean_loss=sum(row[0] for row in table) / len(table),
+                    slowest_s=max(row[1] for row in table),
+                    fastest_s=min(row[1] for row in table),
+                    stop_requested=any(row[2] for row in table),
+                    checkpoint_due=any(row[3] for row in table))

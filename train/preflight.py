@@ -1,46 +1,177 @@
-"""Everything that can be refused before a rank starts or a job is submitted.
+"""THE pre-flight: everything refused before a rank starts (local runs and sweeps) or a job is
+submitted (Slurm), each with one message that says what to do about it.
 
 Light on purpose (no torch, torchvision or mlflow at import time): `--help`, `--cfg` and a refused
-configuration answer in well under a second.
+configuration answer in well under a second; the heavy imports happen only for the checks that
+need them (a torchvision model name, a data set on disk, local GPUs).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from train import config as config_lib
 from train.config import ConfigError, TrainConfig
 from train.launch import LaunchError
 
+# The registries in train/models.py and train/data.py are keyed by exactly these names; they are
+# repeated here so that validation (and --help) need not import torch.
+MODEL_NAMES = ("cnn", "mlp", "resnet18")
+MODEL_SOURCES = ("builtin", "torchvision")
+DATASET_NAMES = ("digits", "synthetic", "mnist", "fashion_mnist", "cifar10")
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
+OPTIMIZERS = ("sgd", "adamw")
+SCHEDULES = ("cosine", "constant")
+BACKENDS = ("auto", "gloo", "nccl")
+DIRECTIONS = ("maximize", "minimize")
 
-def preflight(cfg: TrainConfig, world_size: int, local_ranks: int) -> None:
-    """Everything that can be refused before a rank starts, each with what to do about it."""
-    config_lib.validate(cfg, world_size)
-    if cfg.model.source == "torchvision":
-        from train.models import torchvision_builders
 
-        if cfg.model.name not in (builders := torchvision_builders()):
-            raise ConfigError(f"model=torchvision model.name={cfg.model.name!r} is not a "
-                              f"torchvision classification model; choose one of {builders}.")
-    if cfg.data.name not in ("digits", "synthetic") and not cfg.data.download:
-        from train import datasets  # torch and torchvision: only for data sets on disk
+def preflight(cfgs: Sequence[TrainConfig], on_slurm: bool = False, dry_run: bool = False,
+              prepare_tracking: bool = False) -> str | None:
+    """Check every job of a run or sweep; returns the experiment id when `prepare_tracking`
+    (the launching process then creates the experiment once, for all of its jobs).
 
-        try:
-            datasets.check_available(cfg.data)
-        except datasets.DataMissingError as e:
-            raise LaunchError(str(e)) from None
-    if cfg.distributed.backend == "nccl" or cfg.distributed.device == "cuda":
-        import torch
+    Locally each job's world size is distributed.nproc_per_node, and that many GPUs must be
+    here for nccl/cuda. `on_slurm`: the world size is the cluster request's, checked first
+    along with sbatch, the controller and the partitions; `dry_run` checks only the request
+    and the config (no cluster, data set or store needed to print a script).
 
-        gpus = torch.cuda.device_count()
-        if local_ranks > gpus:
-            raise LaunchError(
-                f"distributed.nproc_per_node={local_ranks} ranks need as many GPUs with "
-                f"backend={cfg.distributed.backend} device={cfg.distributed.device}, but this "
-                f"machine has {gpus}. Lower nproc_per_node, or use distributed.device=cpu "
-                "distributed.backend=gloo.")
-    if cfg.tracking.enabled:
-        from train.store import TrackingError, check_reachable, resolve_uri
+    Raises ConfigError (the config itself) or LaunchError (what this machine, the cluster, the
+    data or the store lacks); nothing has started or been submitted then.
+    """
+    from train import slurm
 
-        try:
-            check_reachable(resolve_uri(cfg.tracking))
-        except TrackingError as e:
-            raise LaunchError(str(e)) from None
+    try:
+        if on_slurm and not dry_run:
+            slurm.check_slurm(cfg.cluster.partition for cfg in cfgs if cfg.cluster)
+        for cfg in cfgs:
+            if on_slurm:
+                validate(cfg, slurm.check_request(cfg))
+            else:
+                validate(cfg, cfg.distributed.nproc_per_node)
+            if dry_run:
+                continue
+            check_model(cfg)
+            check_data(cfg)
+            if not on_slurm:
+                check_local_devices(cfg)
+        if dry_run or not cfgs[0].tracking.enabled:
+            return None
+        return check_tracking(cfgs[0], on_slurm, prepare_tracking)
+    except slurm.SubmitError as e:
+        raise LaunchError(str(e)) from None
+
+
+def check_model(cfg: TrainConfig) -> None:
+    if cfg.model.source != "torchvision":
+        return
+    from train.models import torchvision_builders
+
+    if cfg.model.name not in (builders := torchvision_builders()):
+        raise ConfigError(f"model=torchvision model.name={cfg.model.name!r} is not a "
+                          f"torchvision classification model; choose one of {builders}.")
+
+
+def check_data(cfg: TrainConfig) -> None:
+    if not config_lib.reads_files(cfg.data):
+        return  # nothing on disk to look for: no torch import for digits or synthetic
+    from train import datasets
+
+    try:
+        datasets.check_available(cfg.data)
+    except datasets.DataMissingError as e:
+        raise LaunchError(str(e)) from None
+
+
+def check_local_devices(cfg: TrainConfig) -> None:
+    """nccl or device=cuda: one GPU per local rank."""
+    d = cfg.distributed
+    if d.backend != "nccl" and d.device != "cuda":
+        return
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if d.nproc_per_node > gpus:
+        raise LaunchError(
+            f"distributed.nproc_per_node={d.nproc_per_node} ranks need as many GPUs with "
+            f"backend={d.backend} device={d.device}, but this machine has {gpus}. Lower "
+            "nproc_per_node, or use distributed.device=cpu distributed.backend=gloo.")
+
+
+def check_tracking(cfg: TrainConfig, on_slurm: bool, prepare: bool) -> str | None:
+    """The store answers from here; with `prepare`, the experiment id for every job.
+
+    The experiment is created (and a new SQLite store migrated) here, once: parallel jobs
+    racing to do either put runs into the Default experiment or corrupt the database."""
+    from train import slurm, tracking
+
+    try:
+        uri = tracking.resolve_uri(cfg.tracking)
+        tracking.check_reachable(uri)
+        if on_slurm and tracking.is_local_path_uri(uri):
+            slurm.warn_local_store(uri)
+        if not prepare:
+            return None
+        from train.tracking import client
+
+        return client.prepare(cfg.tracking)
+    except tracking.TrackingError as e:
+        raise LaunchError(str(e)) from None
+
+
+def _require(ok: bool, message: str, problems: list[str]) -> None:
+    if not ok:
+        problems.append(message)
+
+
+def validate(cfg: TrainConfig, world_size: int) -> None:
+    """Refuse what the types allow but training cannot use; every problem in one message."""
+    p: list[str] = []
+    _require(cfg.model.source in MODEL_SOURCES,
+             f"model.source={cfg.model.source!r}; choose one of {list(MODEL_SOURCES)}.", p)
+    _require(cfg.model.source != "builtin" or cfg.model.name in MODEL_NAMES,
+             f"model.name={cfg.model.name!r} is not a model; choose one of "
+             f"{[*MODEL_NAMES, 'torchvision']} (for a torchvision.models builder: "
+             f"model=torchvision model.name={cfg.model.name}).", p)
+    _require(cfg.data.name in DATASET_NAMES,
+             f"data={cfg.data.name!r} is not a data set; choose one of {list(DATASET_NAMES)}.", p)
+    _require(cfg.optim.name in OPTIMIZERS,
+             f"optim.name={cfg.optim.name!r}; choose one of {list(OPTIMIZERS)}.", p)
+    _require(cfg.optim.schedule in SCHEDULES,
+             f"optim.schedule={cfg.optim.schedule!r}; choose one of {list(SCHEDULES)}.", p)
+    _require(cfg.trainer.precision in PRECISIONS,
+             f"trainer.precision={cfg.trainer.precision!r}; choose one of {list(PRECISIONS)}.", p)
+    _require(cfg.distributed.backend in BACKENDS,
+             f"distributed.backend={cfg.distributed.backend!r}; choose one of {list(BACKENDS)}.",
+             p)
+    _require(cfg.distributed.device in ("auto", "cuda", "cpu"),
+             f"distributed.device={cfg.distributed.device!r}; choose auto, cuda or cpu.", p)
+    _require(cfg.trainer.objective_direction in DIRECTIONS,
+             f"trainer.objective_direction must be one of {list(DIRECTIONS)}.", p)
+    _require(cfg.optim.lr > 0, f"optim.lr must be positive (got {cfg.optim.lr}).", p)
+    _require(cfg.trainer.epochs > 0, f"trainer.epochs must be positive (got {cfg.trainer.epochs}).",
+             p)
+    _require(cfg.trainer.eval_every > 0, "trainer.eval_every must be positive.", p)
+    _require(cfg.trainer.log_every_n_steps > 0, "trainer.log_every_n_steps must be positive.", p)
+    _require(cfg.trainer.keep_checkpoints > 0, "trainer.keep_checkpoints must be positive.", p)
+    _require(cfg.trainer.checkpoint_every >= 0, "trainer.checkpoint_every cannot be negative.",
+             p)
+    _require(cfg.data.batch_size > 0,
+             f"data.batch_size must be positive (got {cfg.data.batch_size}).", p)
+    _require(0 < cfg.data.val_fraction < 1,
+             f"data.val_fraction must be between 0 and 1 (got {cfg.data.val_fraction}).", p)
+    _require(cfg.distributed.nproc_per_node > 0, "distributed.nproc_per_node must be positive.", p)
+    _require(cfg.distributed.timeout_s > 0, "distributed.timeout_s must be positive.", p)
+    _require(cfg.trainer.peak_tflops is None or cfg.trainer.peak_tflops > 0,
+             "trainer.peak_tflops must be positive or null.", p)
+    _require(cfg.optim.grad_clip is None or cfg.optim.grad_clip > 0,
+             "optim.grad_clip must be positive or null.", p)
+    if cfg.data.batch_size > 0 and world_size > 0:
+        suggestion = max(world_size, cfg.data.batch_size // world_size * world_size)
+        _require(cfg.data.batch_size % world_size == 0,
+                 f"data.batch_size={cfg.data.batch_size} is the GLOBAL batch and must split evenly "
+                 f"over the {world_size} ranks; use a multiple of {world_size}, e.g. "
+                 f"data.batch_size={suggestion}.",
+                 p)
+    if p:
+        raise ConfigError("Refusing to start: " + " ".join(p))

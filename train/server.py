@@ -26,7 +26,7 @@ import shlex
 import socket
 import sys
 
-from train.store import EMBEDDED_STORE_DIR, sqlite_path
+from train.tracking.store import EMBEDDED_STORE_DIR, sqlite_path
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # MLflow's own default allow-list (mlflow/server/security_utils.py): giving --allowed-hosts

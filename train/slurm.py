@@ -1,24 +1,27 @@
-"""Submitting to Slurm from the login node: pre-flight, dry run, and following the jobs.
+"""Slurm: the login-node checks, following submitted jobs, and, inside a job, its requeue.
 
-Used by the Hydra launcher in hydra_plugins/train_launcher (what `+cluster=slurm` selects).
-Everything here runs in the submitting process, before or after the jobs; what runs inside a
-job is the ordinary training code (train/launch.py -> train/job.py), which reads its place in
-the job from SLURM_* through train/distenv.py.
+The submitting side is used by the Hydra launcher in hydra_plugins/train_launcher (what
+`+cluster=slurm` selects) and by the pre-flight (train/preflight.py); what runs inside a job is
+the ordinary training code (train/launch.py -> train/job.py), which reads its place in the job
+from SLURM_* through train/distenv.py and calls `requeue_after_stop` and `slurm_tags` here.
+Light on purpose: no torch or mlflow.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from train import config as config_lib
-from train.config import ConfigError, TrainConfig
-from train.config import _ranks_per_node as ranks_per_node
+from train.config import ClusterConfig, ConfigError, TrainConfig, ranks_per_node
+
+log = logging.getLogger("train")
 
 TERMINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                    "PREEMPTED", "BOOT_FAIL", "DEADLINE")
@@ -29,8 +32,10 @@ class SubmitError(RuntimeError):
     """The job cannot be submitted as asked; nothing was submitted."""
 
 
-def check_slurm(partition: str | None) -> None:
-    """sbatch is here, the controller answers, and the partition exists."""
+# -- the login node: before anything is submitted --------------------------------------------
+
+def check_slurm(partitions: Iterable[str | None]) -> None:
+    """sbatch is here, the controller answers, and every partition asked for exists."""
     if shutil.which("sbatch") is None:
         raise SubmitError("sbatch is not on PATH: run this on a Slurm login node (or `make "
                           "cluster-up` for the local test cluster).")
@@ -42,14 +47,21 @@ def check_slurm(partition: str | None) -> None:
     if out.returncode != 0:
         raise SubmitError("No usable Slurm configuration or controller: sinfo says "
                           f"{out.stderr.strip() or out.stdout.strip()!r}. Check SLURM_CONF.")
-    partitions = [p.rstrip("*") for p in out.stdout.split()]
-    if partition is not None and partition not in partitions:
-        raise SubmitError(f"cluster.partition={partition!r} does not exist; partitions: "
-                          f"{', '.join(partitions)}.")
+    existing = [p.rstrip("*") for p in out.stdout.split()]
+    for partition in dict.fromkeys(partitions):  # each once, in order
+        if partition is not None and partition not in existing:
+            raise SubmitError(f"cluster.partition={partition!r} does not exist; partitions: "
+                              f"{', '.join(existing)}.")
+
+
+def job_world_size(cluster: ClusterConfig) -> int:
+    """Ranks of one Slurm job: nodes x ranks per node."""
+    return cluster.nodes * ranks_per_node(cluster)
 
 
 def check_request(cfg: TrainConfig) -> int:
-    """Refuse an inconsistent request; returns the job's world size."""
+    """Refuse an inconsistent resource request; returns the job's world size. (The rest of
+    the config is validated against that world size by the pre-flight.)"""
     assert cfg.cluster is not None
     c = cfg.cluster
     problems = []
@@ -57,49 +69,24 @@ def check_request(cfg: TrainConfig) -> int:
         problems.append("cluster.nodes must be at least 1.")
     if c.gpus_per_node < 0:
         problems.append("cluster.gpus_per_node cannot be negative.")
-    per_node = ranks_per_node(c.tasks_per_node, c.gpus_per_node)
+    per_node = ranks_per_node(c)
     if c.gpus_per_node > 0 and per_node != c.gpus_per_node:
         problems.append(f"cluster.tasks_per_node={per_node} but cluster.gpus_per_node="
                         f"{c.gpus_per_node}: a GPU job runs one rank per GPU.")
     if c.time_min < 1:
         problems.append("cluster.time_min must be at least 1.")
+    if c.max_requeues < 0:
+        problems.append("cluster.max_requeues cannot be negative.")
     if problems:
         raise ConfigError("Refusing to submit: " + " ".join(problems))
-    world_size = c.nodes * per_node
-    config_lib.validate(cfg, world_size)
-    return world_size
+    return job_world_size(c)
 
 
-def check_tracking(cfg: TrainConfig) -> str | None:
-    """The store is usable from here; returns the experiment id to hand to every job."""
-    if not cfg.tracking.enabled:
-        return None
-    from train import store, tracking
-
-    uri = store.resolve_uri(cfg.tracking)
-    store.check_reachable(uri)
-    if store.is_local_path_uri(uri):
-        print(f"warning: tracking store {uri} is a local path: the compute nodes must see it on "
-              "a shared filesystem (and SQLite on NFS can lock badly). With many jobs or nodes, "
-              "run an MLflow server (`make mlflow-server` or slurm/mlflow-server.sbatch) and set "
-              "MLFLOW_TRACKING_URI=http://<host>:<port>.", file=sys.stderr, flush=True)
-    # Created (and an SQLite store migrated) here, once: parallel jobs racing to do either put
-    # runs into the Default experiment or corrupt the database.
-    return tracking.prepare(cfg.tracking)
-
-
-def preflight(job_configs: Sequence[TrainConfig]) -> str | None:
-    """All checks before anything is submitted; returns the experiment id for the jobs."""
-    first = job_configs[0]
-    assert first.cluster is not None
-    check_slurm(first.cluster.partition)
-    for cfg in job_configs:
-        check_request(cfg)
-        if cfg.data.name not in ("digits", "synthetic") and not cfg.data.download:
-            from train import datasets
-
-            datasets.check_available(cfg.data)
-    return check_tracking(first)
+def warn_local_store(uri: str) -> None:
+    print(f"warning: tracking store {uri} is a local path: the compute nodes must see it on "
+          "a shared filesystem (and SQLite on NFS can lock badly). With many jobs or nodes, "
+          "run an MLflow server (`make mlflow-server` or slurm/mlflow-server.sbatch) and set "
+          "MLFLOW_TRACKING_URI=http://<host>:<port>.", file=sys.stderr, flush=True)
 
 
 def show_script(executor: Any, num_jobs: int) -> str:
@@ -191,3 +178,54 @@ def report_failures(jobs: Sequence[Any], failed: Sequence[Any]) -> None:
         print(f"\njob {job.job_id} failed.\n{failing_log_tail(job)}", file=sys.stderr)
     if failed:
         print(f"\nerror: {len(failed)} of {len(jobs)} Slurm job(s) failed.", file=sys.stderr)
+
+
+# -- inside a job ----------------------------------------------------------------------------
+
+def requeue_target() -> str | None:
+    """This Slurm job's id as `scontrol requeue` wants it (array tasks included); None outside
+    Slurm."""
+    if "SLURM_ARRAY_JOB_ID" in os.environ:
+        return f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    return os.environ.get("SLURM_JOB_ID")
+
+
+def requeue_after_stop(signal_name: str, requeues_so_far: int, max_requeues: int) -> int | None:
+    """After a stop and its checkpoint (rank 0): USR2, Slurm's warning before the time limit,
+    makes the job requeue itself (`scontrol requeue`, same job id) unless `max_requeues` is
+    spent; returns the new count (for the checkpoint), None when nothing was requeued.
+
+    This counter is the job's only requeue budget: submitit's own (max_num_timeout) is pinned
+    to 0, since the job's USR2 handler replaces submitit's. TERM (a preemption, or `scontrol
+    requeue` from outside) needs nothing here: Slurm requeues the job itself.
+    """
+    job = requeue_target()
+    if signal_name != "SIGUSR2" or job is None:
+        return None
+    if requeues_so_far >= max_requeues:
+        log.error("time limit reached %d times (cluster.max_requeues=%d): not requeueing",
+                  requeues_so_far + 1, max_requeues)
+        return None
+    log.warning("requeueing Slurm job %s; it resumes from the checkpoint", job)
+    try:
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True,
+                              timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log.error("could not requeue Slurm job %s: %s", job, e)
+        return None
+    if done.returncode != 0:
+        log.error("could not requeue Slurm job %s: %s", job, done.stderr.strip())
+        return None
+    return requeues_so_far + 1
+
+
+def slurm_tags(hosts: list[str]) -> dict[str, str]:
+    """Where a Slurm job ran (every rank's host), as run tags; empty outside Slurm."""
+    if "SLURM_JOB_ID" not in os.environ:
+        return {}
+    tags = {"slurm.job_id": os.environ.get("SLURM_ARRAY_JOB_ID", os.environ["SLURM_JOB_ID"]),
+            "slurm.nodes": ",".join(sorted(set(hosts))),
+            "slurm.partition": os.environ.get("SLURM_JOB_PARTITION", "")}
+    if "SLURM_ARRAY_TASK_ID" in os.environ:
+        tags["slurm.array_task_id"] = os.environ["SLURM_ARRAY_TASK_ID"]
+    return tags

@@ -1,17 +1,16 @@
 """`+cluster=slurm`: hydra-submitit-launcher's Slurm launcher, plus what users need around it.
 
-The stock launcher submits and then blocks on the results in silence. This one checks the
-request before anything is submitted (train/slurm.py), creates the MLflow experiment once and
-hands its id to every job, can print the sbatch script instead of submitting (dry run), prints
-the job id and log paths, follows the jobs' states, and on failure shows the failing rank's log
-and exits non-zero. Submission, arrays and the sbatch script itself stay submitit's.
+The stock launcher submits and then blocks on the results in silence. This one pre-flights
+every job before anything is submitted (train/preflight.py), creates the MLflow experiment once
+and hands its id (and a sweep's parent run id) to every job as overrides
+(checked_jobs.py), can print the sbatch script instead of submitting (dry run), prints the job
+id and log paths, follows the jobs' states, and on failure shows the failing rank's log and
+exits non-zero. Submission, arrays and the sbatch script itself stay submitit's.
 """
 # No `from __future__ import annotations`: Hydra's plugin scan executes this module outside
 # sys.modules, where dataclasses cannot resolve string annotations.
 
 
-import os
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +20,8 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
 from omegaconf import OmegaConf, open_dict
+
+from hydra_plugins.train_launcher import checked_jobs
 
 
 @dataclass
@@ -32,6 +33,10 @@ class TrainSlurmQueueConf(SlurmQueueConf):
     """Follow the jobs until they end; False returns right after submission."""
     srun_args: list[str] = field(default_factory=list)
     """Extra arguments for the srun line that starts the ranks."""
+    setup: list[str] = field(default_factory=list)
+    """As submitit's (shell lines before srun), but never None: merging `${cluster.setup}`
+    onto a None list would resolve it while conf/cluster/slurm.yaml is merged, before
+    `cluster` has its schema defaults."""
 
 
 ConfigStore.instance().store(group="hydra/launcher", name="train_slurm",
@@ -44,74 +49,39 @@ class TrainSlurmLauncher(SlurmLauncher):
         self.wait = bool(params.pop("wait", True))
         super().__init__(**params)
 
-    def _job_configs(self, job_overrides: Sequence[Sequence[str]]) -> list[Any]:
-        from train import config as config_lib
-
-        assert self.hydra_context is not None and self.config is not None
-        typed = []
-        for overrides in job_overrides:
-            cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
-            with open_dict(cfg):
-                del cfg["hydra"]
-            typed.append(config_lib.to_typed(OmegaConf.to_container(cfg, resolve=True)))
-        return typed
-
     def launch(self, job_overrides: Sequence[Sequence[str]],
                initial_job_idx: int) -> Sequence[JobReturn]:
         import submitit
 
         from train import slurm
-        from train.config import ConfigError
-        from train.datasets import DataMissingError
-        from train.store import TrackingError
 
         sweeper = str(self.config.hydra.sweeper.get("_target_", "BasicSweeper"))
         if not self.wait and "BasicSweeper" not in sweeper:
-            print(f"\nerror: cluster.wait=false cannot serve {sweeper.rsplit('.', 1)[-1]}: it "
-                  "needs each trial's result before it proposes the next. Drop "
-                  "cluster.wait=false (the search then follows its jobs).\n", file=sys.stderr)
-            raise SystemExit(2)
-        try:
-            configs = self._job_configs(job_overrides)
-            # A dry run checks the request itself but needs no cluster, store or data set.
-            experiment_id = None if self.dry_run else slurm.preflight(configs)
-            for cfg in configs:
-                slurm.check_request(cfg)
-        except (ConfigError, slurm.SubmitError, TrackingError, DataMissingError) as e:
-            print(f"\nerror: {e}\n", file=sys.stderr)
-            raise SystemExit(2) from None
+            checked_jobs.refuse(
+                f"cluster.wait=false cannot serve {sweeper.rsplit('.', 1)[-1]}: it needs each "
+                "trial's result before it proposes the next. Drop cluster.wait=false (the "
+                "search then follows its jobs).")
+        configs = checked_jobs.job_configs(self, job_overrides)
+        # A dry run checks the request itself but needs no cluster, store or data set.
+        experiment_id = checked_jobs.preflight_jobs(configs, on_slurm=True, dry_run=self.dry_run)
         try:
             executor = self._executor(submitit)
         except RuntimeError as e:  # submitit: no srun here
-            print(f"\nerror: {e} (sbatch and srun must be on PATH, even for a dry run)\n",
-                  file=sys.stderr)
-            raise SystemExit(2) from None
+            checked_jobs.refuse(f"{e} (sbatch and srun must be on PATH, even for a dry run)")
         if self.dry_run:
             print(slurm.show_script(executor, len(job_overrides)))
             raise SystemExit(0)
-        parent = None
-        if experiment_id is not None:
-            from train.sweep import parent_run_for_jobs
-
-            # Explicit overrides, not the environment: sites may submit with --export=NONE.
-            handed = [f"tracking.experiment_id={experiment_id}"]
-            if (ids := parent_run_for_jobs()) is not None:  # a sweep: all is checked now
-                parent = ids[1]
-                handed.append(f"tracking.parent_run_id={parent}")
-            job_overrides = [[*o, *handed] for o in job_overrides]
-
-        job_params = [(list(o), "hydra.sweep.dir", initial_job_idx + i, f"job_id_for_{i}",
+        job_overrides, parent = checked_jobs.with_ids(self, job_overrides, experiment_id)
+        job_params = [(o, "hydra.sweep.dir", initial_job_idx + i, f"job_id_for_{i}",
                        self._singleton_state()) for i, o in enumerate(job_overrides)]
         jobs = executor.map_array(self, *zip(*job_params, strict=True))
         cluster = configs[0].cluster
-        world_size = cluster.nodes * slurm.ranks_per_node(cluster.tasks_per_node,
-                                                          cluster.gpus_per_node)
-        slurm.announce(jobs, world_size, cluster.nodes)
+        slurm.announce(jobs, slurm.job_world_size(cluster), cluster.nodes)
         if not self.wait:
             if parent is not None:  # a sweep: its last job will end the parent run
-                from train.sweep import UNWAITED_ENV
+                from train.sweep import find_callback
 
-                os.environ[UNWAITED_ENV] = str(int(os.environ.get(UNWAITED_ENV, 0)) + len(jobs))
+                find_callback(self.hydra_context).left_unwaited(len(jobs))
             # Completed as far as this process goes: Hydra's sweeper reads every return value.
             return [JobReturn(status=JobStatus.COMPLETED, _return_value=None) for _ in jobs]
         returns, failed = slurm.collect(jobs, slurm.follow(jobs))
@@ -137,8 +107,13 @@ class TrainSlurmLauncher(SlurmLauncher):
         with open_dict(self.config):
             self.config.hydra.sweep.dir = str(self.config.hydra.sweep.dir)
         params = dict(self.params)
+        params.pop("max_num_timeout")
+        # One requeue budget: the job's own (cluster.max_requeues, counted in its checkpoints,
+        # train/slurm.py requeue_after_stop). Each rank replaces submitit's USR2 handler with
+        # its own as it starts, so submitit's count of timeouts is never spent; a second
+        # budget would only mislead (hydra.launcher.max_num_timeout is ignored).
         executor = submitit.AutoExecutor(cluster=self._EXECUTOR, folder=params.pop(
-            "submitit_folder"), slurm_max_num_timeout=params.pop("max_num_timeout"))
+            "submitit_folder"), slurm_max_num_timeout=0)
         base = set(OmegaConf.structured(BaseQueueConf).keys())
         executor.update_parameters(**{k if k in base else f"slurm_{k}": v
                                       for k, v in params.items()})

@@ -1,7 +1,7 @@
 """Where runs are recorded: the tracking URI, the embedded store, and whether it can be used.
 
-No mlflow import here (it costs ~1.6 s): the launcher and the Slurm pre-flight check the store
-with these functions before any rank starts; train/tracking.py does the MLflow work.
+No mlflow import here (it costs ~1.6 s): the pre-flight checks the store with these functions
+before any rank starts; train/tracking/client.py does the MLflow work.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from train.config import TrackingConfig
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 EMBEDDED_STORE_DIR = REPO_ROOT / "mlruns"
 """The embedded store: mlruns/mlflow.db (runs, params, metrics) and mlruns/artifacts/."""
 

@@ -1,0 +1,64 @@
+"""What both launchers do before the first job starts: pre-flight every job of the sweep, then
+append the experiment and parent run ids to each job's overrides.
+
+The ids reach jobs this one way, as explicit overrides (`tracking.experiment_id=...`,
+`tracking.parent_run_id=...`): no environment variables (sites may submit with
+--export=NONE), no module state.
+"""
+
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from omegaconf import OmegaConf, open_dict
+
+
+def refuse(message: object) -> NoReturn:
+    """One clear message and exit code 2: nothing has started or been submitted."""
+    print(f"\nerror: {message}\n", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def job_configs(launcher: Any, job_overrides: Sequence[Sequence[str]]) -> list[Any]:
+    """Each job's composed config as TrainConfig, as the job itself will see it."""
+    from train import config as config_lib
+
+    assert launcher.hydra_context is not None and launcher.config is not None
+    typed = []
+    for overrides in job_overrides:
+        cfg = launcher.hydra_context.config_loader.load_sweep_config(launcher.config,
+                                                                     list(overrides))
+        with open_dict(cfg):
+            del cfg["hydra"]
+        typed.append(config_lib.to_typed(OmegaConf.to_container(cfg, resolve=True)))
+    return typed
+
+
+def preflight_jobs(configs: Sequence[Any], on_slurm: bool = False,
+                   dry_run: bool = False) -> str | None:
+    """train/preflight.py for all of them; the experiment id (None without tracking or in a
+    dry run). A refusal ends the command here."""
+    from train.config import ConfigError
+    from train.launch import LaunchError
+    from train.preflight import preflight
+
+    try:
+        return preflight(configs, on_slurm=on_slurm, dry_run=dry_run,
+                         prepare_tracking=not dry_run)
+    except (ConfigError, LaunchError) as e:
+        refuse(e)
+
+
+def with_ids(launcher: Any, job_overrides: Sequence[Sequence[str]],
+             experiment_id: str | None) -> tuple[list[list[str]], str | None]:
+    """Each job's overrides with the ids appended, and the sweep's parent run id (None for one
+    job, or without tracking). The sweep callback creates the parent at its first request."""
+    from train.config import handed_overrides
+    from train.sweep import find_callback
+
+    if experiment_id is None:
+        return [list(o) for o in job_overrides], None
+    callback = find_callback(launcher.hydra_context)
+    parent = callback.parent_for_jobs(experiment_id) if callback is not None else None
+    handed = handed_overrides(experiment_id, parent)
+    return [[*o, *handed] for o in job_overrides], parent

@@ -1,0 +1,142 @@
+"""The fast layer's end-to-end: a config composed with Hydra's compose API, trained in-process on
+one gloo rank in seconds, and read back from a real MLflow store; checkpoints saved, found and
+restored; stop signals noted and their handlers put back."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from tests.conftest import LAUNCHER_VARS, REPO, history, runs_in
+from train import checkpoint, distenv, distributed, models, stopping
+from train import state as train_state
+from train.app import run
+from train.config import TrainConfig, register_schema, to_container, to_typed
+
+SMALL = ("data=synthetic", "data.num_samples=96", "data.val_fraction=0.2", "data.image_size=8",
+         "data.batch_size=16", "model=mlp", "model.width=16", "trainer.log_every_n_steps=2",
+         "data.num_workers=0", "tracking.batch_interval_s=0")
+
+
+def composed(*overrides: str):
+    register_schema()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose(config_name="train", overrides=list(overrides))
+
+
+@pytest.fixture
+def no_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in LAUNCHER_VARS:
+        monkeypatch.delenv(key, raising=False)
+    for key in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(key)
+
+
+def test_train_in_process_records_one_complete_run(tmp_path: Path, no_launcher_env: None) -> None:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = composed(*SMALL, "trainer.epochs=2", f"tracking.uri={uri}", "tracking.run_name=fast")
+    out = tmp_path / "job"
+    objective = run(cfg, str(out), "python -m train (test)")
+
+    [mlflow_run] = runs_in(uri)
+    assert mlflow_run.info.status == "FINISHED" and mlflow_run.info.run_name == "fast"
+    assert objective == mlflow_run.data.metrics["val/accuracy"]
+    # 96 samples, 20 % validation: 77 train (5 steps of 16), 19 validation, each epoch.
+    run_id = mlflow_run.info.run_id
+    assert history(uri, run_id, "train/samples") == [(0, 77.0), (1, 77.0)]
+    assert history(uri, run_id, "val/samples") == [(0, 19.0), (1, 19.0)]
+    assert [s for s, _ in history(uri, run_id, "train/step_loss")] == [2, 4, 6, 8, 10]
+    assert mlflow_run.data.params["data.num_train"] == "77"
+    assert mlflow_run.data.tags["world_size"] == "1"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["run_id"] == run_id
+    assert summary["metrics"]["val/accuracy"] == objective
+    assert (out / "model.pt").stat().st_size > 0 and (out / "confusion_matrix.svg").exists()
+    assert [p.name for p in checkpoint.candidates(checkpoint.directory(out))] == [
+        "step-000000010.pt", "step-000000005.pt"]
+    # The launcher's variables are gone again: the next job of a sweep starts afresh.
+    assert "RANK" not in os.environ and not torch.distributed.is_initialized()
+
+
+@pytest.fixture
+def one_rank(no_launcher_env: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[distenv.DistEnv]:
+    for key, value in distenv.torchrun_env(0, 0, 1, 1, "127.0.0.1", distenv.free_port()).items():
+        monkeypatch.setenv(key, value)
+    env = distenv.detect()
+    distributed.init(env, "gloo", torch.device("cpu"), timeout_s=30)
+    yield env
+    distributed.shutdown()
+
+
+def _state(cfg: TrainConfig) -> train_state.TrainState:
+    torch.manual_seed(0)
+    return train_state.build(cfg, models.InputSpec(1, 8, 10), steps_per_epoch=4,
+                             device=torch.device("cpu"))
+
+
+def _one_step(state: train_state.TrainState) -> None:
+    loss = state.model(torch.randn(8, 1, 8, 8)).logsumexp(dim=1).mean()
+    state.optimizer.zero_grad()
+    loss.backward()
+    state.optimizer.step()
+    state.scheduler.step()
+    state.step += 1
+
+
+def test_checkpoint_round_trip_restores_everything(tmp_path: Path, one_rank: distenv.DistEnv
+                                                   ) -> None:
+    cfg = to_typed(to_container(composed("model=mlp", "model.width=16", "optim=adamw")))
+    flushed: list[str] = []
+    saver = checkpoint.Checkpointer(tmp_path, cfg.trainer, 0, 1,
+                                    before_write=lambda: flushed.append("flush"),
+                                    run_fields=lambda: {"run_id": "abc", "restarts": 1})
+    trained = _state(cfg)
+    for _ in range(3):
+        _one_step(trained)
+    saver.save(trained, None, 0)
+    assert flushed == ["flush"]  # MLflow is flushed before the file exists
+    expected_next = torch.rand(3)  # the RNG stream the restored job must continue
+
+    resumed = checkpoint.find(str(tmp_path), output_dir=tmp_path / "elsewhere")
+    assert resumed is not None and resumed.state["run_id"] == "abc"
+    fresh = _state(cfg)
+    checkpoint.restore(fresh, resumed, rank=0, world_size=1)
+    assert fresh.step == 3 and fresh.scheduler.last_epoch == 3
+    for key, value in trained.module.state_dict().items():
+        assert torch.equal(value, fresh.module.state_dict()[key]), key
+    moments = [s["exp_avg"] for s in fresh.optimizer.state_dict()["state"].values()]
+    assert moments and all(m.abs().sum() > 0 for m in moments)
+    assert torch.equal(torch.rand(3), expected_next)
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path: Path,
+                                                                one_rank: distenv.DistEnv) -> None:
+    cfg = to_typed(to_container(composed("model=mlp", "model.width=16")))
+    saver = checkpoint.Checkpointer(tmp_path, cfg.trainer, 0, 1, before_write=lambda: None,
+                                    run_fields=dict)
+    state = _state(cfg)
+    _one_step(state)
+    saver.save(state, None, 0)
+    _one_step(state)
+    saver.save(state, None, 0)
+    newest = checkpoint.candidates(tmp_path)[0]
+    newest.write_bytes(newest.read_bytes()[:100])  # truncated, as by a crash mid-copy
+    resumed = checkpoint.load_newest(checkpoint.candidates(tmp_path))
+    assert resumed is not None and resumed.state["step"] == 1
+
+
+def test_stop_signals_are_noted_and_handlers_put_back() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    with stopping.StopSignals() as stop:
+        assert stop.received is None
+        signal.raise_signal(signal.SIGUSR2)
+        assert stop.received == "SIGUSR2"
+        assert stop.preempted().signal_name == "SIGUSR2"
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -1,0 +1,169 @@
+"""What a job records and shows: the run's params and tags, step and epoch metrics, the final
+artifacts, and the lines on the console.
+
+Every rank holds a RunLogger and calls it at the same points; only its backend differs. Rank 0's
+is `tracking.MlflowRun` (a background thread: training never waits on MLflow), every other
+rank's is `tracking.NullRun`, which does nothing, and their console lines are dropped by the
+logging level (train/job.py, setup_logging). The metrics themselves are the same on every rank
+(train/metrics.py reduces them to all ranks).
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from train import flops, system_stats
+from train.config import TrainConfig
+from train.data import DataBundle
+from train.distenv import DistEnv
+from train.metrics import Reduced, StepSync
+from train.progress import Progress
+from train.tracking import NullRun, how_to_view, records
+from train.tracking.store import REPO_ROOT
+
+log = logging.getLogger("train")
+T = TypeVar("T")
+SHOWN = ("train/loss", "train/accuracy", "val/loss", "val/accuracy", "train/samples_per_sec",
+         "train/mfu", "epoch_time_s")
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """{"optim": {"lr": 0.1}} -> {"optim.lr": "0.1"}; lists and None as their text."""
+    flat: dict[str, str] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            flat.update(flatten(value, name + "."))
+        else:
+            flat[name] = str(value)
+    return flat
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                             text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 else "unknown"
+
+
+class RunLogger:
+    def __init__(self, cfg: TrainConfig, run: NullRun, progress: Progress) -> None:
+        self.cfg, self.run, self.bar = cfg, run, progress
+        self.throughput: flops.Throughput | None = None
+        """Set once the model exists (train/job.py); train/tflops_per_sec and train/mfu."""
+        self.restarts = 0
+        self.config_yaml = ""
+        self.final_metrics: dict[str, float] = {}
+        self.by_epoch: list[dict[str, float]] = []  # each epoch this start trained
+        self.first_step_at: float | None = None
+
+    def start(self, config: Mapping[str, Any], ranks: list[dict[str, str]], env: DistEnv,
+              backend: str, tags: Mapping[str, str], config_yaml: str,
+              previous: tuple[str, int] | None) -> None:
+        """Create the run, or continue `previous` = (run id, restarts so far) as RUNNING."""
+        import torch
+
+        self.config_yaml = config_yaml
+        hosts = ",".join(sorted({r["host"] for r in ranks}))
+        devices = ",".join(sorted({r["device"] for r in ranks}))
+        self.restarts = previous[1] + 1 if previous else 0
+        all_tags = {"world_size": str(env.world_size), "launcher": env.launcher,
+                    "backend": backend, "hostnames": hosts, "devices": devices,
+                    "torch_version": str(torch.__version__), "git_commit": git_commit(),
+                    "restarts": str(self.restarts), **tags}
+        self.run.start(all_tags, run_name=self.cfg.tracking.run_name,
+                       resume_run_id=previous[0] if previous else None)
+        if previous:
+            log.info("continuing MLflow run %s (restart %d)", previous[0], self.restarts)
+        else:  # a continued run holds them already
+            self.run.log_params(flatten(config))
+            self.run.log(records.Text(text=config_yaml, artifact_file="config.yaml"))
+        log.info("training on %d rank(s) (%s, %s) over %s", env.world_size, backend, devices,
+                 hosts)
+
+    def log_data(self, bundle: DataBundle) -> None:
+        params = {"data.num_train": bundle.num_train, "data.num_val": bundle.num_val}
+        self.run.log_params({k: str(v) for k, v in params.items()})
+        log.info("data: %s", ", ".join(f"{k}={v}" for k, v in params.items()))
+        if not self.restarts:  # recorded by the first start
+            self.run.log(records.dataset_input(f"{self.cfg.data.name}-train", bundle.source.images,
+                                               bundle.source.labels, bundle.train_index))
+
+    def progress(self, batches: Iterable[T], epoch: int) -> Iterator[T]:
+        return self.bar.over(batches, epoch, len(batches))  # type: ignore[arg-type]
+
+    def first_step(self) -> None:
+        self.first_step_at = time.time()
+        self.run.begin_sending()  # training is under way: MLflow may take its share now
+
+    def step(self, step: int, sync: StepSync) -> None:
+        self.run.log_metrics({"train/step_loss": sync.mean_loss,
+                              "train/step_time_max_s": sync.slowest_s,
+                              "train/step_time_min_s": sync.fastest_s}, step)
+        self.bar.show(loss=sync.mean_loss)
+
+    def epoch(self, epoch: int, *, train: Reduced, val: Reduced | None, train_time_s: float,
+              epoch_time_s: float, lr: float, nodes: list[Any] | None = None) -> None:
+        values = {"train/loss": train.loss, "train/accuracy": train.accuracy,
+                  "train/samples": float(train.samples),
+                  "train/samples_per_sec": train.samples / train_time_s,
+                  "lr": lr, "epoch_time_s": epoch_time_s,
+                  **(self.throughput.metrics(train.samples, train_time_s)
+                     if self.throughput else {})}
+        if val is not None:
+            values.update({"val/loss": val.loss, "val/accuracy": val.accuracy,
+                           "val/samples": float(val.samples)})
+        if nodes:
+            self.run.log_metrics(system_stats.as_metrics(nodes), step=epoch)
+        self.run.log_metrics(values, step=epoch)
+        self.final_metrics.update(values)
+        self.by_epoch.append({"samples_per_sec": values["train/samples_per_sec"],
+                              "epoch_time_s": epoch_time_s,
+                              "tracking_thread_cpu_s": self.run.cpu_seconds})
+        shown = "  ".join(f"{k}={v:.4g}" for k, v in values.items() if k in SHOWN)
+        log.info("epoch %d/%d  %s", epoch + 1, self.cfg.trainer.epochs, shown)
+
+    def run_fields(self) -> dict[str, Any]:
+        """What a checkpoint needs to continue this run."""
+        return {"run_id": self.run.run_id, "config": self.config_yaml, "restarts": self.restarts}
+
+    def log_outputs(self, files: Mapping[str, Path], table: dict[str, list] | None,
+                    model: Any, example: Any) -> None:
+        """The job's final files (artifact path -> file), the per-class table and the model."""
+        for artifact_path, path in files.items():
+            self.run.log(records.ArtifactFile(str(path), artifact_path or None))
+        if table is not None:
+            self.run.log(records.Table(table, "per_class_accuracy.json"))
+        if self.cfg.tracking.log_model:
+            self.run.log(records.Model(model, example))
+
+    def summary(self, peak_rss_mb: list[float]) -> dict[str, Any]:
+        """summary.json: what scripts (and `make bench`) read back."""
+        self.run.log_metrics({"peak_rss_mb_max": max(peak_rss_mb)}, step=self.cfg.trainer.epochs)
+        self.run.flush()
+        return {"run_id": self.run.run_id, "metrics": self.final_metrics,
+                "by_epoch": self.by_epoch, "first_step_at": self.first_step_at,
+                "peak_rss_mb": peak_rss_mb}
+
+    def stopped(self, signal_name: str) -> None:
+        """Stopped after a checkpoint: the run waits as KILLED until the job runs again."""
+        self.run.set_tags({"stopped_by": signal_name})
+        self.run.finish(status="KILLED")
+
+    def finish(self, error: str | None = None) -> None:
+        self.run.finish(status="FAILED" if error else "FINISHED", error=error)
+        run_id = self.run.run_id
+        if run_id and error is None:
+            shown = "  ".join(f"{k}={v:.4g}" for k, v in self.final_metrics.items()
+                              if k.startswith("val/") or k == "train/loss")
+            log.info("MLflow run %s FINISHED  %s\n  view it: %s", run_id, shown,
+                     how_to_view(self.run.uri, self.run.experiment_id, run_id))
+        elif run_id:
+            log.error("MLflow run %s marked FAILED: %s", run_id, error)

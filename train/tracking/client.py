@@ -1,0 +1,252 @@
+"""Every MLflow request of the project; mlflow is imported lazily (the import costs ~1.6 s).
+
+- `prepare()` runs in the process that submits jobs (Slurm, sweeps) before any rank starts: it
+  initialises (migrates) a new SQLite store and creates the experiment once, so that parallel
+  jobs never race on either.
+- `create_run`, `get_run`, `child_runs`, `log_values`, `end_run`: single requests, for the
+  sweep's parent run (train/sweep.py).
+- `RunClient` makes the requests of one run: rank 0's sender thread (train/tracking/run.py) and
+  the upload of an unsent file (train/tracking/unsent.py) apply typed records through it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from train.config import TrackingConfig
+from train.tracking.records import (
+    ArtifactFile,
+    Batch,
+    CreateRun,
+    DatasetInput,
+    EndRun,
+    Model,
+    Record,
+    ResumeRun,
+    Table,
+    Text,
+)
+from train.tracking.store import (
+    artifact_location,
+    check_reachable,
+    is_new_sqlite,
+    resolve_uri,
+    sqlite_path,
+)
+
+
+def initialise(uri: str) -> None:
+    """Create and migrate a new SQLite store, once: a lock file beside it makes concurrent
+    first users (two jobs started together) wait for the first instead of corrupting it."""
+    import fcntl
+
+    from mlflow import MlflowClient
+
+    db = sqlite_path(uri)
+    assert db is not None, "only SQLite stores are initialised here"
+    with open(db.with_suffix(".lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            MlflowClient(tracking_uri=uri).search_experiments(max_results=1)  # migrates
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _mlflow_client(uri: str) -> Any:
+    """An MlflowClient for `uri`; a new SQLite store is initialised first (the first run into
+    it may start together with another)."""
+    from mlflow import MlflowClient
+
+    if is_new_sqlite(uri):
+        initialise(uri)
+    return MlflowClient(tracking_uri=uri)
+
+
+def prepare(cfg: TrackingConfig) -> str:
+    """Check the store, migrate it if new, and return the experiment id (created if needed)."""
+    uri = resolve_uri(cfg)
+    check_reachable(uri)
+    mlflow_client = _mlflow_client(uri)
+    return cfg.experiment_id or _experiment_id(mlflow_client, cfg.experiment, uri)
+
+
+def _experiment_id(mlflow_client: Any, name: str, uri: str) -> str:
+    """The experiment's id, created if it does not exist yet (also when another process
+    creates it at the same moment: then its id)."""
+    from mlflow.exceptions import MlflowException
+
+    experiment = mlflow_client.get_experiment_by_name(name)
+    if experiment is not None:
+        return str(experiment.experiment_id)
+    try:
+        return str(mlflow_client.create_experiment(name, artifact_location(uri)))
+    except MlflowException:  # created meanwhile by someone else
+        experiment = mlflow_client.get_experiment_by_name(name)
+        if experiment is None:
+            raise
+        return str(experiment.experiment_id)
+
+
+# -- single requests (the sweep's parent run) ----------------------------------------------------
+
+@dataclass
+class RunSummary:
+    run_id: str
+    experiment_id: str
+    status: str
+    tags: dict[str, str]
+    metrics: dict[str, float]
+
+
+def _summary(run: Any) -> RunSummary:
+    return RunSummary(run_id=run.info.run_id, experiment_id=str(run.info.experiment_id),
+                      status=run.info.status, tags=dict(run.data.tags),
+                      metrics=dict(run.data.metrics))
+
+
+def create_run(uri: str, experiment_id: str, run_name: str | None,
+               tags: dict[str, str]) -> str:
+    run = _mlflow_client(uri).create_run(experiment_id, run_name=run_name, tags=tags)
+    return str(run.info.run_id)
+
+
+def get_run(uri: str, run_id: str) -> RunSummary:
+    return _summary(_mlflow_client(uri).get_run(run_id))
+
+
+def child_runs(uri: str, experiment_id: str, parent_run_id: str) -> list[RunSummary]:
+    runs = _mlflow_client(uri).search_runs(
+        [experiment_id], f"tags.`mlflow.parentRunId` = '{parent_run_id}'", max_results=10000)
+    return [_summary(run) for run in runs]
+
+
+def log_values(uri: str, run_id: str, metrics: Mapping[str, float] | None = None,
+               tags: Mapping[str, str] | None = None, step: int = 0) -> None:
+    """Metrics (at `step`, stamped now) and tags in one request."""
+    now = int(time.time() * 1000)
+    RunClient(uri, run_id).send_rows(Batch(
+        metrics=[(k, float(v), now, step) for k, v in (metrics or {}).items()],
+        tags=[(k, str(v)) for k, v in (tags or {}).items()]))
+
+
+def end_run(uri: str, run_id: str, status: str) -> None:
+    _mlflow_client(uri).set_terminated(run_id, status)
+
+
+# -- one run -------------------------------------------------------------------------------------
+
+class RunClient:
+    """Does what a record or a batch of rows asks, against one MLflow run."""
+
+    def __init__(self, uri: str, run_id: str | None = None) -> None:
+        self.uri, self.run_id = uri, run_id
+        self.experiment_id: str | None = None
+        self.logged_until: dict[str, int] = {}
+        """Per metric, the last step the run already holds (a resumed run replays steps)."""
+        self._mlflow = _mlflow_client(uri)
+
+    def send_rows(self, batch: Batch) -> None:
+        """One log_batch request (the batch within MLflow's limits); the metric steps a resumed
+        run already holds are left out."""
+        from mlflow.entities import Metric, Param, RunTag
+
+        metrics = [m for m in batch.metrics if m[3] > self.logged_until.get(m[0], -1)]
+        self._mlflow.log_batch(self.run_id, metrics=[Metric(*m) for m in metrics],
+                               params=[Param(k, v[:6000]) for k, v in batch.params],
+                               tags=[RunTag(k, v[:5000]) for k, v in batch.tags],
+                               synchronous=True)
+
+    def apply(self, record: Record) -> None:
+        match record:
+            case CreateRun():
+                self._create(record)
+            case ResumeRun():
+                self._resume(record.run_id)
+            case ArtifactFile():
+                self._mlflow.log_artifact(self.run_id, record.path, record.artifact_path)
+            case Text():
+                self._mlflow.log_text(self.run_id, record.text, record.artifact_file)
+            case Table():
+                self._mlflow.log_table(self.run_id, record.table, record.artifact_file)
+            case DatasetInput():
+                self._log_dataset(record)
+            case Model():
+                self._log_model(record)
+            case EndRun():
+                if record.error is not None:
+                    self.send_rows(Batch(tags=[("error", record.error[-5000:])]))
+                self._mlflow.set_terminated(self.run_id, record.status)
+            case _:
+                raise TypeError(f"not a tracking record: {record!r}")
+
+    def held_steps(self, keys: Iterable[str]) -> dict[str, set[int]]:
+        """Per metric key, the steps the run holds already."""
+        return {key: {m.step for m in self._mlflow.get_metric_history(self.run_id, key)}
+                for key in keys}
+
+    def _create(self, record: CreateRun) -> None:
+        experiment_id = record.experiment_id
+        if experiment_id is None:  # a local job: the launcher left the experiment to rank 0
+            experiment_id = _experiment_id(self._mlflow, record.experiment, self.uri)
+        run = self._mlflow.create_run(experiment_id, run_name=record.run_name, tags=record.tags)
+        self.run_id, self.experiment_id = run.info.run_id, str(experiment_id)
+
+    def _resume(self, run_id: str) -> None:
+        run = self._mlflow.get_run(run_id)
+        self.run_id, self.experiment_id = run_id, str(run.info.experiment_id)
+        for key in run.data.metrics:  # each epoch and step must appear once in each history
+            steps = [m.step for m in self._mlflow.get_metric_history(run_id, key)]
+            self.logged_until[key] = max(steps, default=-1)
+        self._mlflow.update_run(run_id, status="RUNNING")
+
+    def _log_dataset(self, d: DatasetInput) -> None:
+        """The data set as the run's input: name, digest, tensor schema and profile."""
+        from mlflow.entities import Dataset, InputTag
+        from mlflow.entities import DatasetInput as MlflowDatasetInput
+
+        spec = {"features": [{"type": "tensor", "tensor-spec": {
+                    "dtype": d.features_dtype, "shape": [-1, *d.features_shape[1:]]}}],
+                "targets": [{"type": "tensor", "tensor-spec": {"dtype": "int64", "shape": [-1]}}]}
+        profile = {"num_rows": d.num_rows, "features_shape": d.features_shape,
+                   "targets_shape": [d.num_rows]}
+        dataset = Dataset(name=d.name, digest=d.digest, source_type="code",
+                          source=json.dumps({"dataset": d.name}),
+                          schema=json.dumps({"mlflow_tensorspec": {
+                              k: json.dumps(v) for k, v in spec.items()}}),
+                          profile=json.dumps(profile))
+        context = InputTag(key="mlflow.data.context", value=d.context)
+        self._mlflow.log_inputs(self.run_id,
+                                datasets=[MlflowDatasetInput(dataset, tags=[context])])
+
+    def _log_model(self, record: Model) -> None:
+        """An MLflow model that loads back with mlflow.pytorch.load_model. Pickle format: the
+        default torch.export format fixes the batch size of the example."""
+        import mlflow
+        import mlflow.pytorch
+        import torch
+
+        # The fluent API wants a tracking URI and an active run; set_tracking_uri also sets
+        # MLFLOW_TRACKING_URI, which is put back so that nothing after this job sees it.
+        before = os.environ.get("MLFLOW_TRACKING_URI")
+        mlflow.set_tracking_uri(self.uri)
+        mlflow.start_run(run_id=self.run_id)
+        # Its warning about pickle is for models from strangers; this one is our own.
+        logging.getLogger("mlflow.pytorch").setLevel(logging.ERROR)
+        try:
+            mlflow.pytorch.log_model(
+                record.model, name="model", serialization_format="pickle",
+                input_example=record.input_example,
+                # explicit: inferring requirements imports the model in a subprocess (slow)
+                pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"])
+        finally:
+            mlflow.end_run()  # no active run left behind; EndRun sets the real status next
+            if before is None:
+                os.environ.pop("MLFLOW_TRACKING_URI", None)
+            else:
+                os.environ["MLFLOW_TRACKING_URI"] = before

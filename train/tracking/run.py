@@ -1,0 +1,281 @@
+"""Rank 0's MLflow run, fed from one background thread so that training never waits on it.
+
+Rows (metrics, params, tags) logged within `tracking.batch_interval_s` travel in one log_batch
+request; records (the run's creation, artifacts, the model, its end) follow in the order they
+were made. A request that fails is retried until the store answers again; what it has not taken
+when the run ends goes to the unsent file (train/tracking/unsent.py). The requests themselves
+are train/tracking/client.py's. `NullRun` is the one do-nothing backend: every other rank, and
+tracking.enabled=false.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from train.config import TrackingConfig
+from train.tracking import client, unsent
+from train.tracking.records import (
+    CreateRun,
+    EndRun,
+    Loggable,
+    Record,
+    ResumeRun,
+    Rows,
+)
+from train.tracking.store import resolve_uri
+
+log = logging.getLogger(__name__)
+
+RUN_FILE = "mlflow_run.json"
+"""In the job's output directory: the run it logs to (a restart of the job continues it)."""
+
+
+def recorded_run_id(output_dir: Path) -> str | None:
+    """The run an earlier start of this job (same output directory) created, if any."""
+    try:
+        return str(json.loads((output_dir / RUN_FILE).read_text())["run_id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+class NullRun:
+    """The ONE do-nothing backend: every rank but 0, and tracking.enabled=false."""
+
+    run_id: str | None = None
+    experiment_id: str | None = None
+    uri: str = ""
+    cpu_seconds: float = 0.0
+
+    def start(self, tags: Mapping[str, str], run_name: str | None = None,
+              resume_run_id: str | None = None) -> None: ...
+    def log_params(self, params: Mapping[str, str]) -> None: ...
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
+    def set_tags(self, tags: Mapping[str, str]) -> None: ...
+    def log(self, record: Loggable) -> None: ...
+    def begin_sending(self) -> None: ...
+    def flush(self) -> None: ...
+    def finish(self, status: str = "FINISHED", error: str | None = None) -> None: ...
+
+
+class _GivenUp(Exception):
+    """The run ended without MLflow; what was left went to the unsent file."""
+
+
+class MlflowRun(NullRun):
+    """One MLflow run, fed from a background thread; no call waits on MLflow but flush()."""
+
+    START_DELAY_S = 10.0
+    """The sender starts at begin_sending() (the first training step), or this long after."""
+
+    def __init__(self, cfg: TrackingConfig, output_dir: Path) -> None:
+        self.cfg, self.uri, self.output_dir = cfg, resolve_uri(cfg), output_dir
+        self.rows = Rows()
+        # One condition for both directions: callers notify the sender of a new record or a
+        # hurry; the sender notifies flush() after each request. What it guards:
+        self._changed = threading.Condition()
+        self._pending: deque[Record | None] = deque()  # records in order; None = the end
+        self._records_queued = 0
+        self._records_done = 0
+        self._hurry = False  # a flush or the end: send rows now, not at the batch interval
+        self._in_flight: Record | None = None
+        self._go = threading.Event()  # see begin_sending()
+        self._given_up = False  # finish() timed out and saved the rest: stop retrying
+        self._client: client.RunClient | None = None  # made by the thread (imports mlflow)
+        self._started = False
+        self._cpu_seconds = 0.0
+        self._thread = threading.Thread(target=self._loop, name="mlflow-sender", daemon=True)
+        self._thread.start()
+
+    @property
+    def run_id(self) -> str | None:  # type: ignore[override]
+        return self._client.run_id if self._client else None
+
+    @property
+    def experiment_id(self) -> str | None:  # type: ignore[override]
+        return self._client.experiment_id if self._client else None
+
+    @property
+    def cpu_seconds(self) -> float:  # type: ignore[override]
+        """CPU time the sender thread has used (MLflow's whole cost to this rank)."""
+        return self._cpu_seconds
+
+    def start(self, tags: Mapping[str, str], run_name: str | None = None,
+              resume_run_id: str | None = None) -> None:
+        """Create the run, or continue `resume_run_id` (a restarted job) as RUNNING again."""
+        self._started = True
+        tag_rows = [(k, str(v)) for k, v in tags.items()]
+        if resume_run_id:
+            self._put(ResumeRun(resume_run_id))
+            self.rows.add(tags=tag_rows)
+            return
+        if self.cfg.parent_run_id:  # a job of a sweep
+            tag_rows.append(("mlflow.parentRunId", self.cfg.parent_run_id))
+        self._put(CreateRun(experiment_id=self.cfg.experiment_id, experiment=self.cfg.experiment,
+                            run_name=run_name, tags=dict(tag_rows)))
+
+    def log_params(self, params: Mapping[str, str]) -> None:
+        self.rows.add(params=[(k, str(v)) for k, v in params.items()])
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        stamp = int(time.time() * 1000)
+        self.rows.add(metrics=[(k, float(v), stamp, step) for k, v in metrics.items()])
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        self.rows.add(tags=[(k, str(v)) for k, v in tags.items()])
+
+    def log(self, record: Loggable) -> None:
+        """An artifact file, text, table, data set or model, sent in order after what came
+        before (refused here, not in the sender thread, if it is none of those)."""
+        if not isinstance(record, Loggable):
+            raise TypeError(f"not a record a run can log: {record!r}")
+        self._put(record)
+
+    def begin_sending(self) -> None:
+        """Let the sender start. Until then (the first training step, or START_DELAY_S) it
+        waits: importing mlflow and opening the store cost seconds of CPU and of the GIL, which
+        would otherwise hold up this rank's start-up - and every other rank with it."""
+        self._go.set()
+
+    def flush(self) -> None:
+        """Wait until everything logged so far has been accepted (or tracking.flush_timeout_s)."""
+        self._go.set()
+        with self._changed:
+            records, rows = self._records_queued, self.rows.added
+            self._hurry = True
+            self._changed.notify_all()
+            # Rows wait for a run to go to: without start() there is none, nothing to wait for.
+            sent = self._changed.wait_for(
+                lambda: self._records_done >= records
+                and (self.rows.taken >= rows or not self._started),
+                timeout=self.cfg.flush_timeout_s)
+            self._hurry = False
+        if not sent:
+            log.warning("MLflow has not accepted this run's updates for %.0f s; going on, they "
+                        "stay queued", self.cfg.flush_timeout_s)
+
+    def finish(self, status: str = "FINISHED", error: str | None = None) -> None:
+        """End the run with `status` (FAILED whenever there is an `error`, kept as a tag) once
+        everything before has been sent; what MLflow never takes goes to the unsent file."""
+        if error is not None and status == "FINISHED":
+            status = "FAILED"
+        if self._started:
+            self._put(EndRun(status, error))
+        with self._changed:
+            self._pending.append(None)
+            self._hurry = True
+            self._changed.notify_all()
+        self._go.set()
+        self._thread.join(timeout=self.cfg.flush_timeout_s if self._started else 5)
+        if self._thread.is_alive():
+            self._given_up = True
+            self._save_unsent(status)
+
+    def _put(self, record: Record) -> None:
+        with self._changed:
+            self._pending.append(record)
+            self._records_queued += 1
+            self._changed.notify_all()
+
+    # -- the sender thread ----------------------------------------------------------------------
+    def _loop(self) -> None:
+        self._go.wait(self.START_DELAY_S)
+        with contextlib.suppress(_GivenUp):
+            self._serve()
+
+    def _serve(self) -> None:
+        last_rows = 0.0
+        while True:
+            wait = self.cfg.batch_interval_s - (time.monotonic() - last_rows)
+            if self._client is not None and self.rows and (wait <= 0 or self._hurry):
+                self._send_rows()
+                last_rows = time.monotonic()
+                continue
+            with self._changed:  # until a record, a hurry, or the rows' batch interval is up
+                rows_now = self._hurry and self._client is not None and self.rows
+                if not self._pending and not rows_now:
+                    self._changed.wait(max(0.05, wait) if self.rows else 0.5)
+                if not self._pending:
+                    continue
+                record = self._pending.popleft()
+            if record is None:
+                return
+            self._send(record)
+
+    def _send(self, record: Record) -> None:
+        self._in_flight = record
+        if isinstance(record, (CreateRun, ResumeRun)):
+            self._retry(lambda: self._begin(record))
+        else:
+            if isinstance(record, EndRun):  # the rows logged before the end go first
+                self._send_rows()
+            self._retry(lambda: self._run_client().apply(record))
+        self._in_flight = None
+        with self._changed:
+            self._records_done += 1
+            self._cpu_seconds = time.thread_time()
+            self._changed.notify_all()
+
+    def _begin(self, record: CreateRun | ResumeRun) -> None:
+        if self._client is None:
+            self._client = client.RunClient(self.uri)
+        self._client.apply(record)
+        (self.output_dir / RUN_FILE).write_text(json.dumps(
+            {"run_id": self.run_id, "experiment_id": self.experiment_id,
+             "tracking_uri": self.uri}))
+
+    def _run_client(self) -> client.RunClient:
+        assert self._client is not None, "a record before the run's start()"
+        return self._client
+
+    def _send_rows(self) -> None:
+        if self._client is None:  # no run yet: they wait for it
+            return
+        while batch := self.rows.peek():
+            self._retry(lambda b=batch: self._run_client().send_rows(b))  # type: ignore[misc]
+            self.rows.drop(batch)
+            with self._changed:
+                self._cpu_seconds = time.thread_time()
+                self._changed.notify_all()
+
+    def _retry(self, request: Callable[[], None]) -> None:
+        delay = 0.5
+        while True:
+            try:
+                return request()
+            except Exception as e:  # noqa: BLE001 - a tracking outage must not stop training
+                if self._given_up:
+                    raise _GivenUp from None
+                log.warning("MLflow request failed (%s); retrying in %.0f s", e, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 30.0)
+
+    def _save_unsent(self, status: str) -> None:
+        """Keep what MLflow did not take in a local file, with the command that delivers it."""
+        with self._changed:
+            waiting = [r for r in [self._in_flight, *self._pending] if r is not None]
+        rows = self.rows.everything()
+        if self._client is not None:  # what a resumed run already holds is not kept twice
+            until = self._client.logged_until
+            rows.metrics = [m for m in rows.metrics if m[3] > until.get(m[0], -1)]
+        path = self.output_dir / unsent.UNSENT_FILE
+        header = {"run_id": self.run_id, "tracking_uri": self.uri, "status": status}
+        lost = unsent.save(path, header, rows, waiting)
+        log.error("MLflow did not accept this run's last updates within %.0f s "
+                  "(tracking.flush_timeout_s): %d metric values, %d params, %d tags and %d other "
+                  "requests are in %s%s. Deliver them (and end the run %s) once the store is "
+                  "back:\n  python -m train.outbox upload %s", self.cfg.flush_timeout_s,
+                  len(rows.metrics), len(rows.params), len(rows.tags), len(waiting) - len(lost),
+                  path, f" (not kept: {', '.join(lost)})" if lost else "", status, path)
+
+
+def open_run(cfg: TrackingConfig, output_dir: Path, is_main: bool) -> NullRun:
+    """MlflowRun on rank 0 with tracking enabled (writes output_dir/mlflow_run.json, and
+    output_dir/mlflow_unsent.jsonl if MLflow never takes the rest); NullRun otherwise."""
+    return MlflowRun(cfg, output_dir) if is_main and cfg.enabled else NullRun()

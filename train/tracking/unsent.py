@@ -1,0 +1,146 @@
+"""The unsent file: what MLflow had not accepted when a run ended, and its later delivery.
+
+If MLflow is still unreachable when the run ends, `save()` writes what is left to
+<output dir>/mlflow_unsent.jsonl - one JSON object per line: the run's identity first, then the
+records ({"record": KIND, ...its fields}) and the rows ({"metric": [...]}, {"param": [...]},
+{"tag": [...]}) - and `python -m train.outbox upload <file>` delivers it once the store is back.
+Only the MLflow model cannot be written there (it is a Python object); the weights are an
+artifact file record, and so survive.
+
+No mlflow import here: `upload` makes its requests through train/tracking/client.py.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+import typing
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any
+
+from train.tracking import client
+from train.tracking.records import SAVABLE, Batch, CreateRun, EndRun, Record, ResumeRun
+
+UNSENT_FILE = "mlflow_unsent.jsonl"
+
+
+def save(path: Path, header: dict[str, Any], rows: Batch, records: list[Record]) -> list[str]:
+    """Write the unsent file; returns the kinds of the records that could not be kept."""
+    lost = [r.KIND for r in records if r.KIND not in SAVABLE]
+    with open(path, "w") as f:
+        f.write(json.dumps(header) + "\n")
+        for record in records:
+            if record.KIND in SAVABLE:
+                f.write(json.dumps({"record": record.KIND, **asdict(record)}) + "\n")
+        for m in rows.metrics:
+            f.write(json.dumps({"metric": list(m)}) + "\n")
+        for p in rows.params:
+            f.write(json.dumps({"param": list(p)}) + "\n")
+        for t in rows.tags:
+            f.write(json.dumps({"tag": list(t)}) + "\n")
+    return lost
+
+
+def load(path: Path) -> tuple[dict[str, Any], Batch, list[Record]]:
+    """The header, the rows and the records of an unsent file; ValueError, naming the line, for
+    anything that is not a row or a record this version writes."""
+    lines = path.read_text().splitlines()
+    if not lines:
+        raise ValueError(f"{path} is empty: not an unsent file")
+    header = json.loads(lines[0])
+    if not isinstance(header, dict) or not {"run_id", "tracking_uri", "status"} <= set(header):
+        raise ValueError(f"{path}:1: not the header of an unsent file: {lines[0][:200]}")
+    rows, records = Batch(), []
+    for number, line in enumerate(lines[1:], start=2):
+        try:
+            _read_line(json.loads(line), rows, records)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{path}:{number}: {e}: {line[:200]}") from None
+    return header, rows, records
+
+
+def _read_line(item: Any, rows: Batch, records: list[Record]) -> None:
+    if not isinstance(item, dict):
+        raise ValueError("not a JSON object")
+    if "record" in item:
+        records.append(_record(item))
+    elif set(item) == {"metric"}:
+        key, value, stamp, step = item["metric"]
+        rows.metrics.append((_text(key), float(value), int(stamp), int(step)))
+    elif set(item) == {"param"}:
+        key, value = item["param"]
+        rows.params.append((_text(key), _text(value)))
+    elif set(item) == {"tag"}:
+        key, value = item["tag"]
+        rows.tags.append((_text(key), _text(value)))
+    else:
+        raise ValueError("neither a record nor a metric, param or tag row")
+
+
+def _record(item: dict[str, Any]) -> Record:
+    """The record a line describes, built field by field after checking each one's type."""
+    data = dict(item)
+    kind = data.pop("record")
+    cls = SAVABLE.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ValueError(f"unknown record kind {kind!r} (known: {', '.join(SAVABLE)})")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in fields(cls)}
+    if unknown := set(data) - names:
+        raise ValueError(f"{kind} record with unknown fields {sorted(unknown)}")
+    for name, value in data.items():
+        if not _matches(value, hints[name]):
+            expected = getattr(hints[name], "__name__", hints[name])  # str, not <class 'str'>
+            raise ValueError(f"{kind} record: {name}={value!r} is not {expected}")
+    return cls(**data)  # TypeError (missing fields) is reported with the line
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    """Whether JSON `value` fits a record field's type (str, int, str | None, list[int], ...)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, arg) for arg in args)
+    if hint is type(None):
+        return value is None
+    if origin is list:
+        return isinstance(value, list) and all(_matches(v, args[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(
+            _matches(k, args[0]) and _matches(v, args[1]) for k, v in value.items())
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{value!r} is not text")
+    return value
+
+
+def upload(path: Path, tracking_uri: str | None = None) -> str:
+    """Deliver an unsent file: the run (created now if it never was), the rows the run does not
+    hold yet - so a second upload changes nothing -, the artifacts, and the final status.
+    Returns the run's id; the file is renamed to .uploaded.
+
+    The run lives where the job logged it (the file's first line) unless `tracking_uri` says the
+    store has moved; MLFLOW_TRACKING_URI is not consulted, as it may name another store by now.
+    """
+    header, rows, records = load(path)
+    run = client.RunClient(tracking_uri or header["tracking_uri"], header["run_id"])
+    begin = [r for r in records if isinstance(r, (CreateRun, ResumeRun))]
+    end = [r for r in records if isinstance(r, EndRun)]
+    for record in begin:
+        run.apply(record)
+    held = run.held_steps({m[0] for m in rows.metrics})
+    unheld = Batch([m for m in rows.metrics if m[3] not in held[m[0]]], rows.params, rows.tags)
+    for chunk in unheld.chunks():
+        run.send_rows(chunk)
+    middle = [r for r in records if not isinstance(r, (CreateRun, ResumeRun, EndRun))]
+    for record in middle + end:
+        run.apply(record)
+    if not end:  # the end request itself had gone through
+        run.apply(EndRun(header["status"]))
+    path.rename(path.with_suffix(".uploaded"))
+    return str(run.run_id)
