@@ -8,7 +8,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -93,8 +95,8 @@ def _evaluate_on_rank(rank: int, world_size: int, port: int, results: mp.Queue) 
                             device, seed=0)
         torch.manual_seed(0)
         model = models.build(ModelConfig(), models.InputSpec(1, 8, 10))
-        reduced = metrics.reduce_to_main(loop.evaluate(model, bundle.val, device, "fp32"))
-        if reduced is not None:
+        reduced = metrics.reduce(loop.evaluate(model, bundle.val, device, "fp32"))
+        if rank == 0:  # every rank holds the same figures
             results.put((reduced.loss, reduced.accuracy, reduced.samples))
     finally:
         distributed.shutdown()
@@ -119,14 +121,19 @@ def test_validation_is_exact_for_any_world_size() -> None:
         assert loss == pytest.approx(loss1, rel=1e-6)
 
 
-def _wait_for_children(parent: psutil.Process, count: int, timeout: float) -> list:
+def _wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
+    """Poll `condition` until it returns something true; fail after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        ranks = [p for p in parent.children() if "spawn_main" in " ".join(p.cmdline())]
-        if len(ranks) >= count:
-            return ranks
-        time.sleep(0.2)
-    raise AssertionError("the ranks did not start")
+        if found := condition():
+            return found
+        time.sleep(0.1)
+    raise AssertionError(f"{what} did not happen within {timeout:.0f} s")
+
+
+def _rank_processes(parent: psutil.Process, count: int) -> list[psutil.Process] | None:
+    ranks = [p for p in parent.children() if "spawn_main" in " ".join(p.cmdline())]
+    return ranks if len(ranks) >= count else None
 
 
 @pytest.mark.slow
@@ -137,12 +144,9 @@ def test_a_killed_rank_ends_the_whole_job_and_fails_the_run(store: dict[str, str
         [sys.executable, "-m", "train", "distributed.nproc_per_node=2", "trainer.epochs=200",
          f"hydra.run.dir={out_dir}"], cwd=REPO, env={**os.environ, **store},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    ranks = _wait_for_children(psutil.Process(proc.pid), 2, timeout=60)
-    # Let training start (the run exists once mlflow_run.json is written).
-    deadline = time.monotonic() + 60
-    while not (out_dir / "mlflow_run.json").exists() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    time.sleep(2)
+    ranks = _wait_for(lambda: _rank_processes(psutil.Process(proc.pid), 2), 60, "2 ranks")
+    # Training is under way (and the run exists) once epoch 1's checkpoint is written.
+    _wait_for(lambda: any((out_dir / "checkpoints").glob("*")), 120, "the first checkpoint")
     victim = max(ranks, key=lambda p: p.pid)  # started second: rank 1
     victim.send_signal(signal.SIGKILL)
     _, stderr = proc.communicate(timeout=90)  # promptly, not after a collective timeout
@@ -154,6 +158,37 @@ def test_a_killed_rank_ends_the_whole_job_and_fails_the_run(store: dict[str, str
     assert run.info.status == "FAILED"
     assert "error" in run.data.tags
     assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def _ended(p: psutil.Process) -> bool:
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE  # PID 1 reaps orphans lazily
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.slow
+def test_killing_the_launcher_ends_its_ranks_and_fails_the_run(store: dict[str, str],
+                                                              tmp_path: Path) -> None:
+    """SIGKILL leaves the launcher no chance to stop its ranks: the kernel sends them SIGINT."""
+    out_dir = tmp_path / "job"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "train", "distributed.nproc_per_node=2", "trainer.epochs=200",
+         f"hydra.run.dir={out_dir}"], cwd=REPO, env={**os.environ, **store},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ranks = _wait_for(lambda: _rank_processes(psutil.Process(proc.pid), 2), 60, "2 ranks")
+    try:
+        _wait_for(lambda: any((out_dir / "checkpoints").glob("*")), 120, "the first checkpoint")
+        proc.kill()
+        proc.wait(timeout=10)
+        _wait_for(lambda: all(_ended(p) for p in ranks), 30, "the ranks' end")
+    finally:
+        for p in ranks:  # this test's own processes, should they have outlived it
+            if not _ended(p):
+                p.kill()
+    [run] = runs_in(store["MLFLOW_TRACKING_URI"])
+    assert run.info.status == "FAILED"
+    assert "KeyboardInterrupt" in run.data.tags["error"]
 
 
 @pytest.mark.slow

@@ -1,13 +1,19 @@
-"""Local ranks: one run in this process, or N ranks started and supervised on this machine.
+"""Local ranks: one rank in this process, or N rank processes started and supervised here.
 
-This module stays light (no torch, torchvision or mlflow at import time): `--help`, `--cfg` and
-a refused configuration answer in well under a second, and the ranks do the heavy imports in
-parallel.
+Light at import (no torch, torchvision or mlflow): `--help`, `--cfg` and a refused configuration
+answer in well under a second, and the N ranks import torch in parallel rather than after this
+process has. That is why torch's `elastic_launch` does not start them: it needs torch here
+first, which put the first training step 0.6-3.6 s later in each of 11 paired runs, and it
+reports only the first rank it sees exit (docs/benchmarks.md, "Local launcher"). What it does
+well is done here too: ranks end with their launcher, and the first failing rank's traceback
+is the error.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import gc
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -17,14 +23,16 @@ import signal
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from train import distenv
 
 log = logging.getLogger("train")
 
 GRACE_S = 15.0
-"""After one rank fails, how long the others get to notice (closed connections) and exit."""
+"""After one rank fails, how long the others get to notice (closed connections), mark the run
+FAILED and exit, before they are stopped."""
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 class LaunchError(RuntimeError):
@@ -35,12 +43,15 @@ class JobFailedError(RuntimeError):
     """A rank failed; the message names the root cause."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class RankOutcome:
+    """What a rank sent back before exiting: its result, or its error's traceback."""
+
     rank: int
-    kind: str  # "error" or "result"
+    kind: Literal["error", "result"]
     payload: Any
     at: float
+    """time.time() when it was sent: the earliest error is the root cause."""
 
 
 def run_in_process(config: dict[str, Any], output_dir: str, command: str) -> dict[str, float]:
@@ -66,86 +77,128 @@ def run_in_process(config: dict[str, Any], output_dir: str, command: str) -> dic
                 os.environ[key] = value
 
 
-def _rank_entry(config: dict[str, Any], output_dir: str, command: str, env: dict[str, str],
-                outcomes: mp.Queue) -> None:
+def start_local_ranks(config: dict[str, Any], output_dir: str, command: str,
+                      nproc: int) -> dict[str, float]:
+    """Start `nproc` ranks on this machine and supervise them until all end; rank 0's final
+    metrics. A rank that fails makes the others fail at their next collective (their
+    connections to it close); any still running GRACE_S later is stopped. The root cause
+    (root_cause) is the JobFailedError's message."""
+    ctx = mp.get_context("spawn")  # a fresh interpreter: no state of this process carried over
+    outcomes: mp.Queue = ctx.Queue()
+    port = distenv.free_port()
+    procs = [ctx.Process(target=_rank_entry, name=f"rank {rank}", args=(
+        config, output_dir, command, os.getpid(),
+        distenv.torchrun_env(rank, rank, nproc, nproc, "127.0.0.1", port), outcomes))
+        for rank in range(nproc)]
+    for p in procs:
+        p.start()
+    try:
+        _supervise(procs)
+    finally:
+        stopped = _stop(procs)
+    results = _drain(outcomes)
+    exits = {rank: p.exitcode for rank, p in enumerate(procs)}
+    done = {o.rank for o in results if o.kind == "result"}
+    for rank, code in exits.items():
+        if code != 0 and rank in done:
+            # Its work was done and delivered; only the interpreter's teardown failed.
+            log.warning("rank %d exited with code %s after finishing its work", rank, code)
+    if all(code == 0 or rank in done for rank, code in exits.items()):
+        return next((o.payload for o in results if o.kind == "result" and o.rank == 0), {})
+    raise JobFailedError(f"the training job failed; {root_cause(exits, results, stopped)}")
+
+
+def _rank_entry(config: dict[str, Any], output_dir: str, command: str, launcher: int,
+                env: dict[str, str], outcomes: mp.Queue) -> None:
+    _end_with(launcher)
     os.environ.update(env)
     rank = int(env["RANK"])
     try:
         from train.job import run_rank
 
-        result = run_rank(config, output_dir, command)
-        outcomes.put(RankOutcome(rank, "result", result, time.time()))
+        outcome = RankOutcome(rank, "result", run_rank(config, output_dir, command), time.time())
     except BaseException as e:
-        outcomes.put(RankOutcome(rank, "error", "".join(traceback.format_exception(e)),
-                                 time.time()))
-        raise SystemExit(1) from None
+        outcome = RankOutcome(rank, "error", "".join(traceback.format_exception(e)), time.time())
+    outcomes.put(outcome)
+    # The rank's work is done: spare the interpreter's final garbage collection over every
+    # object torch, mlflow and pyarrow made (~2 s on rank 0 here); memory goes back to the OS
+    # anyway, and atexit handlers and plain deallocation still run.
+    gc.freeze()
+    if outcome.kind == "error":
+        raise SystemExit(1)
 
 
-def start_local_ranks(config: dict[str, Any], output_dir: str, command: str,
-                      nproc: int) -> dict[str, float]:
-    """Start `nproc` ranks on this machine and supervise them until all end.
+def _end_with(launcher: int) -> None:
+    """This rank gets SIGINT (KeyboardInterrupt: the job marks its run FAILED and exits) when
+    the launching process dies, even by SIGKILL, instead of training on unsupervised."""
+    with contextlib.suppress(AttributeError, OSError):  # Linux only; elsewhere: best effort
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGINT)
+    if os.getppid() != launcher:  # it died before the line above
+        raise SystemExit(1)
 
-    A rank that fails makes the others fail at their next collective (their connections to it
-    close); any still running after GRACE_S is killed. The earliest error is the root cause and
-    is what the user sees.
-    """
-    port = distenv.free_port()
-    ctx = mp.get_context("spawn")
-    outcomes: mp.Queue = ctx.Queue()
-    procs = []
-    for rank in range(nproc):
-        env = distenv.torchrun_env(rank, rank, nproc, nproc, "127.0.0.1", port)
-        p = ctx.Process(target=_rank_entry, args=(config, output_dir, command, env, outcomes),
-                        name=f"rank {rank}")
-        p.start()
-        procs.append(p)
+
+def _supervise(procs: list[mp.Process]) -> None:
+    """Until every rank has exited, or GRACE_S after the first one failed."""
     deadline: float | None = None
-    stopped_by_us: set[str] = set()
-    try:
-        while any(p.is_alive() for p in procs):
-            # Bounded waits: exit codes are polled even if a sentinel is never signalled.
-            timeout = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
-            multiprocessing.connection.wait([p.sentinel for p in procs if p.is_alive()], timeout)
-            if deadline is None and any(p.exitcode not in (None, 0) for p in procs):
-                deadline = time.monotonic() + GRACE_S
-            if deadline is not None and time.monotonic() >= deadline:
-                break
-    finally:
-        for p in procs:
-            if p.is_alive():
-                stopped_by_us.add(p.name)
-                p.terminate()
-        for p in procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    while any(p.is_alive() for p in procs):
+        # Bounded waits: exit codes are polled even if a sentinel is never signalled.
+        wait = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
+        multiprocessing.connection.wait([p.sentinel for p in procs if p.is_alive()], wait)
+        if deadline is None and any(p.exitcode not in (None, 0) for p in procs):
+            deadline = time.monotonic() + GRACE_S
+        if deadline is not None and time.monotonic() >= deadline:
+            return
+
+
+def _stop(procs: list[mp.Process]) -> set[int]:
+    """SIGTERM to the ranks still running, SIGKILL 5 s later; returns the ranks stopped."""
+    stopped = {rank for rank, p in enumerate(procs) if p.is_alive()}
+    for rank in stopped:
+        procs[rank].terminate()
+    for p in procs:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return stopped
+
+
+def _drain(outcomes: mp.Queue) -> list[RankOutcome]:
     results: list[RankOutcome] = []
     with contextlib.suppress(queue.Empty):
         while True:
             results.append(outcomes.get(timeout=0.2))
-    finished = {o.rank for o in results if o.kind == "result"}
-    for rank, p in enumerate(procs):
-        if p.exitcode != 0 and rank in finished:
-            # Its work was done and delivered; only the interpreter's teardown failed.
-            log.warning("%s exited with code %s after finishing its work", p.name, p.exitcode)
-    if all(p.exitcode == 0 or rank in finished for rank, p in enumerate(procs)):
-        return next((o.payload for o in results if o.kind == "result" and o.rank == 0), {})
-    raise JobFailedError(f"the training job failed; {root_cause(procs, results, stopped_by_us)}")
+    return results
 
 
-def root_cause(procs: list, results: list[RankOutcome], stopped_by_us: set[str]) -> str:
-    """A rank killed by a signal (not ours) caused the rest; else the earliest Python error."""
-    killed = [p for p in procs
-              if p.exitcode is not None and p.exitcode < 0 and p.name not in stopped_by_us]
-    errors = sorted((o for o in results if o.kind == "error"), key=lambda o: o.at)
+def root_cause(exits: dict[int, int | None], outcomes: list[RankOutcome],
+               stopped: set[int]) -> str:
+    """Why the job failed, from every rank's exit code and what the ranks sent back.
+
+    A rank killed by a signal that did not come from this launcher caused the rest (the others
+    only noticed its closed connections); else the earliest Python error; else the exit codes.
+    """
+    errors = sorted((o for o in outcomes if o.kind == "error"), key=lambda o: (o.at, o.rank))
+    killed = sorted((rank, -code) for rank, code in exits.items()
+                    if code is not None and code < 0 and rank not in stopped)
     if killed:
-        p = killed[0]
-        cause = f"{p.name} was killed by {signal.Signals(-p.exitcode).name}"
+        cause = f"rank {killed[0][0]} was killed by {_signal_name(killed[0][1])}"
         if errors:
-            last_line = errors[0].payload.strip().splitlines()[-1]
-            cause += f"; then rank {errors[0].rank} stopped: {last_line}"
+            cause += f"; then rank {errors[0].rank} stopped: {_last_line(errors[0].payload)}"
         return cause
     if errors:
         return f"rank {errors[0].rank} failed first:\n{errors[0].payload}"
-    return ", ".join(f"{p.name} exited with code {p.exitcode}" for p in procs if p.exitcode)
+    return ", ".join(f"rank {rank} exited with code {code}" for rank, code in sorted(exits.items())
+                     if code and rank not in stopped) or "no rank reported why"
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _last_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else ""
