@@ -48,9 +48,11 @@ ui: setup
 mlflow-server: setup
 	$(PY) -m train.server --host $(SERVER_HOST) --port $(SERVER_PORT)
 
-# `make bench`: the service against a plain DDP loop (docs/benchmarks.md).
+# `make bench`: the service against a plain DDP loop, on in-memory data and on an ImageFolder of
+# JPEGs the bench writes itself (docs/benchmarks.md).
 bench: setup
 	$(PY) -m bench.run $(BENCH_ARGS)
+	$(PY) -m bench.imagefolder
 
 cluster-up:
 	bash slurm/cluster-up.sh

@@ -100,9 +100,10 @@ def model_defaults(name: str) -> dict[str, Any]:
     """conf/model/<name>.yaml over ModelConfig's defaults: what `model=<name>` composes to."""
     from train.config import ModelConfig
 
-    base = OmegaConf.structured(ModelConfig)
     path = REPO / "conf" / "model" / f"{name}.yaml"
-    merged = OmegaConf.merge(base, OmegaConf.load(path)) if path.exists() else base
+    option = OmegaConf.load(path) if path.exists() else OmegaConf.create()
+    option.pop("defaults", None)  # `/model_schema@_here_`: ModelConfig, merged here by hand
+    merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), option)
     return OmegaConf.to_container(merged)  # type: ignore[return-value]
 
 

@@ -19,7 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import HydraContext, RunMode
 
 from tests.conftest import REPO, history, run_train, runs_in
-from train.config import register_schema
+from train.schema import register_schema
 
 # -- in process: the local launcher ------------------------------------------------------------
 

@@ -18,7 +18,8 @@ from tests.conftest import LAUNCHER_VARS, REPO, history, runs_in
 from train import checkpoint, distenv, distributed, models, stopping
 from train import state as train_state
 from train.app import run
-from train.config import TrainConfig, register_schema, to_container, to_typed
+from train.config import TrainConfig
+from train.schema import register_schema, to_container, to_typed
 
 SMALL = ("data=synthetic", "data.num_samples=96", "data.val_fraction=0.2", "data.image_size=8",
          "data.batch_size=16", "model=mlp", "model.width=16", "trainer.log_every_n_steps=2",

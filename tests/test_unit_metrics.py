@@ -38,7 +38,7 @@ def _filled(batches: list, classes: int | None = None) -> metrics.Totals:
 
 def test_totals_sum_loss_times_samples_correct_and_samples() -> None:
     batches = _batches(0, [7, 16, 1, 9])  # uneven batches: the last one of an epoch is short
-    loss_sum, _, samples, confusion = _filled(batches).as_host()
+    loss_sum, _, samples, confusion, _ = _filled(batches).as_host()
     assert samples == 33 and confusion is None
     assert loss_sum == pytest.approx(sum(loss.item() * len(y) for _, y, loss in batches))
     correct = sum(int((x.argmax(1) == y).sum()) for x, y, _ in batches)
@@ -62,7 +62,7 @@ def test_confusion_matrix_counts_true_against_predicted() -> None:
     labels = torch.tensor([0, 1, 2, 1, 0, 0])
     logits = torch.nn.functional.one_hot(predicted, 3).float()
     totals.add(logits, labels, torch.tensor(0.5))
-    _, correct, samples, flat = totals.as_host()
+    _, correct, samples, flat, _ = totals.as_host()
     assert (correct, samples) == (4, 6)
     assert flat == [2, 0, 1,   # true 0: predicted 0 twice, 2 once
                     0, 1, 1,   # true 1
@@ -76,12 +76,12 @@ def test_snapshot_and_restore_round_trip_mid_epoch() -> None:
     whole = _filled(batches).as_host()
     before = _filled(batches[:2])
     saved = before.snapshot()
-    assert saved[1:] == [float(before.correct), 16.0]
+    assert saved[1:3] == [float(before.correct), 16.0]
     resumed = metrics.Totals(CPU)
     resumed.restore(saved)
     for logits, labels, loss in batches[2:]:
         resumed.add(logits, labels, loss)
-    loss_sum, correct, samples, _ = resumed.as_host()
+    loss_sum, correct, samples, _, _ = resumed.as_host()
     assert (correct, samples) == whole[1:3]
     assert loss_sum == pytest.approx(whole[0], rel=1e-12)
     assert resumed.correct.dtype == torch.int64 and resumed.samples.dtype == torch.int64
@@ -146,3 +146,45 @@ def test_reduce_weights_ranks_by_their_samples(monkeypatch: pytest.MonkeyPatch) 
     assert reduced.confusion == [whole[3][r * 3:(r + 1) * 3] for r in range(3)]
     mean_of_means = sum(h[0] / h[2] for h in per_rank) / 3
     assert reduced.loss != pytest.approx(mean_of_means)
+
+
+# -- top-5 accuracy ------------------------------------------------------------------------------
+
+def _ranked_batches() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Two batches over 7 classes whose top-5 sets are known by construction."""
+    rising = torch.arange(7.0).repeat(4, 1)  # top 5: classes 2..6, top 1: class 6
+    falling = (6 - torch.arange(7.0)).repeat(2, 1)  # top 5: classes 0..4, top 1: class 0
+    return [(rising, torch.tensor([6, 2, 1, 0]), torch.tensor(1.0)),
+            (falling, torch.tensor([1, 5]), torch.tensor(2.0))]
+
+
+def test_top5_counts_labels_among_the_five_highest_scores() -> None:
+    totals = metrics.Totals(CPU, top_k=5)
+    for logits, labels, loss in _ranked_batches():
+        totals.add(logits, labels, loss)
+    host = totals.as_host()
+    # By hand: 6 and 2 are in {2..6}, 1 and 0 are not; 1 is in {0..4}, 5 is not.
+    assert (host.correct_top_k, host.correct, host.samples) == (3, 1, 6)
+    assert metrics.Totals(CPU).as_host().correct_top_k == 0  # not counted unless asked
+
+
+def test_top5_reduces_over_ranks_and_survives_a_checkpoint(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    first, second = _ranked_batches()
+    shards = []
+    for batch in (first, second):
+        totals = metrics.Totals(CPU, top_k=5)
+        totals.add(*batch)
+        shards.append(totals.as_host())
+    monkeypatch.setattr(metrics.distributed, "gather_to_all", lambda mine: shards)
+    reduced = metrics.reduce(metrics.Totals(CPU, top_k=5))
+    assert reduced.accuracy_top5 == pytest.approx(3 / 6)
+    assert reduced.accuracy == pytest.approx(1 / 6)
+    assert metrics.reduce(metrics.Totals(CPU)).accuracy_top5 is None  # 5 classes or fewer
+
+    saved = metrics.Totals(CPU, top_k=5)
+    saved.add(*first)
+    resumed = metrics.Totals(CPU, top_k=5)
+    resumed.restore(saved.snapshot())
+    resumed.add(*second)
+    assert resumed.as_host().correct_top_k == 3

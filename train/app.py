@@ -18,7 +18,8 @@ from omegaconf import DictConfig
 
 from train import config as config_lib
 from train import distenv
-from train.config import TrainConfig, register_schema
+from train.config import TrainConfig
+from train.schema import register_schema, to_container, to_typed
 
 register_schema()
 
@@ -60,8 +61,8 @@ def run(cfg: DictConfig, output_dir: str, command: str,
         preflighted: bool = False) -> float | None:
     """Run the job this process was asked for; returns the objective for Hydra sweepers.
     `preflighted`: the launcher checked this job already."""
-    config = config_lib.to_container(cfg)
-    typed = config_lib.to_typed(config)
+    config = to_container(cfg)
+    typed = to_typed(config)
     from train.preflight import preflight, validate
 
     external = distenv.external_world_size()

@@ -1,9 +1,9 @@
-"""Typed configuration: one dataclass per config group, registered as Hydra's schema.
+"""Typed configuration: one dataclass per config group, with a docstring per field.
 
-`conf/train.yaml` lists `train_schema` first in its defaults, so every YAML file of a group
-is merged onto these dataclasses: a misspelt key or a value of the wrong type is refused by
-OmegaConf while composing; `validate()` then checks what types cannot express (ranges, names,
-divisibility) before any process starts.
+train/schema.py registers them as Hydra's schema, so every YAML file of a group is merged onto
+these dataclasses: a misspelt key or a value of the wrong type is refused by OmegaConf while
+composing; train/preflight.py's `validate()` then checks what types cannot express (ranges,
+names, divisibility) before any process starts.
 
 The defaults live here and only here: a group's YAML file sets just what differs for its option
 (tests/test_config.py checks that none restates a default).
@@ -14,9 +14,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
 
 
 class ConfigError(ValueError):
@@ -39,9 +36,23 @@ class ModelConfig:
 
 
 @dataclass
+class CustomModelConfig:
+    """`model=custom`: the user's own nn.Module, built with hydra.utils.instantiate. Its keys are
+    its constructor's, so it has no schema of its own: `to_typed` makes it from the model dict."""
+
+    target: str
+    """Dotted path of the class (or of a function returning the model): `model._target_`."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """The other model.* keys (`+model.depth=4`): constructor arguments. num_classes,
+    in_channels / channels and image_size are filled from the data where the constructor takes
+    them and they are not set here."""
+
+
+@dataclass
 class DataConfig:
     name: str = "digits"
-    """Registry name: digits, synthetic, mnist, fashion_mnist, cifar10."""
+    """The data set: digits, synthetic, mnist, fashion_mnist, cifar10 (held in memory); or
+    imagefolder, custom (streamed from disk by DataLoader workers). Set by the group option."""
     batch_size: int = 64
     """GLOBAL batch size, split evenly over all ranks."""
     val_fraction: float = 0.2
@@ -49,23 +60,45 @@ class DataConfig:
     split_seed: int = 0
     """Seed of the train/val split; the same for every rank and every restart."""
     root: str = "${oc.env:TRAIN_DATA_ROOT,data}"
-    """Where torchvision data sets live (env TRAIN_DATA_ROOT overrides)."""
+    """Where torchvision data sets live (env TRAIN_DATA_ROOT overrides); imagefolder: the folder
+    of class folders, or of train/ and val/ holding them."""
     download: bool = False
     """Download missing torchvision data sets (compute nodes are often offline)."""
     num_workers: int | None = None
-    """DataLoader workers per rank; null = what the CPUs available to each rank allow."""
+    """DataLoader workers per rank; null = what the CPUs available to each rank allow (one CPU
+    per rank left to training; in-memory sets up to 4, streamed ones 1 to 8)."""
     on_device: bool = True
     """Keep the in-memory data set on the GPU (shuffle, augment and batch there)."""
     augment: bool = False
-    """Random crop (pad 4) and horizontal flip of training batches (for CIFAR-style data)."""
+    """Augment training batches: in-memory sets a random crop (pad 4) and horizontal flip on the
+    device; imagefolder the default train_transforms (else training uses the eval ones)."""
     num_samples: int = 4096
     """synthetic: number of samples."""
     channels: int = 3
     """synthetic: image channels."""
     image_size: int = 32
-    """synthetic: image height and width."""
+    """synthetic: image height and width; imagefolder: the side of the default transforms'
+    square crop."""
     num_classes: int = 10
     """synthetic: number of classes."""
+    mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
+    """imagefolder: per-channel mean of Normalize (ImageNet's), applied on the device."""
+    std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
+    """imagefolder: per-channel standard deviation of Normalize (ImageNet's)."""
+    train_transforms: list[Any] | None = None
+    """imagefolder: transforms.v2 steps for training images, each {_target_:
+    torchvision.transforms.v2.<Name>, <its arguments>}, on the decoded uint8 image (the device
+    then converts and normalises); null = RandomResizedCrop(image_size) + RandomHorizontalFlip
+    (with augment=false: the eval steps)."""
+    eval_transforms: list[Any] | None = None
+    """imagefolder: the same for validation; null = Resize(image_size / 0.875) +
+    CenterCrop(image_size)."""
+    train: Any = None
+    """custom: the training Dataset, {_target_: <dotted path>, <its own arguments>}, built with
+    hydra.utils.instantiate; sample i is (input tensor, integer label)."""
+    val: Any = None
+    """custom: the validation Dataset, as `train`; no _target_ = split off `train` by
+    val_fraction."""
 
 
 @dataclass
@@ -100,6 +133,11 @@ class TrainerConfig:
     """Seed for weights and shuffling (each rank adds its rank)."""
     precision: str = "fp32"
     """fp32, bf16-mixed or fp16-mixed (fp16 uses a GradScaler)."""
+    loss: dict[str, Any] = field(
+        default_factory=lambda: {"_target_": "torch.nn.CrossEntropyLoss"})
+    """The loss, built with hydra.utils.instantiate and called as loss(logits, labels) in
+    training and evaluation (there on fp32 logits); add its arguments with `+`, e.g.
+    +trainer.loss.label_smoothing=0.1."""
     eval_every: int = 1
     """Validate every N epochs (and always after the last)."""
     log_every_n_steps: int = 10
@@ -228,7 +266,10 @@ class ClusterConfig:
 
 @dataclass
 class TrainConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: Any = field(default_factory=ModelConfig)
+    """ModelConfig (the built-in options) or CustomModelConfig (`model=custom`): untyped in the
+    schema, so that a custom model's own keys compose; each built-in option brings ModelConfig
+    in its defaults list (`/model_schema@_here_`), and `to_typed` types both kinds."""
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -271,25 +312,3 @@ def handed_overrides(experiment_id: str, parent_run_id: str | None) -> list[str]
 def typed_by_user(overrides: Sequence[str]) -> list[str]:
     """A job's overrides without those a launcher appended (for the command a run records)."""
     return [o for o in overrides if o.split("=", 1)[0] not in HANDED_KEYS]
-
-
-def register_schema() -> None:
-    """The schema and the resolvers the YAML files use (idempotent)."""
-    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
-    # ${ranks_per_node:${cluster}} in conf/cluster/slurm.yaml: the same rule as everywhere.
-    OmegaConf.register_new_resolver("ranks_per_node", ranks_per_node, replace=True)
-    # ${first_set:a,b}: a unless it is null.
-    OmegaConf.register_new_resolver("first_set", lambda a, b: b if a is None else a,
-                                    replace=True)
-
-
-def to_container(cfg: DictConfig) -> dict[str, Any]:
-    """Plain, resolved dict of the composed config: picklable and safe to send to ranks."""
-    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # type: ignore[return-value]
-
-
-def to_typed(cfg: DictConfig | dict[str, Any]) -> TrainConfig:
-    """The composed config as TrainConfig objects (attribute access, types checked)."""
-    schema = OmegaConf.structured(TrainConfig)
-    merged = OmegaConf.merge(schema, cfg)
-    return OmegaConf.to_object(merged)  # type: ignore[return-value]

@@ -1,25 +1,35 @@
 """The fixed train/val split, each rank's shards, and the batches it trains on.
 
-The data sets (train/datasets.py) are held in memory; batches are gathered by index, converted
-and normalised on the training device. Training shards come from DistributedSampler (padded so
-every rank takes the same number of steps); validation shards are strided slices that cover the
-validation set exactly once over all ranks, so validation metrics do not depend on the world
-size.
+Two paths, chosen by the data set (not by a flag):
+- the built-in sets (train/datasets.py) are held in memory; batches are gathered by index,
+  converted and normalised on the training device (and kept there, data.on_device, on a GPU);
+- imagefolder and custom sets are streamed (train/streaming.py): DataLoader workers read and
+  decode each batch; nothing holds the whole set.
+Training shards come from DistributedSampler (padded so every rank takes the same number of
+steps); validation shards are strided slices that cover the validation set exactly once over all
+ranks, so validation metrics do not depend on the world size. An epoch can start at a batch
+offset (resuming mid-epoch): the samples before it are never read.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler
 
 from train.config import DataConfig
-from train.datasets import DATASETS, ImageSet
+from train.datasets import DATASETS
+from train.tracking import records
+
+STREAMED = ("imagefolder", "custom")
+"""Data sets read from disk batch by batch (train/streaming.py); the others are in memory."""
 
 
 @dataclass
@@ -53,43 +63,75 @@ def _identity(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, t
     return batch
 
 
-def default_num_workers(local_world_size: int) -> int:
-    """Leave one CPU per rank for the training loop itself; in-memory batches need few workers."""
+def default_num_workers(local_world_size: int, streamed: bool = False) -> int:
+    """Leave one CPU per rank for the training loop itself. In-memory batches need few workers;
+    streamed ones are decoded by them, so they get at least one and up to 8."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
         cpus = os.cpu_count() or 1
-    return min(4, max(0, cpus // max(1, local_world_size) - 1))
+    spare = cpus // max(1, local_world_size) - 1
+    return min(8, max(1, spare)) if streamed else min(4, max(0, spare))
+
+
+class ShardOrder(Sampler[int]):
+    """A rank's sample positions for one epoch: DistributedSampler's shuffled shard (training)
+    or the shard in order (validation), from batch `start` on."""
+
+    def __init__(self, sampler: DistributedSampler | None, size: int, batch_size: int) -> None:
+        self.sampler, self.size, self.batch_size = sampler, size, batch_size
+        self.start = 0
+
+    def epoch_length(self) -> int:
+        return len(self.sampler) if self.sampler is not None else self.size
+
+    def __len__(self) -> int:
+        return max(0, self.epoch_length() - self.start * self.batch_size)
+
+    def __iter__(self) -> Iterator[int]:
+        order = iter(self.sampler) if self.sampler is not None else iter(range(self.size))
+        return itertools.islice(order, self.start * self.batch_size, None)
 
 
 class Batches:
-    """Iterates (images, labels) batches of one shard, normalised on `device`."""
+    """Iterates (inputs, labels) batches of one shard on `device`: converted to float, scaled by
+    1/`scale` and normalised there, unless `scale` is None (inputs as the Dataset gives them)."""
 
-    def __init__(self, loader: DataLoader, sampler: DistributedSampler | None, device: torch.device,
-                 mean: torch.Tensor, std: torch.Tensor, scale: float, augment: bool,
-                 channels_last: bool) -> None:
-        self.loader, self.sampler, self.device = loader, sampler, device
-        self.mean, self.std, self.scale = mean.to(device), std.to(device), scale
-        self.augment, self.channels_last = augment, channels_last
+    def __init__(self, loader: DataLoader | None, order: ShardOrder, device: torch.device,
+                 mean: torch.Tensor | None = None, std: torch.Tensor | None = None,
+                 scale: float | None = None, augment: bool = False,
+                 channels_last: bool = False) -> None:
+        self.loader, self.order, self.device = loader, order, device
+        self.sampler = order.sampler
+        self.mean = mean.to(device) if mean is not None else None
+        self.std = std.to(device) if std is not None else None
+        self.scale, self.augment, self.channels_last = scale, augment, channels_last
 
     def __len__(self) -> int:
-        return len(self.loader)
+        """Batches in a whole epoch (also after set_epoch with a start batch)."""
+        return math.ceil(self.order.epoch_length() / self.order.batch_size)
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """The epoch's order (the same as before a restart), from batch `start_batch` on: the
+        batches before it are skipped without being read."""
         if self.sampler is not None:
             self.sampler.set_epoch(epoch)
+        self.order.start = start_batch
 
     def raw(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Batches as stored (uint8 or float, any device)."""
-        yield from self.loader
+        yield from self.loader  # type: ignore[misc]
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for images, labels in self.raw():
-            x = images.to(self.device, non_blocking=True).float().div_(self.scale)
-            x = (x - self.mean) / self.std
+        for inputs, labels in self.raw():
+            x = inputs.to(self.device, non_blocking=True)
+            if self.scale is not None:
+                x = x.float().div_(self.scale)
+                if self.mean is not None and self.std is not None:
+                    x = (x - self.mean) / self.std
             if self.augment:
                 x = crop_and_flip(x)
-            if self.channels_last:
+            if self.channels_last and x.ndim == 4:
                 x = x.contiguous(memory_format=torch.channels_last)
             yield x, labels.to(self.device, non_blocking=True)
 
@@ -103,23 +145,19 @@ class ResidentBatches(Batches):
     host wait for the device at every step.
     """
 
-    def __init__(self, subset: _Subset, sampler: DistributedSampler | None, batch_size: int,
-                 device: torch.device, **normalise: Any) -> None:
-        super().__init__(None, sampler, device, **normalise)  # type: ignore[arg-type]
-        self.subset, self.batch_size = subset, batch_size
-
-    def __len__(self) -> int:
-        shard = len(self.sampler) if self.sampler is not None else len(self.subset)
-        return math.ceil(shard / self.batch_size)
+    def __init__(self, subset: _Subset, order: ShardOrder, device: torch.device,
+                 **normalise: Any) -> None:
+        super().__init__(None, order, device, **normalise)
+        self.subset = subset
 
     def raw(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        order = torch.tensor(list(self.sampler) if self.sampler is not None
-                             else range(len(self.subset)), dtype=torch.long)
+        order = torch.tensor(list(self.order), dtype=torch.long)
         if self.device.type == "cuda":
             order = order.pin_memory()
         order = order.to(self.device, non_blocking=True)
-        for start in range(0, len(order), self.batch_size):
-            rows = self.subset.idx[order[start:start + self.batch_size]]
+        size = self.order.batch_size
+        for start in range(0, len(order), size):
+            rows = self.subset.idx[order[start:start + size]]
             yield self.subset.images[rows], self.subset.labels[rows]
 
 
@@ -137,30 +175,62 @@ def crop_and_flip(x: torch.Tensor, pad: int = 4) -> torch.Tensor:
     return padded[batch, :, rows, cols].permute(0, 3, 1, 2)
 
 
+WORKER_START = "fork" if sys.platform == "linux" else None
+"""Workers are forked, whatever started this rank: a local rank is a spawned process, whose
+default would spawn them too, and each would import torch again (seconds per worker, and its
+memory). They never touch CUDA; what they read (file lists, the data set) they share."""
+
+
+def loader(dataset: torch.utils.data.Dataset, order: ShardOrder, workers: int,
+           device: torch.device, collate: Callable[[Any], Any]) -> DataLoader:
+    """Batches of `order` read by `workers` processes (kept for the whole job)."""
+    return DataLoader(dataset, batch_sampler=BatchSampler(order, order.batch_size, drop_last=False),
+                      collate_fn=collate, num_workers=workers, persistent_workers=workers > 0,
+                      pin_memory=device.type == "cuda",
+                      multiprocessing_context=WORKER_START if workers > 0 else None)
+
+
 @dataclass
 class DataBundle:
     train: Batches
     val: Batches
     num_train: int
     num_val: int
-    channels: int
-    image_size: int
     class_names: list[str]
-    source: ImageSet
-    """The whole data set as loaded (for the data set's MLflow input record)."""
-    train_index: torch.Tensor
-    """Rows of `source` in the training split."""
+    input_shape: tuple[int, ...]
+    """One sample's shape as the model gets it, e.g. (3, 64, 64)."""
+    describe: Callable[[str], records.DatasetInput] = field(repr=False)
+    """What dataset_record returns."""
 
     @property
     def num_classes(self) -> int:
         return len(self.class_names)
 
+    @property
+    def channels(self) -> int:
+        return self.input_shape[0]
+
+    @property
+    def image_size(self) -> int:
+        return self.input_shape[-1]
+
+    def dataset_record(self, name: str) -> records.DatasetInput:
+        """The training split as the run's MLflow input: for in-memory sets a digest of the
+        tensors, for streamed ones of the file list (ImageFolder) or of the length and first
+        samples (custom)."""
+        return self.describe(name)
+
 
 def build(cfg: DataConfig, rank: int, world_size: int, local_world_size: int,
           device: torch.device, seed: int, channels_last: bool = False,
           resident: bool | None = None) -> DataBundle:
-    """This rank's shards; `resident` (default: data.on_device on a GPU) keeps the whole data
-    set on `device` and batches it there."""
+    """This rank's shards; `resident` (default: data.on_device on a GPU) keeps an in-memory
+    data set on `device` and batches it there."""
+    if cfg.name in STREAMED:
+        from train import streaming
+
+        return streaming.build(cfg, rank, world_size, local_world_size, device, seed,
+                               channels_last)
     data = DATASETS[cfg.name](cfg)
     parts = split(len(data.labels), cfg.val_fraction, cfg.split_seed)
     train_images = data.images[parts.train_idx].float().div_(data.scale)
@@ -171,6 +241,7 @@ def build(cfg: DataConfig, rank: int, world_size: int, local_world_size: int,
 
     keep_on_device = cfg.on_device and device.type == "cuda" if resident is None else resident
     images, labels = data.images, data.labels
+    train_index = parts.train_idx  # the record describes the split on the host
     if keep_on_device:
         images, labels = images.to(device), labels.to(device)
         parts = Split(parts.train_idx.to(device), parts.val_idx.to(device))
@@ -181,13 +252,10 @@ def build(cfg: DataConfig, rank: int, world_size: int, local_world_size: int,
     def batches(subset: _Subset, sampler: DistributedSampler | None, augment: bool) -> Batches:
         norm = {"mean": mean, "std": std, "scale": data.scale, "channels_last": channels_last,
                 "augment": augment}
+        order = ShardOrder(sampler, len(subset), per_rank)
         if keep_on_device:
-            return ResidentBatches(subset, sampler, per_rank, device, **norm)
-        order = sampler if sampler is not None else range(len(subset))
-        loader = DataLoader(subset, batch_sampler=BatchSampler(order, per_rank, drop_last=False),
-                            collate_fn=_identity, num_workers=workers,
-                            persistent_workers=workers > 0, pin_memory=device.type == "cuda")
-        return Batches(loader, sampler, device, **norm)
+            return ResidentBatches(subset, order, device, **norm)
+        return Batches(loader(subset, order, workers, device, _identity), order, device, **norm)
 
     train_set = _Subset(images, labels, parts.train_idx)
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
@@ -197,6 +265,6 @@ def build(cfg: DataConfig, rank: int, world_size: int, local_world_size: int,
     return DataBundle(
         train=batches(train_set, sampler, cfg.augment),
         val=batches(val_set, None, False),
-        num_train=len(parts.train_idx), num_val=len(parts.val_idx), channels=data.channels,
-        image_size=data.image_size, class_names=data.class_names,
-        source=data, train_index=parts.train_idx)
+        num_train=len(parts.train_idx), num_val=len(parts.val_idx),
+        class_names=data.class_names, input_shape=tuple(map(int, data.images.shape[1:])),
+        describe=lambda name: records.dataset_input(name, data.images, data.labels, train_index))

@@ -28,11 +28,12 @@ from omegaconf import OmegaConf
 from train import checkpoint, distenv, distributed, flops, loop, models, slurm, sweep, tracking
 from train import data as data_lib
 from train import state as train_state
-from train.config import TrainConfig, to_typed
+from train.config import TrainConfig
 from train.figures import per_class_accuracy, render_confusion
 from train.metrics import Reduced
 from train.progress import Progress
 from train.runlog import RunLogger
+from train.schema import to_typed
 from train.stopping import Preempted, StopSignals
 
 log = logging.getLogger("train")
@@ -100,7 +101,7 @@ def _train(cfg: TrainConfig, config: dict[str, Any], env: distenv.DistEnv, out: 
                             cfg.trainer.seed, cfg.trainer.channels_last)
     logger.log_data(bundle)
     torch.manual_seed(cfg.trainer.seed)  # identical initial weights on every rank
-    spec = models.InputSpec(bundle.channels, bundle.image_size, bundle.num_classes)
+    spec = models.InputSpec.of(bundle.input_shape, bundle.num_classes)
     state = train_state.build(cfg, spec, len(bundle.train), device)
     logger.throughput = flops.Throughput(state.module, bundle.channels, bundle.image_size, device,
                                          cfg.trainer.precision, cfg.trainer.peak_tflops,

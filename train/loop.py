@@ -10,12 +10,13 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from train import distributed, metrics, system_stats
+from train import distributed, metrics, models, system_stats
 from train.checkpoint import Checkpointer
 from train.config import TrainConfig
 from train.data import Batches, DataBundle
@@ -26,6 +27,10 @@ from train.stopping import StopSignals
 
 class NonFiniteLossError(FloatingPointError):
     """Training diverged."""
+
+
+class ModelOutputError(ValueError):
+    """The model's output is not (batch, num_classes)."""
 
 
 class FailureDrill(RuntimeError):
@@ -43,6 +48,38 @@ class Duties:
     local_rank: int
 
 
+class Criterion:
+    """trainer.loss on the model's class scores, and the top-k that goes with them.
+
+    The first batch's scores are checked to be (batch, num_classes): a user's model that gets
+    this wrong then fails with the shapes, not with an obscure error inside the loss.
+    `num_classes=None`: neither that check nor top-k nor a confusion matrix.
+    """
+
+    def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 num_classes: int | None, model: str) -> None:
+        self.loss_fn, self.num_classes, self.model = loss_fn, num_classes, model
+        self.top_k = metrics.TOP_K if (num_classes or 0) > metrics.TOP_K else None
+        self._checked = False
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor,
+                 inputs: torch.Tensor) -> torch.Tensor:
+        if not self._checked and self.num_classes is not None:  # host-side shapes: no sync
+            if problem := models.output_mismatch(self.model, self.num_classes,
+                                                 tuple(inputs.shape), tuple(logits.shape)):
+                raise ModelOutputError(problem)
+            self._checked = True
+        return self.loss_fn(logits, labels)
+
+    def totals(self, device: torch.device, confusion: bool = False) -> metrics.Totals:
+        return metrics.Totals(device, self.num_classes if confusion else None, self.top_k)
+
+
+def build_criterion(cfg: TrainConfig, num_classes: int, device: torch.device) -> Criterion:
+    return Criterion(models.build_loss(cfg.trainer.loss, device), num_classes,
+                     models.describe(cfg.model))
+
+
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
     if precision == "fp32":
         return contextlib.nullcontext()
@@ -58,10 +95,10 @@ def _check_finite(value: float, rank: int, step: int, where: str) -> None:
 
 def _optimiser_step(cfg: TrainConfig, state: TrainState, images: torch.Tensor,
                     labels: torch.Tensor, device: torch.device,
-                    loss_fn: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+                    criterion: Criterion) -> tuple[torch.Tensor, torch.Tensor]:
     with autocast(device, cfg.trainer.precision):
         logits = state.model(images)
-        loss = loss_fn(logits, labels)
+        loss = criterion(logits, labels, images)
     state.optimizer.zero_grad(set_to_none=True)
     state.scaler.scale(loss).backward()
     if cfg.optim.grad_clip is not None:
@@ -75,21 +112,21 @@ def _optimiser_step(cfg: TrainConfig, state: TrainState, images: torch.Tensor,
 
 
 def train_epoch(cfg: TrainConfig, state: TrainState, batches: Batches, device: torch.device,
-                duties: Duties) -> metrics.Totals:
+                duties: Duties, criterion: Criterion) -> metrics.Totals:
     state.model.train()
-    batches.set_epoch(state.epoch)  # the same order as before a restart
-    totals = metrics.Totals(device)
+    totals = criterion.totals(device)
     skip, state.batch_in_epoch = state.batch_in_epoch, 0
     if state.partial_totals is not None:
         totals.restore(state.partial_totals)
         state.partial_totals = None
-    loss_fn = nn.CrossEntropyLoss()
+    # The same order as before a restart, from the first batch not yet trained: the batches
+    # before it are not read (nor decoded, for streamed data).
+    batches.set_epoch(state.epoch, start_batch=skip)
     every = cfg.trainer.log_every_n_steps
     window_start, window_steps = time.perf_counter(), 0
-    for index, (images, labels) in enumerate(duties.logger.progress(batches, state.epoch)):
-        if index < skip:  # trained before the checkpoint this job resumed from
-            continue
-        logits, loss = _optimiser_step(cfg, state, images, labels, device, loss_fn)
+    for index, (images, labels) in enumerate(duties.logger.progress(batches, state.epoch),
+                                             start=skip):
+        logits, loss = _optimiser_step(cfg, state, images, labels, device, criterion)
         totals.add(logits, labels, loss)
         window_steps += 1
         if state.step == 1:
@@ -115,18 +152,18 @@ def train_epoch(cfg: TrainConfig, state: TrainState, batches: Batches, device: t
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: Batches, device: torch.device, precision: str,
-             num_classes: int | None = None) -> metrics.Totals:
-    """This rank's shard of the validation set, on the bare module (no DDP collectives).
-
-    With `num_classes`, the confusion matrix is counted too.
-    """
+             criterion: Criterion | None = None, confusion: bool = False) -> metrics.Totals:
+    """This rank's shard of the validation set, on the bare module (no DDP collectives): the
+    loss on fp32 scores, accuracy, top-5 (more than 5 classes) and, with `confusion`, the
+    confusion matrix. No criterion: cross-entropy and accuracy only."""
     model.eval()
-    totals = metrics.Totals(device, num_classes)
-    loss_fn = nn.CrossEntropyLoss()
+    criterion = criterion or Criterion(nn.CrossEntropyLoss(), None, "the model")
+    totals = criterion.totals(device, confusion)
     for images, labels in batches:
         with autocast(device, precision):
             logits = model(images)
-        totals.add(logits, labels, loss_fn(logits.float(), labels))
+        logits = logits.float()
+        totals.add(logits, labels, criterion(logits, labels, images))
     return totals
 
 
@@ -135,9 +172,10 @@ def fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.dev
     """Train from `state` to trainer.epochs; returns the last validation (with its confusion
     matrix), or None when this start had no epoch left to train."""
     epochs, val = cfg.trainer.epochs, None
+    criterion = build_criterion(cfg, data.num_classes, device)
     while state.epoch < epochs:
         started = time.perf_counter()
-        train_totals = train_epoch(cfg, state, data.train, device, duties)
+        train_totals = train_epoch(cfg, state, data.train, device, duties, criterion)
         _check_finite(train_totals.as_host()[0], duties.rank, state.step,
                       "the epoch's training loss")
         train_time = time.perf_counter() - started
@@ -146,7 +184,7 @@ def fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.dev
         val = None
         if last or (state.epoch + 1) % cfg.trainer.eval_every == 0:
             val = metrics.reduce(evaluate(state.module, data.val, device, cfg.trainer.precision,
-                                          data.num_classes if last else None))
+                                          criterion, confusion=last))
         nodes = None
         if cfg.tracking.system_metrics:  # one more small gather per epoch
             nodes = distributed.gather_to_all(system_stats.node_sample(duties.local_rank, device))

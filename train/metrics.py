@@ -4,27 +4,44 @@ exchange at a logging step."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from train import distributed
 
+TOP_K = 5
+"""accuracy_top5: counted where there are more than this many classes."""
+
+
+class HostSums(NamedTuple):
+    """One rank's sums, on the host."""
+
+    loss_sum: float
+    correct: int
+    samples: int
+    confusion: list[int] | None
+    correct_top_k: int
+
 
 class Totals:
     """Loss x samples, correct predictions and samples, accumulated without host syncs.
 
-    With `num_classes`, also the confusion matrix (rows: true class, columns: predicted).
+    With `num_classes`, also the confusion matrix (rows: true class, columns: predicted); with
+    `top_k`, also the samples whose label is among the k highest scores.
     """
 
-    def __init__(self, device: torch.device, num_classes: int | None = None) -> None:
+    def __init__(self, device: torch.device, num_classes: int | None = None,
+                 top_k: int | None = None) -> None:
         # float64 so that sums over a long epoch stay exact enough to compare across world sizes
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.correct = torch.zeros((), dtype=torch.int64, device=device)
         self.samples = torch.zeros((), dtype=torch.int64, device=device)
-        self.num_classes = num_classes
+        self.correct_top_k = torch.zeros((), dtype=torch.int64, device=device)
+        self.num_classes, self.top_k = num_classes, top_k
         self.confusion = (None if num_classes is None else
                           torch.zeros(num_classes * num_classes, dtype=torch.int64, device=device))
-        self._host: tuple[float, int, int, list[int] | None] | None = None
+        self._host: HostSums | None = None
 
     @torch.no_grad()
     def add(self, logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor) -> None:
@@ -33,29 +50,35 @@ class Totals:
         self.loss_sum += loss.detach().double() * n
         self.correct += (predicted == labels).sum()
         self.samples += n
+        if self.top_k is not None:  # one small kernel on the device, no sync
+            best = logits.topk(self.top_k, dim=1).indices
+            self.correct_top_k += (best == labels.unsqueeze(1)).any(dim=1).sum()
         if self.confusion is not None:
             self.confusion += torch.bincount(labels * self.num_classes + predicted,
                                              minlength=self.confusion.numel())
 
+    def _sums(self) -> torch.Tensor:
+        return torch.stack([self.loss_sum, self.correct.double(), self.samples.double(),
+                            self.correct_top_k.double()])
+
     def snapshot(self) -> list[float]:
         """The running sums, mid-epoch (for a checkpoint)."""
-        return torch.stack([self.loss_sum, self.correct.double(), self.samples.double()]).tolist()
+        return self._sums().tolist()
 
     def restore(self, values: list[float]) -> None:
         self.loss_sum.fill_(values[0])
         self.correct.fill_(int(values[1]))
         self.samples.fill_(int(values[2]))
+        self.correct_top_k.fill_(int(values[3]) if len(values) > 3 else 0)
 
-    def as_host(self) -> tuple[float, int, int, list[int] | None]:
+    def as_host(self) -> HostSums:
         """The one host sync of an epoch (call it once the epoch is over: the result is kept)."""
         if self._host is None:
-            self._host = self._to_host()
+            values = self._sums().tolist()
+            confusion = None if self.confusion is None else self.confusion.tolist()
+            self._host = HostSums(values[0], int(values[1]), int(values[2]), confusion,
+                                  int(values[3]))
         return self._host
-
-    def _to_host(self) -> tuple[float, int, int, list[int] | None]:
-        values = torch.stack([self.loss_sum, self.correct.double(), self.samples.double()]).tolist()
-        confusion = None if self.confusion is None else self.confusion.tolist()
-        return values[0], int(values[1]), int(values[2]), confusion
 
 
 @dataclass
@@ -65,6 +88,8 @@ class Reduced:
     samples: int
     confusion: list[list[int]] | None = None
     """confusion[true][predicted], summed over ranks (final validation only)."""
+    accuracy_top5: float | None = None
+    """Share of samples whose label is among the 5 highest scores (more than 5 classes)."""
 
 
 def reduce(totals: Totals) -> Reduced:
@@ -74,16 +99,18 @@ def reduce(totals: Totals) -> Reduced:
     needs no further agreement, and no rank needs to know it is rank 0 to compute them.
     """
     gathered = distributed.gather_to_all(totals.as_host())
-    loss_sum = sum(g[0] for g in gathered)
-    correct = sum(g[1] for g in gathered)
-    samples = sum(g[2] for g in gathered)
+    samples = sum(g.samples for g in gathered)
     confusion = None
     if totals.num_classes is not None:
         c = totals.num_classes
-        flat = [sum(column) for column in zip(*(g[3] for g in gathered), strict=True)]
+        flat = [sum(column) for column in zip(*(g.confusion for g in gathered), strict=True)]
         confusion = [flat[row * c:(row + 1) * c] for row in range(c)]
-    return Reduced(loss=loss_sum / max(1, samples), accuracy=correct / max(1, samples),
-                   samples=samples, confusion=confusion)
+    top5 = None
+    if totals.top_k is not None:
+        top5 = sum(g.correct_top_k for g in gathered) / max(1, samples)
+    return Reduced(loss=sum(g.loss_sum for g in gathered) / max(1, samples),
+                   accuracy=sum(g.correct for g in gathered) / max(1, samples),
+                   samples=samples, confusion=confusion, accuracy_top5=top5)
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from train import config as config_lib
-from train.config import ConfigError, TrainConfig
+from train.config import ConfigError, CustomModelConfig, DataConfig, TrainConfig, TrainerConfig
 from train.launch import LaunchError
 
 # The registries in train/models.py and train/data.py are keyed by exactly these names; they are
@@ -19,6 +19,8 @@ from train.launch import LaunchError
 MODEL_NAMES = ("cnn", "mlp", "resnet18")
 MODEL_SOURCES = ("builtin", "torchvision")
 DATASET_NAMES = ("digits", "synthetic", "mnist", "fashion_mnist", "cifar10")
+STREAMED_DATASET_NAMES = ("imagefolder", "custom")
+"""train/data.py's STREAMED: read from disk batch by batch (train/streaming.py)."""
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("cosine", "constant")
@@ -62,17 +64,60 @@ def preflight(cfgs: Sequence[TrainConfig], on_slurm: bool = False, dry_run: bool
         raise LaunchError(str(e)) from None
 
 
-def check_model(cfg: TrainConfig) -> None:
-    if cfg.model.source != "torchvision":
-        return
-    from train.models import torchvision_builders
+def check_model(cfg: TrainConfig,
+                data_input: tuple[tuple[int, ...], int] | None = None) -> None:
+    """The model and the loss. A custom model is built (on the meta device where it can be)
+    and run on the data's input shape where that is known: `data_input` (one sample's shape,
+    number of classes) as the data check found it, else the built-in sets' (`known_input`);
+    where neither is known, it is only imported here, and its output is checked at the first
+    training step. No torch import for a built-in model with the default loss."""
+    custom = isinstance(cfg.model, CustomModelConfig)
+    if not custom and cfg.model.source == "torchvision":
+        from train.models import torchvision_builders
 
-    if cfg.model.name not in (builders := torchvision_builders()):
-        raise ConfigError(f"model=torchvision model.name={cfg.model.name!r} is not a "
-                          f"torchvision classification model; choose one of {builders}.")
+        if cfg.model.name not in (builders := torchvision_builders()):
+            raise ConfigError(f"model=torchvision model.name={cfg.model.name!r} is not a "
+                              f"torchvision classification model; choose one of {builders}.")
+    if not custom and cfg.trainer.loss == DEFAULT_LOSS:
+        return
+    from train import models, usercode
+
+    known = data_input or known_input(cfg.data)
+    try:
+        if custom and known is not None:
+            models.check_output(cfg.model, models.InputSpec.of(*known))
+        elif custom:
+            models.custom_target(cfg.model)
+        if cfg.trainer.loss != DEFAULT_LOSS:
+            models.check_loss(cfg.trainer.loss, known[1] if known else None)
+    except usercode.UserCodeError as e:
+        raise ConfigError(str(e)) from None
+
+
+DEFAULT_LOSS = TrainerConfig().loss
+BUILTIN_INPUTS: dict[str, tuple[tuple[int, ...], int]] = {
+    "digits": ((1, 8, 8), 10), "mnist": ((1, 28, 28), 10), "fashion_mnist": ((1, 28, 28), 10),
+    "cifar10": ((3, 32, 32), 10)}
+"""One sample's shape and the classes of the built-in data sets (as train/datasets.py loads
+them), known without loading them."""
+
+
+def known_input(data: DataConfig) -> tuple[tuple[int, ...], int] | None:
+    """(one sample's shape, number of classes) where it is known without reading the data."""
+    if data.name == "synthetic":
+        return (data.channels, data.image_size, data.image_size), data.num_classes
+    return BUILTIN_INPUTS.get(data.name)
 
 
 def check_data(cfg: TrainConfig) -> None:
+    if cfg.data.name == "imagefolder":
+        check_image_folder(cfg.data)
+        return
+    if cfg.data.name == "custom":
+        from train import userdata  # imports the user's package (and torch)
+
+        userdata.check(cfg.data.train, cfg.data.val)
+        return
     if not config_lib.reads_files(cfg.data):
         return  # nothing on disk to look for: no torch import for digits or synthetic
     from train import datasets
@@ -81,6 +126,22 @@ def check_data(cfg: TrainConfig) -> None:
         datasets.check_available(cfg.data)
     except datasets.DataMissingError as e:
         raise LaunchError(str(e)) from None
+
+
+def check_image_folder(data: DataConfig) -> None:
+    """The layout (a directory scan, no torch); configured transforms only if there are any
+    (they import torchvision). Images are not opened: an unreadable one is skipped when read."""
+    from train import imagefolder
+
+    try:
+        imagefolder.find(data.root)
+    except (imagefolder.LayoutError, OSError) as e:
+        raise LaunchError(str(e)) from None
+    if data.train_transforms is not None or data.eval_transforms is not None:
+        from train import streaming
+
+        streaming.transforms(data, train=True)
+        streaming.transforms(data, train=False)
 
 
 def check_local_devices(cfg: TrainConfig) -> None:
@@ -127,14 +188,18 @@ def _require(ok: bool, message: str, problems: list[str]) -> None:
 def validate(cfg: TrainConfig, world_size: int) -> None:
     """Refuse what the types allow but training cannot use; every problem in one message."""
     p: list[str] = []
-    _require(cfg.model.source in MODEL_SOURCES,
-             f"model.source={cfg.model.source!r}; choose one of {list(MODEL_SOURCES)}.", p)
-    _require(cfg.model.source != "builtin" or cfg.model.name in MODEL_NAMES,
-             f"model.name={cfg.model.name!r} is not a model; choose one of "
-             f"{[*MODEL_NAMES, 'torchvision']} (for a torchvision.models builder: "
-             f"model=torchvision model.name={cfg.model.name}).", p)
-    _require(cfg.data.name in DATASET_NAMES,
-             f"data={cfg.data.name!r} is not a data set; choose one of {list(DATASET_NAMES)}.", p)
+    if not isinstance(cfg.model, CustomModelConfig):  # model=custom: checked by check_model
+        _require(cfg.model.source in MODEL_SOURCES,
+                 f"model.source={cfg.model.source!r}; choose one of {list(MODEL_SOURCES)}.", p)
+        _require(cfg.model.source != "builtin" or cfg.model.name in MODEL_NAMES,
+                 f"model.name={cfg.model.name!r} is not a model; choose one of "
+                 f"{[*MODEL_NAMES, 'torchvision']} (for a torchvision.models builder: "
+                 f"model=torchvision model.name={cfg.model.name}).", p)
+    datasets = [*DATASET_NAMES, *STREAMED_DATASET_NAMES]
+    _require(cfg.data.name in datasets,
+             f"data={cfg.data.name!r} is not a data set; choose one of {datasets}.", p)
+    _require(cfg.data.name != "imagefolder" or len(cfg.data.mean) == len(cfg.data.std) == 3,
+             "data.mean and data.std need 3 values (one per RGB channel).", p)
     _require(cfg.optim.name in OPTIMIZERS,
              f"optim.name={cfg.optim.name!r}; choose one of {list(OPTIMIZERS)}.", p)
     _require(cfg.optim.schedule in SCHEDULES,

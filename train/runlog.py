@@ -89,12 +89,14 @@ class RunLogger:
                  hosts)
 
     def log_data(self, bundle: DataBundle) -> None:
-        params = {"data.num_train": bundle.num_train, "data.num_val": bundle.num_val}
+        # Not data.num_classes: that key is the config's (the synthetic set's class count).
+        params = {"data.num_train": bundle.num_train, "data.num_val": bundle.num_val,
+                  "data.input_shape": "x".join(map(str, bundle.input_shape))}
         self.run.log_params({k: str(v) for k, v in params.items()})
-        log.info("data: %s", ", ".join(f"{k}={v}" for k, v in params.items()))
+        log.info("data: %s, %d classes", ", ".join(f"{k}={v}" for k, v in params.items()),
+                 bundle.num_classes)
         if not self.restarts:  # recorded by the first start
-            self.run.log(records.dataset_input(f"{self.cfg.data.name}-train", bundle.source.images,
-                                               bundle.source.labels, bundle.train_index))
+            self.run.log(bundle.dataset_record(f"{self.cfg.data.name}-train"))
 
     def progress(self, batches: Iterable[T], epoch: int) -> Iterator[T]:
         return self.bar.over(batches, epoch, len(batches))  # type: ignore[arg-type]
@@ -120,6 +122,9 @@ class RunLogger:
         if val is not None:
             values.update({"val/loss": val.loss, "val/accuracy": val.accuracy,
                            "val/samples": float(val.samples)})
+        for split, reduced in (("train", train), ("val", val)):
+            if reduced is not None and reduced.accuracy_top5 is not None:  # > 5 classes
+                values[f"{split}/accuracy_top5"] = reduced.accuracy_top5
         if nodes:
             self.run.log_metrics(system_stats.as_metrics(nodes), step=epoch)
         self.run.log_metrics(values, step=epoch)

@@ -23,7 +23,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from train import config as config_lib
+from train import schema
 from train.config import TrackingConfig
 
 log = logging.getLogger("train.sweep")
@@ -122,7 +122,7 @@ class ParentRunCallback(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         app = {k: v for k, v in config.items() if k != "hydra"}
-        typed = config_lib.to_typed(OmegaConf.to_container(OmegaConf.create(app), resolve=True))
+        typed = schema.to_typed(OmegaConf.to_container(OmegaConf.create(app), resolve=True))
         if not typed.tracking.enabled or not is_sweep(config):
             return
         self.settings = (typed.tracking, typed.trainer.objective,

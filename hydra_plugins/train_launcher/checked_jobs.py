@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from omegaconf import OmegaConf, open_dict
+from omegaconf import open_dict
 
 
 def refuse(message: object) -> NoReturn:
@@ -21,7 +21,7 @@ def refuse(message: object) -> NoReturn:
 
 def job_configs(launcher: Any, job_overrides: Sequence[Sequence[str]]) -> list[Any]:
     """Each job's composed config as TrainConfig, as the job itself will see it."""
-    from train import config as config_lib
+    from train import schema
 
     assert launcher.hydra_context is not None and launcher.config is not None
     typed = []
@@ -30,7 +30,10 @@ def job_configs(launcher: Any, job_overrides: Sequence[Sequence[str]]) -> list[A
                                                                      list(overrides))
         with open_dict(cfg):
             del cfg["hydra"]
-        typed.append(config_lib.to_typed(OmegaConf.to_container(cfg, resolve=True)))
+        try:  # e.g. model=custom without model._target_
+            typed.append(schema.to_typed(schema.to_container(cfg)))
+        except schema.ConfigError as e:
+            refuse(e)
     return typed
 
 

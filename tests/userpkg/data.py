@@ -1,0 +1,77 @@
+"""A user's own Datasets, as a research project would write them: NOT part of train/, reached
+only through PYTHONPATH (tests/ on it: `data.train._target_=userpkg.data.Lines`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import Dataset, IterableDataset
+
+
+def _lines(index: int, length: int, size: int, seed: int) -> tuple[torch.Tensor, int]:
+    """Sample `index`: a bright horizontal, vertical or diagonal line on noise (the label)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    label = index % 3
+    image = torch.rand(1, size, size, generator=g) * 0.3
+    at = int(torch.randint(0, size, (1,), generator=g))
+    if label == 0:
+        image[0, at, :] += 1.0
+    elif label == 1:
+        image[0, :, at] += 1.0
+    else:
+        image[0] += torch.eye(size).roll(at, dims=1)
+    return image, label
+
+
+class Lines(Dataset):
+    """Grey (1, size, size) float images of three kinds of line, named by `classes`."""
+
+    classes = ["horizontal", "vertical", "diagonal"]
+
+    def __init__(self, length: int = 240, size: int = 16, seed: int = 0) -> None:
+        self.length, self.size, self.seed = length, size, seed
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        if not 0 <= index < self.length:
+            raise IndexError(index)
+        return _lines(index, self.length, self.size, self.seed)
+
+
+class UnnamedLines(Lines):
+    """The same without `classes`: the service counts the classes from the labels."""
+
+    classes = None  # type: ignore[assignment]
+
+
+class LinesWithTargets(UnnamedLines):
+    """Without `classes` but with torchvision's `targets` list: no sample has to be read."""
+
+    def __init__(self, length: int = 240, size: int = 16, seed: int = 0) -> None:
+        super().__init__(length, size, seed)
+        self.targets = [i % 3 for i in range(length)]
+
+
+class NotADataset:
+    """A class that is no Dataset (no __len__, no __getitem__)."""
+
+    def __init__(self, length: int = 10) -> None:
+        self.length = length
+
+
+class Stream(IterableDataset):
+    """An iterable-style Dataset: it cannot be sharded exactly."""
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, int]]:
+        yield torch.zeros(1, 4, 4), 0
+
+
+class DictSamples(Lines):
+    """Returns a dict per sample instead of (input, label)."""
+
+    def __getitem__(self, index: int) -> dict[str, object]:  # type: ignore[override]
+        image, label = super().__getitem__(index)
+        return {"image": image, "label": label}

@@ -1,0 +1,77 @@
+"""A user's own models, as a research project would write them: NOT part of train/, reached only
+through PYTHONPATH (tests/ on it: `model._target_=userpkg.models.TinyConvNet`)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class TinyConvNet(nn.Module):
+    """Takes num_classes and in_channels (filled from the data) and its own depth and width."""
+
+    def __init__(self, num_classes: int, in_channels: int, depth: int = 2,
+                 width: int = 16) -> None:
+        super().__init__()
+        self.num_classes, self.in_channels, self.depth = num_classes, in_channels, depth
+        layers: list[nn.Module] = []
+        channels = in_channels
+        for _ in range(depth):
+            layers += [nn.Conv2d(channels, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU()]
+            channels = width
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).mean(dim=(2, 3)))
+
+
+class FlatNet(nn.Module):
+    """Takes channels and image_size (filled from the data) to size its first layer."""
+
+    def __init__(self, channels: int, image_size: int, num_classes: int, hidden: int = 32
+                 ) -> None:
+        super().__init__()
+        self.channels, self.image_size, self.num_classes = channels, image_size, num_classes
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(channels * image_size ** 2, hidden),
+                                 nn.ReLU(), nn.Linear(hidden, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class ThreeScores(nn.Module):
+    """Wrong for a 10-class data set: always three scores (it does not take num_classes)."""
+
+    def __init__(self, in_channels: int) -> None:
+        super().__init__()
+        self.head = nn.Linear(in_channels, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x.mean(dim=(2, 3)))
+
+
+class ChecksOnTheHost(nn.Module):
+    """Reads a value back to the host in forward: cannot run on the meta device, so the
+    pre-flight check runs it on the CPU instead."""
+
+    def __init__(self, num_classes: int, in_channels: int) -> None:
+        super().__init__()
+        self.head = nn.Linear(in_channels, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.isfinite(x).all().item():
+            raise ValueError("non-finite input")
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def tiny_conv_net(num_classes: int, in_channels: int) -> nn.Module:
+    """A factory function works as a target too."""
+    return TinyConvNet(num_classes, in_channels, depth=1)
+
+
+class NotAModel:
+    """A class that is no nn.Module."""
+
+    def __init__(self, num_classes: int = 10) -> None:
+        self.num_classes = num_classes
