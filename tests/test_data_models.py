@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from train import data, datasets, models, preflight
+from train import batches, data, datasets, models, preflight
 from train.config import DataConfig, ModelConfig
 
 
@@ -209,7 +209,7 @@ def test_device_resident_batches_are_the_loaders_batches(world_size: int) -> Non
 
 def test_crop_and_flip_only_moves_pixels() -> None:
     x = torch.arange(2 * 3 * 8 * 8, dtype=torch.float32).reshape(2, 3, 8, 8) + 1
-    out = data.crop_and_flip(x)
+    out = batches.crop_and_flip(x)
     assert out.shape == x.shape
     values = set(x.flatten().tolist()) | {0.0}  # zero padding may come in
     assert set(out.flatten().tolist()) <= values

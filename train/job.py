@@ -151,7 +151,7 @@ def run_rank(config: dict[str, Any], output_dir: str, command: str,
             return _train(cfg, config, env, out, command, device, backend, logger, stop)
     except Preempted as stopped:
         log.warning("rank %d: %s", env.rank, stopped)
-        logger.stopped(stopped.signal_name)
+        logger.finish(stopped_by=stopped.signal_name)
         if env.is_main and cfg.cluster is not None:
             slurm.requeue_after_stop(stopped.signal_name, logger.restarts,
                                      cfg.cluster.max_requeues)

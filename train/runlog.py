@@ -157,12 +157,13 @@ class RunLogger:
                 "by_epoch": self.by_epoch, "first_step_at": self.first_step_at,
                 "peak_rss_mb": peak_rss_mb}
 
-    def stopped(self, signal_name: str) -> None:
-        """Stopped after a checkpoint: the run waits as KILLED until the job runs again."""
-        self.run.set_tags({"stopped_by": signal_name})
-        self.run.finish(status="KILLED")
-
-    def finish(self, error: str | None = None) -> None:
+    def finish(self, error: str | None = None, stopped_by: str | None = None) -> None:
+        """End the run: FINISHED; FAILED with `error`; or KILLED after a stop signal, when it
+        waits, with its checkpoint, for the job to run again."""
+        if stopped_by is not None:
+            self.run.set_tags({"stopped_by": stopped_by})
+            self.run.finish(status="KILLED")
+            return
         self.run.finish(status="FAILED" if error else "FINISHED", error=error)
         run_id = self.run.run_id
         if run_id and error is None:

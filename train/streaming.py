@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, DistributedSampler
 from torch.utils.data import default_collate as collate_samples
 
-from train import data as data_lib
+from train import batches as batching
 from train import imagefolder, usercode, userdata
 from train.config import ConfigError, DataConfig
 from train.tracking import records
@@ -121,7 +121,7 @@ def collate_pairs(samples: list[Any]) -> tuple[Any, torch.Tensor, list[Unreadabl
     return inputs, torch.as_tensor(labels).long(), []
 
 
-class StreamedBatches(data_lib.Batches):
+class StreamedBatches(batching.Batches):
     """Batches from the workers; each unreadable image is named once in a warning, and counted."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -198,7 +198,7 @@ def imagefolder_source(cfg: DataConfig) -> Source:
     files = ImageFiles(layout.train, transforms(cfg, train=True))
     digest = hashlib.sha256(layout.train.digest().encode())
     if layout.val is None:
-        parts = data_lib.split(len(files), cfg.val_fraction, cfg.split_seed)
+        parts = batching.split(len(files), cfg.val_fraction, cfg.split_seed)
         train: Dataset = Rows(files, parts.train_idx)
         val: Dataset = Rows(files.with_transform(transforms(cfg, train=False)), parts.val_idx)
         digest.update(parts.train_idx.numpy().tobytes())
@@ -227,7 +227,7 @@ def _read_labels(datasets: list[Dataset], workers: int) -> torch.Tensor:
     """Every label, read once with the workers (a Dataset without `classes` or `targets`)."""
     reader = DataLoader(ConcatDataset(datasets), batch_size=256, num_workers=workers,
                         collate_fn=_labels_only,
-                        multiprocessing_context=data_lib.WORKER_START if workers else None)
+                        multiprocessing_context=batching.WORKER_START if workers else None)
     return torch.cat(list(reader))
 
 
@@ -239,7 +239,7 @@ def custom_source(cfg: DataConfig, workers: int) -> Source:
         val_set = userdata.build(cfg.val, "data.val")
         train, val, whole = train_set, val_set, [train_set, val_set]
     else:
-        parts = data_lib.split(len(train_set), cfg.val_fraction, cfg.split_seed)
+        parts = batching.split(len(train_set), cfg.val_fraction, cfg.split_seed)
         train, val, whole = Rows(train_set, parts.train_idx), Rows(train_set, parts.val_idx), \
             [train_set]
     names = userdata.class_names(train_set)
@@ -264,11 +264,11 @@ def custom_source(cfg: DataConfig, workers: int) -> Source:
 
 
 def build(cfg: DataConfig, rank: int, world_size: int, local_world_size: int,
-          device: torch.device, seed: int, channels_last: bool = False) -> data_lib.DataBundle:
+          device: torch.device, seed: int, channels_last: bool = False) -> batching.DataBundle:
     """This rank's streamed shards: DistributedSampler's for training, a strided slice of the
     validation set (every sample on exactly one rank) for validation."""
     workers = (cfg.num_workers if cfg.num_workers is not None
-               else data_lib.default_num_workers(local_world_size, streamed=True))
+               else batching.default_num_workers(local_world_size, streamed=True))
     source = imagefolder_source(cfg) if cfg.name == "imagefolder" else custom_source(cfg, workers)
     per_rank = cfg.batch_size // world_size
     sampler = DistributedSampler(source.train, num_replicas=world_size, rank=rank, shuffle=True,
@@ -276,12 +276,12 @@ def build(cfg: DataConfig, rank: int, world_size: int, local_world_size: int,
     shard = Rows(source.val, torch.arange(rank, len(source.val), world_size))  # type: ignore[arg-type]
 
     def batches(dataset: Dataset, sampler: DistributedSampler | None) -> StreamedBatches:
-        order = data_lib.ShardOrder(sampler, len(dataset), per_rank)  # type: ignore[arg-type]
-        return StreamedBatches(data_lib.loader(dataset, order, workers, device, source.collate),
+        order = batching.ShardOrder(sampler, len(dataset), per_rank)  # type: ignore[arg-type]
+        return StreamedBatches(batching.loader(dataset, order, workers, device, source.collate),
                                order, device, channels_last=channels_last, **source.normalise)
 
     log.info("data: %s; %d DataLoader workers per rank", source.summary, workers)
-    return data_lib.DataBundle(
+    return batching.DataBundle(
         train=batches(source.train, sampler), val=batches(shard, None),
         num_train=len(source.train), num_val=len(source.val),  # type: ignore[arg-type]
         class_names=source.class_names, input_shape=source.input_shape,
