@@ -131,6 +131,10 @@ def _rank_entry(config: dict[str, Any], output_dir: str, command: str, launcher:
 def _end_with(launcher: int) -> None:
     """This rank gets SIGINT (KeyboardInterrupt: the job marks its run FAILED and exits) when
     the launching process dies, even by SIGKILL, instead of training on unsupervised."""
+    # A launcher started in the background by a non-interactive shell (nohup, `cmd &`, some CI
+    # runners) passes SIGINT on as ignored, and Python then installs no handler of its own: the
+    # signal below would be lost. Heed it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     with contextlib.suppress(AttributeError, OSError):  # Linux only; elsewhere: best effort
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGINT)
     if os.getppid() != launcher:  # it died before the line above
