@@ -38,15 +38,18 @@ lint: setup
 	$(VENV)/bin/ruff check train tests bench hydra_plugins
 
 # The MLflow UI over the embedded store (mlruns/), on this machine only: the same lean server
-# as mlflow-server (gunicorn, 2 workers, ~0.75 GB instead of `mlflow ui`'s ~3 GB).
+# as mlflow-server (gunicorn, 2 workers, ~0.75 GB instead of `mlflow ui`'s ~3 GB). With a login
+# (every user of this machine reaches 127.0.0.1): user admin, the password generated into
+# $(UI_STORE)/server-auth.env. UI_NO_AUTH=1 opens it to everyone (a laptop nobody else uses).
 ui: setup
 	@echo "MLflow UI: http://127.0.0.1:$(UI_PORT)  (embedded store $(UI_STORE)/mlflow.db)"
-	$(PY) -m train.server --host 127.0.0.1 --port $(UI_PORT) \
+	$(PY) -m train.server --host 127.0.0.1 --port $(UI_PORT) $(if $(UI_NO_AUTH),--no-auth) \
 	  --backend-store-uri sqlite:///$(UI_STORE)/mlflow.db --artifacts-destination $(UI_STORE)/artifacts
 
-# A tracking server for clusters (gunicorn, 2 workers, artifacts proxied; see train/server.py).
+# A tracking server for clusters (gunicorn, 2 workers, artifacts proxied, logins on; see
+# train/server.py). SERVER_ARGS for more options (--certfile/--keyfile, --no-auth, ...).
 mlflow-server: setup
-	$(PY) -m train.server --host $(SERVER_HOST) --port $(SERVER_PORT)
+	$(PY) -m train.server --host $(SERVER_HOST) --port $(SERVER_PORT) $(SERVER_ARGS)
 
 # `make bench`: the service against a plain DDP loop, on in-memory data and on an ImageFolder of
 # JPEGs the bench writes itself (docs/benchmarks.md).

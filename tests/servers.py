@@ -2,7 +2,10 @@
 
 `tracking_server(root)` starts it with its backend store and artifacts under `root`, waits until
 GET /health answers 200, yields the URL, and afterwards stops the whole process tree (the
-`mlflow server` wrapper, gunicorn's master and its workers). `ServerProcess` is the same with
+`mlflow server` wrapper, gunicorn's master and its workers). Logins are on, as for users: while
+a server runs, this process's environment holds the admin login the server generated
+(MLFLOW_TRACKING_USERNAME/PASSWORD, read from its 0600 server-auth.env), so MlflowClient calls
+and the jobs the tests start authenticate the way a user's would. `ServerProcess` is the same with
 explicit start()/stop(), for tests that take the server away while a job runs. `wait_until`
 polls for what a test waits on, with a deadline (no bare sleeps).
 """
@@ -10,6 +13,7 @@ polls for what a test waits on, with a deadline (no bare sleeps).
 from __future__ import annotations
 
 import os
+import ssl
 import subprocess
 import sys
 import time
@@ -21,7 +25,10 @@ from pathlib import Path
 import psutil
 
 from tests.conftest import REPO
+from train import server_auth
 from train.distenv import free_port
+
+LOGIN_VARS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
 
 
 def wait_until(condition: Callable[[], bool], what: str, timeout: float = 120,
@@ -35,28 +42,43 @@ def wait_until(condition: Callable[[], bool], what: str, timeout: float = 120,
 
 
 class ServerProcess:
-    def __init__(self, root: Path, host: str = "127.0.0.1", port: int | None = None) -> None:
+    def __init__(self, root: Path, host: str = "127.0.0.1", port: int | None = None,
+                 extra_args: tuple[str, ...] = ()) -> None:
         self.root, self.host, self.port = root, host, port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.tls = "--certfile" in extra_args
+        self.url = f"http{'s' if self.tls else ''}://127.0.0.1:{self.port}"
+        self.extra_args = extra_args
         self.log = root / "server.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.saved_env: dict[str, str | None] = {}
         root.mkdir(parents=True, exist_ok=True)
 
+    @property
+    def login(self) -> dict[str, str]:
+        """The admin login the server generated (empty with --no-auth)."""
+        path = server_auth.secrets_path(self.root)
+        if "--no-auth" in self.extra_args or not path.exists():
+            return {}
+        return {k: v for k, v in server_auth.read_env_file(path).items() if k in LOGIN_VARS}
+
     def start(self, timeout: float = 120) -> str:
-        env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+        env = {k: v for k, v in os.environ.items()
+               if k != "MLFLOW_TRACKING_URI" and k not in LOGIN_VARS}
         with open(self.log, "ab") as log:  # the child keeps its own handle
             # Its own session, so stop() can also catch a worker that lost its parent.
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "train.server", "--host", self.host,
                  "--port", str(self.port),
                  "--backend-store-uri", f"sqlite:///{self.root / 'server.db'}",
-                 "--artifacts-destination", str(self.root / "artifacts")],
+                 "--artifacts-destination", str(self.root / "artifacts"), *self.extra_args],
                 cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                with urllib.request.urlopen(self.url + "/health", timeout=2,
+                                            context=self._ssl()) as r:
                     if r.status == 200:
+                        self._use_login()
                         return self.url
             except OSError:
                 time.sleep(0.2)
@@ -65,6 +87,26 @@ class ServerProcess:
         self.stop()
         raise AssertionError(f"the tracking server did not answer within {timeout} s:\n"
                              f"{self.tail()}")
+
+    def _ssl(self) -> ssl.SSLContext | None:
+        if not self.tls:
+            return None
+        cert = self.extra_args[self.extra_args.index("--certfile") + 1]
+        return ssl.create_default_context(cafile=cert)
+
+    def _use_login(self) -> None:
+        """This process (and the jobs it starts) log in as the server's admin."""
+        for name, value in self.login.items():
+            self.saved_env.setdefault(name, os.environ.get(name))
+            os.environ[name] = value
+
+    def _forget_login(self) -> None:
+        for name, value in self.saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        self.saved_env = {}
 
     def tail(self, chars: int = 3000) -> str:
         return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
@@ -95,13 +137,15 @@ class ServerProcess:
         self.proc.wait(timeout=15)
         left = [p.pid for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         self.proc = None
+        self._forget_login()
         assert not left, f"tracking server processes left behind: {left}"
 
 
 @contextmanager
-def tracking_server(root: Path, host: str = "127.0.0.1") -> Iterator[str]:
+def tracking_server(root: Path, host: str = "127.0.0.1",
+                    extra_args: tuple[str, ...] = ()) -> Iterator[str]:
     """A running server with its store under `root`; yields its URL, stops it afterwards."""
-    server = ServerProcess(root, host=host)
+    server = ServerProcess(root, host=host, extra_args=extra_args)
     server.start()
     try:
         yield server.url

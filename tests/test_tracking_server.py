@@ -3,9 +3,11 @@ its artifacts proxied by the server, eight jobs at once, cluster host names, out
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 import socket
+import stat
 import subprocess
 import sys
 import urllib.error
@@ -19,6 +21,7 @@ from mlflow import MlflowClient
 
 from tests.conftest import REPO, history, run_train, runs_in
 from tests.servers import ServerProcess, tracking_server, wait_until
+from train import server_auth
 from train.distenv import free_port
 
 pytestmark = pytest.mark.slow
@@ -37,6 +40,12 @@ def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
         else:
             out[f"{prefix}{key}"] = str(value)
     return out
+
+
+def basic_auth(login: dict[str, str]) -> str:
+    """The Authorization header a client sends for the server's admin login."""
+    pair = f"{login['MLFLOW_TRACKING_USERNAME']}:{login['MLFLOW_TRACKING_PASSWORD']}"
+    return "Basic " + base64.b64encode(pair.encode()).decode()
 
 
 def test_a_two_rank_run_lands_once_with_its_artifacts_behind_the_server(tmp_path: Path) -> None:
@@ -109,6 +118,7 @@ def test_bound_to_all_interfaces_it_accepts_the_node_name_and_refuses_others(
                 f"{server.url}/api/2.0/mlflow/experiments/search",
                 data=b'{"max_results": 1}',
                 headers={"Host": host, "Content-Type": "application/json",
+                         "Authorization": basic_auth(server.login),
                          **({"Origin": origin} if origin else {})})
             try:
                 with urllib.request.urlopen(request, timeout=10) as r:
@@ -123,7 +133,7 @@ def test_bound_to_all_interfaces_it_accepts_the_node_name_and_refuses_others(
         # The UI opened at http://<node>:<port> may POST; a page from elsewhere may not.
         assert status(f"{node}:{server.port}", f"http://{node}:{server.port}") == 200
         assert status(f"{node}:{server.port}", "http://attacker.example.com") == 403
-        assert f"MLFLOW_TRACKING_URI=http://{node}:{server.port}" in server.tail()
+        assert f"MLFLOW_TRACKING_URI=http://{node}:{server.port}" in server.tail(100_000)
     finally:
         server.stop()
 
@@ -214,7 +224,8 @@ def test_what_the_server_never_took_is_kept_and_uploaded_later(tmp_path: Path) -
         server.stop()
 
 
-def test_make_ui_serves_a_store_and_prints_its_url(tmp_path: Path) -> None:
+def test_make_ui_serves_a_store_and_prints_its_url(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     store = tmp_path / "mlruns"
     result = run_train("trainer.epochs=1", "tracking.run_name=shown", "tracking.log_model=false",
                        f"hydra.run.dir={tmp_path}/job",
@@ -235,6 +246,12 @@ def test_make_ui_serves_a_store_and_prints_its_url(tmp_path: Path) -> None:
 
     try:
         wait_until(healthy, "answer from `make ui`", job=ui)
+        with pytest.raises(urllib.error.HTTPError) as refused:  # no login, no runs
+            urllib.request.urlopen(f"{url}/api/2.0/mlflow/experiments/search?max_results=1")
+        assert refused.value.code == 401
+        login = server_auth.read_env_file(store / "server-auth.env")
+        for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+            monkeypatch.setenv(name, login[name])
         [run] = runs_in(url)
         assert run.info.run_name == "shown"
         config = MlflowClient(tracking_uri=url).download_artifacts(
@@ -244,3 +261,9 @@ def test_make_ui_serves_a_store_and_prints_its_url(tmp_path: Path) -> None:
         os.killpg(ui.pid, 9)
         output, _ = ui.communicate(timeout=30)
     assert f"MLflow UI: {url}" in output
+    # Logins on, and the user told where the generated password is (never the password).
+    secrets = store / "server-auth.env"
+    assert f"password in {secrets}" in output
+    assert stat.S_IMODE(secrets.stat().st_mode) == 0o600
+    password = server_auth.read_env_file(secrets)["MLFLOW_TRACKING_PASSWORD"]
+    assert password not in output

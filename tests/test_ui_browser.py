@@ -94,7 +94,18 @@ def test_a_run_shows_its_name_params_metrics_and_artifacts(chromium: str, tmp_pa
 
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=chromium, args=FLAGS, headless=True)
-            page = browser.new_page(viewport={"width": 1280, "height": 800})
+            # Logged in as a person is: the UI asks the browser for basic-auth credentials
+            # (Playwright answers with them; a user types them once).
+            login = {"username": os.environ["MLFLOW_TRACKING_USERNAME"],
+                     "password": os.environ["MLFLOW_TRACKING_PASSWORD"]}
+            page = browser.new_page(viewport={"width": 1280, "height": 800},
+                                    http_credentials=login)
+
+            # Without the login, the browser gets nothing but the refusal.
+            anonymous = browser.new_page()
+            refused = anonymous.goto(runs_page)
+            assert refused is not None and refused.status == 401
+            anonymous.close()
 
             # The experiment's runs table lists the run by its name.
             page.goto(runs_page)

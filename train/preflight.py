@@ -169,6 +169,9 @@ def check_tracking(cfg: TrainConfig, on_slurm: bool, prepare: bool) -> str | Non
     try:
         uri = tracking.resolve_uri(cfg.tracking)
         tracking.check_reachable(uri)
+        from train.tracking import auth
+
+        auth.check_credentials(uri)  # a refused login: one line now, not a failed job later
         if on_slurm and tracking.is_local_path_uri(uri):
             slurm.warn_local_store(uri)
         if not prepare:

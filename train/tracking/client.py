@@ -112,7 +112,10 @@ def _summary(run: Any) -> RunSummary:
 
 def create_run(uri: str, experiment_id: str, run_name: str | None,
                tags: dict[str, str]) -> str:
-    run = _mlflow_client(uri).create_run(experiment_id, run_name=run_name, tags=tags)
+    from train.tracking.attribution import run_tags
+
+    run = _mlflow_client(uri).create_run(experiment_id, run_name=run_name,
+                                         tags={**run_tags(uri), **tags})
     return str(run.info.run_id)
 
 
@@ -194,7 +197,10 @@ class RunClient:
         experiment_id = record.experiment_id
         if experiment_id is None:  # a local job: the launcher left the experiment to rank 0
             experiment_id = _experiment_id(self._mlflow, record.experiment, self.uri)
-        run = self._mlflow.create_run(experiment_id, run_name=record.run_name, tags=record.tags)
+        from train.tracking.attribution import run_tags  # user, source, commit (not "unknown")
+
+        run = self._mlflow.create_run(experiment_id, run_name=record.run_name,
+                                      tags={**run_tags(self.uri), **record.tags})
         self.run_id, self.experiment_id = run.info.run_id, str(experiment_id)
 
     def _resume(self, run_id: str) -> None:

@@ -52,8 +52,12 @@ def is_local_path_uri(uri: str) -> bool:
 def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
     """Refuse an unusable tracking URI before any rank starts."""
     if uri.startswith(("http://", "https://")):
+        from train.redact import redact, split_userinfo
+        from train.tracking.auth import ssl_context  # HTTPS verified as MLflow's client does
+
+        health, uri = split_userinfo(uri)[0].rstrip("/") + "/health", redact(uri)
         try:
-            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s) as r:
+            with urllib.request.urlopen(health, timeout=timeout_s, context=ssl_context()) as r:
                 if r.status == 200:
                     return
                 problem = f"it answered HTTP {r.status}"

@@ -1,0 +1,273 @@
+"""Issue 12, a security reviewer's checks: logins on the tracking server, private files, no
+secrets in runs, logs or `ps`, attribution. Another user is `nobody` (runuser), as on a shared
+login node; the directories the tests create are opened up (0755) so that only the modes the
+project gives its own files stand between that user and the data."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import REPO, run_train, runs_in, skip_or_fail
+from tests.servers import ServerProcess, wait_until
+from train import server, server_auth
+from train.__main__ import private_by_default
+from train.distenv import free_port
+from train.redact import redact
+
+# ---------------------------------------------------------------- fast: no process started
+
+
+def test_redact_hides_the_password_of_every_uri() -> None:
+    text = "store postgresql://ml:s3cr%40t@db:5432/x and http://admin:pw@host:5000/#/runs"
+    assert redact(text) == "store postgresql://ml:***@db:5432/x and http://admin:***@host:5000/#/runs"
+    assert redact("sqlite:////tmp/mlflow.db http://host:5000") == \
+        "sqlite:////tmp/mlflow.db http://host:5000"
+
+
+def test_a_password_in_the_tracking_uri_moves_to_the_environment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "PGPASSWORD",
+                 "TRAIN_GROUP_READABLE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://alice:pa%3Ass@mlflow.example:5001")
+    monkeypatch.setattr(sys, "argv", ["train", "trainer.epochs=1",
+                                      "tracking.uri=postgresql+psycopg://ml:dbpw@db/mlflow"])
+    before = os.umask(0o022)
+    try:
+        private_by_default()
+        umask = os.umask(before)
+    finally:
+        os.umask(before)
+    assert umask == 0o077
+    assert os.environ["MLFLOW_TRACKING_URI"] == "http://mlflow.example:5001"
+    assert os.environ["MLFLOW_TRACKING_USERNAME"] == "alice"
+    assert os.environ["MLFLOW_TRACKING_PASSWORD"] == "pa:ss"
+    assert sys.argv[2] == "tracking.uri=postgresql+psycopg://ml@db/mlflow"
+    assert os.environ["PGPASSWORD"] == "dbpw"
+
+
+def test_server_secrets_are_generated_once_private_and_never_on_argv(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("MLFLOW_AUTH_ADMIN_PASSWORD", "MLFLOW_FLASK_SERVER_SECRET_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    auth = tmp_path / "auth"
+    env = server_auth.prepare(auth)
+    secrets = server_auth.secrets_path(auth)
+    for path in (secrets, auth / server_auth.AUTH_CONFIG):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    assert stat.S_IMODE(auth.stat().st_mode) == 0o700
+    assert "default_permission = NO_PERMISSIONS" in (auth / server_auth.AUTH_CONFIG).read_text()
+    password = env["MLFLOW_AUTH_ADMIN_PASSWORD"]
+    assert len(password) >= 12 and server_auth.read_env_file(secrets)[
+        "MLFLOW_TRACKING_PASSWORD"] == password
+    assert server_auth.prepare(auth) == env  # the second start keeps the first's secrets
+    secrets.chmod(0o640)  # a group member could read (or, 0660, change) it: refused
+    with pytest.raises(server_auth.AuthSetupError, match="chmod 600"):
+        server_auth.prepare(auth)
+
+    # The store URI (with its database password) is not on the server's command line.
+    monkeypatch.setenv("MLFLOW_BACKEND_STORE_URI", "postgresql://ml:dbpw@db:5432/mlflow")
+    args = server.parse(["--port", "5999"])
+    cmd, server_env = server.build(args)
+    assert "dbpw" not in " ".join(cmd) and "--app-name" in cmd
+    assert server_env["MLFLOW_BACKEND_STORE_URI"].endswith("ml:dbpw@db:5432/mlflow")
+    assert "dbpw" not in server.banner(args, "http://h:5999", cmd, True)
+    with pytest.raises(SystemExit):  # on argv it would be in `ps` already: refused
+        server.parse(["--backend-store-uri", "postgresql://ml:dbpw@db/mlflow"])
+
+
+# ---------------------------------------------------------------- slow: real processes
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A directory any user may enter (pytest's own tmp dirs are 0700 and would hide
+    everything from `nobody` whatever the project does)."""
+    if os.geteuid() != 0 or shutil.which("runuser") is None:
+        skip_or_fail("needs root and runuser to act as a second user (nobody)")
+    root = Path(tempfile.mkdtemp(prefix="train-sec-", dir="/tmp"))
+    root.chmod(0o755)
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def as_nobody(*cmd: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["runuser", "-u", "nobody", "--", *cmd], capture_output=True,
+                          text=True, timeout=30)
+
+
+def status_of(request: urllib.request.Request) -> int:
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def command_lines() -> str:
+    """Every process's command line, as any user sees them with `ps`."""
+    return subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+
+
+@pytest.mark.slow
+def test_a_server_refuses_strangers_and_a_job_logs_in_leaving_no_secret_or_readable_file(
+        open_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    srv = ServerProcess(open_dir / "server")
+    srv.start()
+    try:
+        login = srv.login
+        password = login["MLFLOW_TRACKING_PASSWORD"]
+        api = f"{srv.url}/api/2.0/mlflow"
+        # Without a login: nothing to read, write or delete.
+        assert status_of(urllib.request.Request(f"{api}/experiments/search?max_results=5")) == 401
+        put = urllib.request.Request(f"{srv.url}/api/2.0/mlflow-artifacts/artifacts/0/planted.txt",
+                                     data=b"x", method="PUT")
+        assert status_of(put) == 401
+        assert not list((open_dir / "server").rglob("planted.txt"))
+
+        # A wrong password: one line from the pre-flight, at once, and no run.
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "not-the-password")
+        started = time.monotonic()
+        wrong = run_train("trainer.epochs=1", f"hydra.run.dir={open_dir}/refused",
+                          env={"MLFLOW_TRACKING_URI": srv.url})
+        assert wrong.returncode == 2 and time.monotonic() - started < 60
+        [line] = [x for x in wrong.stderr.splitlines() if x.startswith("error:")]
+        assert "refused the login of user 'admin' (HTTP 401)" in line
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", password)
+        assert runs_in(srv.url) == []
+        delete = urllib.request.Request(f"{api}/experiments/delete", method="POST",
+                                        data=b'{"experiment_id": "0"}',
+                                        headers={"Content-Type": "application/json"})
+        assert status_of(delete) == 401
+
+        # The password in the URI, nothing in the environment: the job logs in, and the
+        # password appears nowhere it records or shows.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_TRACKING_")}
+        env["MLFLOW_TRACKING_URI"] = srv.url.replace("http://", f"http://admin:{password}@")
+        job_dir = open_dir / "job"
+        job = subprocess.Popen(
+            [sys.executable, "-m", "train", "trainer.epochs=2", "model=mlp",
+             "distributed.nproc_per_node=2", f"hydra.run.dir={job_dir}"],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        seen_in_ps = []
+        while job.poll() is None:  # sampled while the job and its ranks run
+            seen_in_ps.append(password in command_lines())
+            time.sleep(0.5)
+        out, err = job.communicate()
+        assert job.returncode == 0, err[-3000:]
+        assert len(seen_in_ps) > 3 and not any(seen_in_ps)
+        assert password not in out + err
+        [run] = runs_in(srv.url)
+        assert run.info.status == "FINISHED"
+        recorded = json.dumps([run.data.params, run.data.tags])
+        assert password not in recorded and "admin:" not in recorded
+        for path in job_dir.rglob("*"):
+            if path.is_file():
+                assert password.encode() not in path.read_bytes(), path
+        # Attribution: the login the server accepted, the Unix user, the commit.
+        assert run.info.user_id == "admin" and run.data.tags["mlflow.user"] == "admin"
+        assert run.data.tags["unix_user"] == "root"
+        assert len(run.data.tags.get("mlflow.source.git.commit", "")) == 40
+
+        # Private files: the job's outputs and the server's store, for the owner alone.
+        [checkpoint, *_] = sorted(job_dir.rglob("step-*.pt"))
+        for path in [job_dir, *job_dir.rglob("*")]:
+            assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, path
+        for path in (open_dir / "server").rglob("*"):
+            assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, path
+        for path in (checkpoint, open_dir / "server" / "server.db",
+                     server_auth.secrets_path(open_dir / "server")):
+            refused = as_nobody("cat", str(path))
+            assert refused.returncode != 0 and "Permission denied" in refused.stderr, path
+    finally:
+        srv.stop()
+
+
+@pytest.mark.slow
+def test_a_server_on_a_port_in_use_exits_with_one_line_and_creates_nothing(
+        tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "train.server", "--port", str(port),
+             "--backend-store-uri", f"sqlite:///{tmp_path / 'store' / 'server.db'}",
+             "--artifacts-destination", str(tmp_path / "store" / "artifacts")],
+            cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines() == [
+        f"error: port {port} on 127.0.0.1 is in use (another server?): stop it or choose "
+        "another with --port."]
+    assert not (tmp_path / "store").exists()
+
+
+@pytest.mark.slow
+def test_the_server_job_script_writes_a_private_env_file_and_removes_it(tmp_path: Path) -> None:
+    """slurm/mlflow-server.sbatch run as Slurm runs it (bash, a SIGTERM at the end)."""
+    port, env_file = free_port(), tmp_path / "mlflow-server.env"
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")},
+           "TRAIN_REPO": str(REPO), "MLFLOW_PORT": str(port),
+           "MLFLOW_SERVER_ENV_FILE": str(env_file),
+           "MLFLOW_BACKEND_STORE_URI": f"sqlite:///{tmp_path / 'store' / 'server.db'}",
+           "MLFLOW_ARTIFACTS": str(tmp_path / "store" / "artifacts")}
+    script = subprocess.Popen(["bash", str(REPO / "slurm" / "mlflow-server.sbatch")], cwd=tmp_path,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, start_new_session=True)
+    try:
+        wait_until(env_file.exists, "env file", job=script)
+        assert stat.S_IMODE(env_file.stat().st_mode) == 0o600
+        values = server_auth.read_env_file(env_file)
+        url = f"http://127.0.0.1:{port}"
+        assert values["MLFLOW_TRACKING_URI"] == f"http://{socket.gethostname()}:{port}"
+
+        def who() -> int:
+            request = urllib.request.Request(f"{url}/api/2.0/mlflow/users/current")
+            if values:
+                import base64
+                pair = f"{values['MLFLOW_TRACKING_USERNAME']}:{values['MLFLOW_TRACKING_PASSWORD']}"
+                request.add_header("Authorization", "Basic " + base64.b64encode(
+                    pair.encode()).decode())
+            try:
+                return status_of(request)
+            except OSError:
+                return 0
+
+        wait_until(lambda: who() == 200, "the login accepted", job=script)
+        assert values["MLFLOW_TRACKING_PASSWORD"] not in command_lines()
+        script.send_signal(signal.SIGTERM)  # what scancel sends the batch shell
+        out, _ = script.communicate(timeout=60)
+    finally:
+        tree = [p for p in psutil.process_iter() if _in_session(p, script.pid)]
+        for p in tree:
+            p.kill()
+        if script.poll() is None:
+            script.kill()
+            script.wait()
+    assert not env_file.exists(), out[-2000:]
+    assert stat.S_IMODE((tmp_path / "store" / "server.db").stat().st_mode) == 0o600
+
+
+def _in_session(process: psutil.Process, sid: int) -> bool:
+    try:
+        return os.getsid(process.pid) == sid
+    except (OSError, psutil.Error):
+        return False
