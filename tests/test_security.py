@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import signal
 import socket
@@ -20,6 +21,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 
@@ -90,6 +92,52 @@ def test_server_secrets_are_generated_once_private_and_never_on_argv(
     assert "dbpw" not in server.banner(args, "http://h:5999", cmd, True)
     with pytest.raises(SystemExit):  # on argv it would be in `ps` already: refused
         server.parse(["--backend-store-uri", "postgresql://ml:dbpw@db/mlflow"])
+
+
+@pytest.mark.parametrize("field", ["cluster.job_name", "cluster.partition", "cluster.setup",
+                                   "cluster.sbatch_extra", "tracking.experiment",
+                                   "tracking.run_name"])
+def test_a_control_character_in_a_name_or_cluster_string_is_refused(field: str) -> None:
+    from dataclasses import replace
+
+    from train.config import ClusterConfig, ConfigError, TrainConfig
+    from train.preflight import validate
+
+    evil = "x\nsrun rm -rf ~"
+    cfg = TrainConfig(cluster=ClusterConfig(partition="debug"))
+    section, name = field.split(".")
+    value = {"cluster.setup": [evil], "cluster.sbatch_extra": {"mail-type": evil}}.get(
+        field, evil)
+    typed = replace(cfg, **{section: replace(getattr(cfg, section), **{name: value})})
+    with pytest.raises(ConfigError, match=f"{field}.*control character"):
+        validate(typed, 1)
+    validate(cfg, 1)  # the same config without it passes
+
+
+class _Payload:
+    """What a planted pickle holds: a call to run when it is loaded."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_planted_cifar_pickle_does_not_run(tmp_path: Path) -> None:
+    from train import datasets
+    from train.config import DataConfig
+
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    arrays = {"data": np.zeros((2, 3072), dtype=np.uint8), "labels": [0, 1]}
+    for name in datasets.CIFAR10_TRAIN:
+        (folder / name).write_bytes(pickle.dumps(arrays, protocol=2))
+    marker = tmp_path / "ran"
+    (folder / "batches.meta").write_bytes(pickle.dumps({"label_names": _Payload(marker)}))
+    with pytest.raises(datasets.DataMissingError, match="asks to call posix.system"):
+        datasets.check_available(DataConfig(name="cifar10", root=str(tmp_path)))
+    assert not marker.exists()
 
 
 # ---------------------------------------------------------------- slow: real processes
@@ -192,6 +240,8 @@ def test_a_server_refuses_strangers_and_a_job_logs_in_leaving_no_secret_or_reada
         for path in [job_dir, *job_dir.rglob("*")]:
             assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, path
         for path in (open_dir / "server").rglob("*"):
+            if path == srv.log:  # the test's own capture of the server's output
+                continue
             assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, path
         for path in (checkpoint, open_dir / "server" / "server.db",
                      server_auth.secrets_path(open_dir / "server")):
@@ -199,6 +249,17 @@ def test_a_server_refuses_strangers_and_a_job_logs_in_leaving_no_secret_or_reada
             assert refused.returncode != 0 and "Permission denied" in refused.stderr, path
     finally:
         srv.stop()
+
+
+@pytest.mark.slow
+def test_a_newline_in_the_job_name_is_refused_before_any_script(tmp_path: Path) -> None:
+    planted = tmp_path / "ran"
+    done = run_train("+cluster=slurm", "cluster.dry_run=true",
+                     f"cluster.job_name='job\ntouch {planted}'", cwd=REPO)
+    assert done.returncode == 2
+    [line] = [x for x in done.stderr.splitlines() if x.strip()]
+    assert line.startswith("error: Refusing to start: cluster.job_name=")
+    assert "#SBATCH" not in done.stdout + done.stderr and not planted.exists()
 
 
 @pytest.mark.slow

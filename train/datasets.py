@@ -82,8 +82,6 @@ def _torchvision(name: str, cls_name: str) -> Callable[[DataConfig], ImageSet]:
         import torchvision.datasets as tvd
 
         cls = getattr(tvd, cls_name)
-        if cls_name == "CIFAR10":
-            cls = _cifar10_files(cls)
         try:
             ds = cls(cfg.root, train=True, download=cfg.download)
         except RuntimeError as e:
@@ -99,27 +97,37 @@ def _torchvision(name: str, cls_name: str) -> Callable[[DataConfig], ImageSet]:
     return load
 
 
-def _cifar10_files(cifar10: type) -> type:
-    """torchvision's CIFAR10 reader without its md5 checks.
+CIFAR10_FOLDER = "cifar-10-batches-py"
+CIFAR10_TRAIN = [f"data_batch_{i}" for i in range(1, 6)]
+CIFAR10_META = "batches.meta"
 
-    torchvision insists on the md5 of the official files; a site's own copy in the same pickled
-    format (or the small files the tests write) is read the same way.
-    """
-    import pickle
 
-    def check_integrity(self: object) -> bool:
-        folder = Path(self.root) / self.base_folder  # type: ignore[attr-defined]
-        return all((folder / f).is_file() for f, _ in self.train_list)  # type: ignore[attr-defined]
+def _cifar10(cfg: DataConfig) -> ImageSet:
+    """CIFAR-10's training batches, read with an unpickler that builds plain arrays only
+    (train/safe_pickle.py): torchvision's reader unpickles whatever is in data.root. A site's
+    own copy in the same format reads the same way (torchvision insists on the official md5).
+    A download goes through torchvision, which checks the md5 of what it fetched."""
+    import numpy as np
 
-    def load_meta(self: object) -> None:
-        path = Path(self.root) / self.base_folder / self.meta["filename"]  # type: ignore[attr-defined]
-        with open(path, "rb") as f:
-            names = pickle.load(f, encoding="latin1")[self.meta["key"]]  # type: ignore[attr-defined]
-        self.classes = list(names)  # type: ignore[attr-defined]
-        self.class_to_idx = {c: i for i, c in enumerate(self.classes)}  # type: ignore[attr-defined]
+    from train import safe_pickle
 
-    return type("CIFAR10Files", (cifar10,), {"_check_integrity": check_integrity,
-                                             "_load_meta": load_meta})
+    folder = Path(cfg.root) / CIFAR10_FOLDER
+    needed = [folder / name for name in [*CIFAR10_TRAIN, CIFAR10_META]]
+    if cfg.download and not all(path.is_file() for path in needed):
+        import torchvision.datasets as tvd
+
+        tvd.CIFAR10(cfg.root, train=True, download=True)
+    if not all(path.is_file() for path in needed):
+        raise DataMissingError(_download_hint("cifar10", "CIFAR10", cfg.root))
+    try:
+        batches = [safe_pickle.load(folder / name) for name in CIFAR10_TRAIN]
+        names = safe_pickle.load(folder / CIFAR10_META)["label_names"]
+    except safe_pickle.UnsafePickleError as e:
+        raise DataMissingError(str(e)) from None
+    pixels = np.vstack([b["data"] for b in batches]).reshape(-1, 3, 32, 32)  # rows: R, G, B
+    labels = [label for b in batches for label in b.get("labels", b.get("fine_labels", []))]
+    return ImageSet(torch.from_numpy(np.ascontiguousarray(pixels)),
+                    torch.as_tensor(labels, dtype=torch.long), 255.0, [str(c) for c in names])
 
 
 DATASETS: dict[str, Callable[[DataConfig], ImageSet]] = {
@@ -127,7 +135,7 @@ DATASETS: dict[str, Callable[[DataConfig], ImageSet]] = {
     "synthetic": _synthetic,
     "mnist": _torchvision("mnist", "MNIST"),
     "fashion_mnist": _torchvision("fashion_mnist", "FashionMNIST"),
-    "cifar10": _torchvision("cifar10", "CIFAR10"),
+    "cifar10": _cifar10,
 }
 
 

@@ -241,5 +241,8 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
                  f"over the {world_size} ranks; use a multiple of {world_size}, e.g. "
                  f"data.batch_size={suggestion}.",
                  p)
+    from train.safe_text import control_character_problems  # reaches a job script
+
+    p += control_character_problems(cfg)
     if p:
         raise ConfigError("Refusing to start: " + " ".join(p))
