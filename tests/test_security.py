@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+import torch
 
 from tests.conftest import REPO, run_train, runs_in, skip_or_fail
 from tests.servers import ServerProcess, wait_until
@@ -247,6 +248,18 @@ def test_a_server_refuses_strangers_and_a_job_logs_in_leaving_no_secret_or_reada
                      server_auth.secrets_path(open_dir / "server")):
             refused = as_nobody("cat", str(path))
             assert refused.returncode != 0 and "Permission denied" in refused.stderr, path
+
+        # The model loads back from weights only; a replaced weights file runs nothing.
+        from train.load import load_model
+
+        model = load_model(run.info.run_id, srv.url)
+        assert model(torch.zeros(3, 1, 8, 8)).shape == (3, 10)
+        [weights] = (open_dir / "server" / "artifacts").rglob("weights/model.pt")
+        marker = open_dir / "ran"
+        weights.write_bytes(pickle.dumps(_Payload(marker)))
+        with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+            load_model(run.info.run_id, srv.url)
+        assert not marker.exists()
     finally:
         srv.stop()
 
@@ -332,3 +345,33 @@ def _in_session(process: psutil.Process, sid: int) -> bool:
         return os.getsid(process.pid) == sid
     except (OSError, psutil.Error):
         return False
+
+
+@pytest.mark.slow
+def test_over_https_a_job_verifies_the_servers_certificate(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if shutil.which("openssl") is None:
+        skip_or_fail("openssl is needed to make the test's self-signed certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+                   check=True, capture_output=True, timeout=60)
+    srv = ServerProcess(tmp_path / "server", extra_args=("--certfile", str(cert),
+                                                         "--keyfile", str(key)))
+    srv.start()
+    try:
+        assert srv.url.startswith("https://")
+        # Not trusted without the certificate: one line from the pre-flight, no retries.
+        untrusted = run_train("trainer.epochs=1", f"hydra.run.dir={tmp_path}/untrusted",
+                              env={"MLFLOW_TRACKING_URI": srv.url})
+        assert untrusted.returncode == 2
+        assert "CERTIFICATE_VERIFY_FAILED" in untrusted.stderr.replace(" ", "_").upper()
+        monkeypatch.setenv("MLFLOW_TRACKING_SERVER_CERT_PATH", str(cert))
+        done = run_train("trainer.epochs=1", "model=mlp", f"hydra.run.dir={tmp_path}/job",
+                         env={"MLFLOW_TRACKING_URI": srv.url})
+        assert done.returncode == 0, done.stderr[-3000:]
+        [run] = runs_in(srv.url)
+        assert run.info.status == "FINISHED" and "val/accuracy" in run.data.metrics
+    finally:
+        srv.stop()

@@ -91,7 +91,8 @@ class RunLogger:
     def log_data(self, bundle: DataBundle) -> None:
         # Not data.num_classes: that key is the config's (the synthetic set's class count).
         params = {"data.num_train": bundle.num_train, "data.num_val": bundle.num_val,
-                  "data.input_shape": "x".join(map(str, bundle.input_shape))}
+                  "data.input_shape": "x".join(map(str, bundle.input_shape)),
+                  "data.classes": bundle.num_classes}  # train/load.py rebuilds the model
         self.run.log_params({k: str(v) for k, v in params.items()})
         log.info("data: %s, %d classes", ", ".join(f"{k}={v}" for k, v in params.items()),
                  bundle.num_classes)
