@@ -43,8 +43,12 @@ def wait_until(condition: Callable[[], bool], what: str, timeout: float = 120,
 
 class ServerProcess:
     def __init__(self, root: Path, host: str = "127.0.0.1", port: int | None = None,
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 extra_args: tuple[str, ...] = (), store_env: dict[str, str] | None = None,
+                 ) -> None:
+        """`store_env`: a backend store given through the environment (a PostgreSQL URI in
+        MLFLOW_BACKEND_STORE_URI, its password in PGPASSWORD) instead of root/server.db."""
         self.root, self.host, self.port = root, host, port or free_port()
+        self.store_env = store_env or {}
         self.tls = "--certfile" in extra_args
         self.url = f"http{'s' if self.tls else ''}://127.0.0.1:{self.port}"
         self.extra_args = extra_args
@@ -69,9 +73,12 @@ class ServerProcess:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "train.server", "--host", self.host,
                  "--port", str(self.port),
-                 "--backend-store-uri", f"sqlite:///{self.root / 'server.db'}",
+                 *([] if self.store_env else
+                   ["--backend-store-uri", f"sqlite:///{self.root / 'server.db'}"]),
+                 "--auth-dir", str(self.root),
                  "--artifacts-destination", str(self.root / "artifacts"), *self.extra_args],
-                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                cwd=REPO, env={**env, **self.store_env}, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:

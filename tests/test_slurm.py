@@ -213,7 +213,8 @@ def _listed_by_squeue(job_id: str) -> bool:
 
 
 @on_slurm
-def test_the_tracking_server_runs_as_a_slurm_job(cluster: None, tmp_path: Path) -> None:
+def test_the_tracking_server_runs_as_a_slurm_job(cluster: None, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """slurm/mlflow-server.sbatch on a node; a job elsewhere logs to it by the node's name."""
     from train.distenv import free_port
 
@@ -227,10 +228,14 @@ def test_the_tracking_server_runs_as_a_slurm_job(cluster: None, tmp_path: Path) 
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip().split(";")[0]
-    def server_url() -> str | None:
-        text = env_file.read_text() if env_file.exists() else ""
-        key = "MLFLOW_TRACKING_URI="
-        return text.split(key)[1].strip() if key in text else None
+    def server_url() -> str | None:  # the env file is written atomically, login included
+        from train.server_auth import read_env_file
+
+        values = read_env_file(env_file) if env_file.exists() else {}
+        for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+            if name in values:  # runs_in below and the job log in as a user would
+                monkeypatch.setenv(name, values[name])
+        return values.get("MLFLOW_TRACKING_URI")
 
     try:
         log = tmp_path / f"mlflow-server-{job_id}.out"
