@@ -115,6 +115,24 @@ def test_a_control_character_in_a_name_or_cluster_string_is_refused(field: str) 
     validate(cfg, 1)  # the same config without it passes
 
 
+def test_the_credentials_file_is_read_like_mlflow_and_must_be_private(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from train.tracking import TrackingError, auth
+
+    for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(auth, "CREDENTIALS_FILE", tmp_path / "credentials")
+    (tmp_path / "credentials").write_text(
+        "[mlflow]\nmlflow_tracking_username = bob\nmlflow_tracking_password = pw-of-bob\n")
+    assert auth.credentials("http://h:1") == ("bob", "pw-of-bob")
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "from-env")  # as MLflow: env first
+    assert auth.credentials("http://h:1") == ("bob", "from-env")
+    assert auth.credentials("http://eve:pw@h:1") == ("eve", "pw")  # the URI's own, first
+    (tmp_path / "credentials").chmod(0o644)
+    with pytest.raises(TrackingError, match="chmod 600"):
+        auth.check_credentials(f"http://127.0.0.1:{free_port()}")
+
+
 class _Payload:
     """What a planted pickle holds: a call to run when it is loaded."""
 

@@ -55,6 +55,10 @@ def check_credentials(uri: str, timeout_s: float = 10.0) -> str | None:
     TrackingError, one line, when it refuses the login (never retried: it will not change)."""
     if not uri.startswith(("http://", "https://")):
         return None
+    path = CREDENTIALS_FILE.expanduser()
+    if path.exists() and path.stat().st_mode & 0o077:
+        raise TrackingError(f"{path} holds a password but other users may read it: "
+                            f"`chmod 600 {path}`.")
     base, _, _ = split_userinfo(uri)
     request = urllib.request.Request(base.rstrip("/") + WHOAMI)
     login = credentials(uri)
