@@ -267,6 +267,17 @@ def test_a_server_refuses_strangers_and_a_job_logs_in_leaving_no_secret_or_reada
             refused = as_nobody("cat", str(path))
             assert refused.returncode != 0 and "Permission denied" in refused.stderr, path
 
+        # Another login may not use this user's experiment: one line from the pre-flight.
+        from mlflow.server import get_app_client
+
+        get_app_client("basic-auth", tracking_uri=srv.url).create_user("bob", "bob-password-1")
+        bob = run_train("trainer.epochs=1", f"hydra.run.dir={open_dir}/bob",
+                        env={"MLFLOW_TRACKING_URI": srv.url, "MLFLOW_TRACKING_USERNAME": "bob",
+                             "MLFLOW_TRACKING_PASSWORD": "bob-password-1"})
+        assert bob.returncode == 2
+        assert "user 'bob' may not use experiment 'train'" in bob.stderr
+        assert len(runs_in(srv.url)) == 1
+
         # The model loads back from weights only; a replaced weights file runs nothing.
         from train.load import load_model
 

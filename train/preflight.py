@@ -171,7 +171,8 @@ def check_tracking(cfg: TrainConfig, on_slurm: bool, prepare: bool) -> str | Non
         tracking.check_reachable(uri)
         from train.tracking import auth
 
-        auth.check_credentials(uri)  # a refused login: one line now, not a failed job later
+        # A refused login or experiment: one line now, not a job retrying later.
+        auth.check_credentials(uri, None if cfg.tracking.experiment_id else cfg.tracking.experiment)
         if on_slurm and tracking.is_local_path_uri(uri):
             slurm.warn_local_store(uri)
         if not prepare:

@@ -15,6 +15,7 @@ import configparser
 import os
 import ssl
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -50,21 +51,55 @@ def credentials(uri: str) -> tuple[str, str] | None:
     return (user, password) if user and password else None
 
 
-def check_credentials(uri: str, timeout_s: float = 10.0) -> str | None:
+def _request(uri: str, path: str) -> tuple[urllib.request.Request, tuple[str, str] | None]:
+    """A GET of `path` on the server at `uri`, with the login MLflow's client would send."""
+    base, _, _ = split_userinfo(uri)
+    request = urllib.request.Request(base.rstrip("/") + path)
+    login = credentials(uri)
+    if login:
+        token = base64.b64encode(f"{login[0]}:{login[1]}".encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
+    return request, login
+
+
+def check_credentials(uri: str, experiment: str | None = None,
+                      timeout_s: float = 10.0) -> str | None:
     """The user a tracking server knows us as (None: not a server, or one without logins);
-    TrackingError, one line, when it refuses the login (never retried: it will not change)."""
+    TrackingError, one line, when it refuses the login or, with `experiment`, refuses that
+    login the experiment (another user's: NO_PERMISSIONS). Never retried: it will not change."""
     if not uri.startswith(("http://", "https://")):
         return None
     path = CREDENTIALS_FILE.expanduser()
     if path.exists() and path.stat().st_mode & 0o077:
         raise TrackingError(f"{path} holds a password but other users may read it: "
                             f"`chmod 600 {path}`.")
-    base, _, _ = split_userinfo(uri)
-    request = urllib.request.Request(base.rstrip("/") + WHOAMI)
-    login = credentials(uri)
-    if login:
-        token = base64.b64encode(f"{login[0]}:{login[1]}".encode()).decode()
-        request.add_header("Authorization", f"Basic {token}")
+    user = _whoami(uri, timeout_s)
+    if user is not None and experiment:
+        _check_experiment(uri, experiment, user, timeout_s)
+    return user
+
+
+def _check_experiment(uri: str, experiment: str, user: str, timeout_s: float) -> None:
+    """An experiment that exists must be readable by `user` (a missing one is created)."""
+    query = urllib.parse.urlencode({"experiment_name": experiment})
+    request, _ = _request(uri, f"/api/2.0/mlflow/experiments/get-by-name?{query}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s, context=ssl_context()):
+            return
+    except urllib.error.HTTPError as e:
+        if e.code != 403:
+            return  # 404: it does not exist yet and will be this user's
+    except urllib.error.URLError as e:
+        raise TrackingError(f"MLflow server {redact(uri)} cannot be reached ({e.reason}).") \
+            from None
+    raise TrackingError(
+        f"MLflow server {redact(uri)}: user {user!r} may not use experiment {experiment!r} "
+        "(another user's). Choose your own with tracking.experiment=<name>, or ask its owner "
+        "or the server's admin to grant you access.")
+
+
+def _whoami(uri: str, timeout_s: float) -> str | None:
+    request, login = _request(uri, WHOAMI)
     try:
         with urllib.request.urlopen(request, timeout=timeout_s, context=ssl_context()):
             return login[0] if login else None
