@@ -10,7 +10,13 @@ records and client.
 """
 
 from train.tracking import records
-from train.tracking.run import MlflowRun, NullRun, open_run, recorded_run_id
+from train.tracking.run import (
+    MlflowRun,
+    NullRun,
+    TrackingIncomplete,
+    open_run,
+    recorded_run_id,
+)
 from train.tracking.store import (
     EMBEDDED_STORE_DIR,
     REPO_ROOT,
@@ -25,6 +31,7 @@ from train.tracking.store import (
 )
 
 __all__ = ["EMBEDDED_STORE_DIR", "REPO_ROOT", "MlflowRun", "NullRun", "TrackingError",
+           "TrackingIncomplete",
            "artifact_location", "check_reachable", "embedded_uri", "how_to_view",
            "is_local_path_uri", "open_run", "recorded_run_id", "records", "resolve_uri",
            "sqlite_path"]

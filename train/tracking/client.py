@@ -33,6 +33,7 @@ from train.tracking.records import (
     Text,
 )
 from train.tracking.store import (
+    TrackingError,
     artifact_location,
     check_reachable,
     is_new_sqlite,
@@ -58,14 +59,87 @@ def initialise(uri: str) -> None:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+ONE_TRY_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "0",
+               "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+"""MLflow's HTTP client would retry one request for ~4 minutes (7 retries, back-off 2, 120 s
+timeout each) before our code hears of a failure: a checkpoint or a stop would wait that long.
+One try is bounded here instead (10 s); the sender's own loop (train/tracking/run.py) retries
+what is transient and gives up at once on what is permanent. A value the user exported wins."""
+
+PERMANENT_CODES = frozenset({
+    "INVALID_PARAMETER_VALUE", "ENDPOINT_NOT_FOUND", "RESOURCE_DOES_NOT_EXIST", "NOT_FOUND",
+    "PERMISSION_DENIED", "UNAUTHENTICATED", "CUSTOMER_UNAUTHORIZED", "BAD_REQUEST",
+    "MALFORMED_REQUEST", "INVALID_STATE", "FEATURE_DISABLED", "RESOURCE_ALREADY_EXISTS",
+    "ALREADY_EXISTS", "NOT_IMPLEMENTED", "RESOURCE_LIMIT_EXCEEDED", "MAX_LIST_SIZE_EXCEEDED"})
+"""MLflow error codes that the same request will always get again."""
+PERMANENT_DB_TEXT = ("readonly database", "no such table", "unable to open database file",
+                     "disk i/o error", "no space left on device")
+"""An SQLite store that can no longer be written (made read-only, removed, full): retrying
+the same request does not help."""
+
+
+def is_permanent(error: BaseException) -> bool:
+    """Whether a failed tracking request can never succeed as it is: a 4xx other than 408/429,
+    an invalid name or value, a missing database driver, a store that cannot be written, a
+    missing local file. Transient (retried): refused or reset connections, timeouts, 5xx, 429,
+    a locked SQLite database."""
+    from mlflow.exceptions import MlflowException
+
+    text = str(error).lower()
+    if isinstance(error, ImportError | FileNotFoundError | PermissionError | IsADirectoryError):
+        return True
+    if any(part in text for part in PERMANENT_DB_TEXT):
+        return True
+    if isinstance(error, MlflowException):
+        status = error.get_http_status_code()
+        return error.error_code in PERMANENT_CODES or (
+            400 <= status < 500 and status not in (408, 429))
+    # A request this code built wrongly will not be built better next time; OSError,
+    # ConnectionError, TimeoutError, SQLAlchemy's OperationalError ("locked") are transient.
+    return isinstance(error, TypeError | ValueError | KeyError | AttributeError)
+
+
+def _file_identity(uri: str) -> tuple[int, int] | None:
+    """(device, inode) of an SQLite store's file; None for other stores or no file."""
+    db = sqlite_path(uri)
+    try:
+        return None if db is None else (db.stat().st_dev, db.stat().st_ino)
+    except OSError:
+        return None
+
+
+def describe(error: BaseException) -> str:
+    """One line: the error's type and the first line of its message."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:500]
+
+
 def _mlflow_client(uri: str) -> Any:
-    """An MlflowClient for `uri`; a new SQLite store is initialised first (the first run into
-    it may start together with another)."""
+    """An MlflowClient for `uri`, whose requests try once (ONE_TRY_ENV); a new SQLite store is
+    initialised first (the first run into it may start together with another)."""
+    for key, value in ONE_TRY_ENV.items():
+        os.environ.setdefault(key, value)
     from mlflow import MlflowClient
 
     if is_new_sqlite(uri):
         initialise(uri)
     return MlflowClient(tracking_uri=uri)
+
+
+def probe(uri: str, experiment: str) -> None:
+    """One real request to the store (the experiment looked up by name), as a job's first
+    request would be: TrackingError with the reason if it can never succeed (a missing driver,
+    an unsupported scheme, a server that is not MLflow, refused credentials)."""
+    try:
+        _mlflow_client(uri).get_experiment_by_name(experiment)
+    except Exception as e:  # noqa: BLE001 - classified below
+        if is_permanent(e):
+            raise TrackingError(f"The MLflow store {uri} cannot be used: {describe(e)}. Fix "
+                                "MLFLOW_TRACKING_URI / tracking.uri, or run with "
+                                "tracking.enabled=false.") from None
+        raise TrackingError(f"The MLflow store {uri} does not answer ({describe(e)}). Start it "
+                            "or fix MLFLOW_TRACKING_URI / tracking.uri, or run with "
+                            "tracking.enabled=false.") from None
 
 
 def prepare(cfg: TrackingConfig) -> str:
@@ -150,6 +224,20 @@ class RunClient:
         self.logged_until: dict[str, int] = {}
         """Per metric, the last step the run already holds (a resumed run replays steps)."""
         self._mlflow = _mlflow_client(uri)
+        self._db_file = _file_identity(uri)
+
+    def check_stored(self, status: str) -> str | None:
+        """None if the store holds this run with `status`; else what is wrong (the SQLite file
+        was removed or replaced while the run was logging - its writes went to a file nobody
+        will read -, or the run's status differs)."""
+        if self._db_file is not None and _file_identity(self.uri) != self._db_file:
+            return (f"the database file {sqlite_path(self.uri)} was removed or replaced while "
+                    "the run was logging to it")
+        try:
+            stored = self._mlflow.get_run(self.run_id).info.status
+        except Exception as e:  # noqa: BLE001 - any failure means: not confirmed
+            return f"reading the run back failed ({describe(e)})"
+        return None if stored == status else f"the store says {stored}, not {status}"
 
     def send_rows(self, batch: Batch) -> None:
         """One log_batch request (the batch within MLflow's limits); the metric steps a resumed

@@ -25,6 +25,17 @@ from train.tracking.records import SAVABLE, Batch, CreateRun, EndRun, Record, Re
 UNSENT_FILE = "mlflow_unsent.jsonl"
 
 
+def free_path(output_dir: Path) -> Path:
+    """Where a run's unsent file goes: mlflow_unsent.jsonl, or the first free
+    mlflow_unsent.<n>.jsonl - an earlier start's file is never overwritten (it may be the only
+    copy of that start's metrics)."""
+    path, number = output_dir / UNSENT_FILE, 1
+    while path.exists():
+        number += 1
+        path = output_dir / f"mlflow_unsent.{number}.jsonl"
+    return path
+
+
 def save(path: Path, header: dict[str, Any], rows: Batch, records: list[Record]) -> list[str]:
     """Write the unsent file; returns the kinds of the records that could not be kept."""
     lost = [r.KIND for r in records if r.KIND not in SAVABLE]
