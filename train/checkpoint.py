@@ -43,6 +43,11 @@ def directory(output_dir: Path) -> Path:
     return output_dir / "checkpoints"
 
 
+def is_own(resumed: Resumed, output_dir: Path) -> bool:
+    """Whether a checkpoint is this output directory's own (not trainer.resume=<elsewhere>)."""
+    return resumed.path.resolve().parent == directory(output_dir).resolve()
+
+
 def candidates(folder: Path) -> list[Path]:
     """Checkpoint files, newest (highest step) first."""
     found = [(int(m.group(1)), p) for p in folder.glob("step-*.pt") if (m := NAME.search(p.name))]
@@ -99,6 +104,64 @@ def load_newest(paths: list[Path]) -> Resumed | None:
     return None
 
 
+class CheckpointMismatch(ValueError):
+    """A checkpoint this job cannot continue from (another model, data shape, optimiser, or a
+    mid-epoch position on another world size); refused before any run is touched."""
+
+
+SHAPING = {"model": None, "data": ("name",), "optim": ("name",)}
+"""Config keys a checkpoint's tensors depend on (None: the whole section but MODEL_FREE)."""
+MODEL_FREE = ("dropout",)
+"""Model keys that do not change the state dict's tensors."""
+DATA_SHAPE = ("channels", "image_size", "num_classes")
+"""Data keys that shape the model where a data set takes them (synthetic, imagefolder)."""
+
+
+def _shaping(config: dict[str, Any]) -> dict[str, Any]:
+    picked: dict[str, Any] = {}
+    for section, keys in SHAPING.items():
+        values = config.get(section) or {}
+        if not isinstance(values, dict):
+            continue
+        chosen = [k for k in values if k not in MODEL_FREE] if keys is None else list(keys)
+        if section == "data" and values.get("name") in ("synthetic", "imagefolder"):
+            chosen += [k for k in DATA_SHAPE if k in values]
+        picked.update({f"{section}.{k}": values.get(k) for k in chosen})
+    return picked
+
+
+def mismatch(state: dict[str, Any], config: dict[str, Any], world_size: int) -> str | None:
+    """Why this job (its composed `config`, on `world_size` ranks) cannot continue from a
+    checkpoint's `state`; None if it can. A checkpoint taken at an epoch's end continues on any
+    world size (every rank starts the next epoch afresh; the other ranks' RNG streams are
+    seeded anew); one taken mid-epoch holds each rank's place in its shard and partial sums,
+    which exist only for the world size that wrote it."""
+    import yaml
+
+    try:
+        stored = yaml.safe_load(state.get("config") or "") or {}
+    except yaml.YAMLError:
+        stored = {}
+    theirs, ours = _shaping(stored if isinstance(stored, dict) else {}), _shaping(config)
+    differences = [f"{key}={theirs[key]!r} there, {ours.get(key)!r} here"
+                   for key in theirs if key in ours and theirs[key] != ours[key]]
+    written_by = int(state.get("world_size") or world_size)
+    if state.get("batch_in_epoch") and written_by != world_size:
+        differences.append(
+            f"it was written mid-epoch by {written_by} ranks and this job has {world_size} (a "
+            "mid-epoch checkpoint holds each rank's place in its shard; resume it with "
+            f"{written_by} ranks, or from an epoch-end checkpoint on any number)")
+    return "; ".join(differences) or None
+
+
+def check_compatible(resumed: Resumed, config: dict[str, Any], world_size: int) -> None:
+    if problem := mismatch(resumed.state, config, world_size):
+        raise CheckpointMismatch(
+            f"Refusing to resume from {resumed.path}: this job cannot continue it ({problem}). "
+            "Use the configuration that wrote it, another output directory "
+            "(hydra.run.dir=...), or trainer.resume=never to start afresh.")
+
+
 def find(resume: str, output_dir: Path) -> Resumed | None:
     """`trainer.resume`: auto (this job's newest, if any), never, or a checkpoint path."""
     if resume == "never":
@@ -109,7 +172,8 @@ def find(resume: str, output_dir: Path) -> Resumed | None:
     paths = candidates(path) if path.is_dir() else [path]
     found = load_newest(paths)
     if found is None:
-        raise FileNotFoundError(f"trainer.resume={resume}: no loadable checkpoint there.")
+        raise CheckpointMismatch(f"trainer.resume={resume}: no loadable checkpoint there "
+                                 "(step-<N>.pt files, or one such file).")
     return found
 
 
@@ -162,9 +226,6 @@ class Checkpointer:
 def restore(train: TrainState, resumed: Resumed, rank: int, world_size: int) -> None:
     """Put a loaded checkpoint back into this rank's training state."""
     s = resumed.state
-    if s["world_size"] != world_size and s["batch_in_epoch"]:
-        raise ValueError(f"{resumed.path} was written mid-epoch by {s['world_size']} ranks; "
-                         f"resume it with the same world size (not {world_size}).")
     train.module.load_state_dict(s["model"])
     train.optimizer.load_state_dict(s["optimizer"])
     train.scheduler.load_state_dict(s["scheduler"])

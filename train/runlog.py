@@ -156,7 +156,8 @@ class RunLogger:
         """summary.json: what scripts (and `make bench`) read back."""
         self.run.log_metrics({"peak_rss_mb_max": max(peak_rss_mb)}, step=self.cfg.trainer.epochs)
         self.run.flush(self.cfg.tracking.checkpoint_flush_s)  # for the run id; finish() waits
-        return {"run_id": self.run.run_id, "metrics": self.final_metrics,
+        return {"run_id": self.run.run_id, "epochs": self.cfg.trainer.epochs,
+                "metrics": self.final_metrics,
                 "by_epoch": self.by_epoch, "first_step_at": self.first_step_at,
                 "peak_rss_mb": peak_rss_mb}
 

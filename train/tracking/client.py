@@ -111,7 +111,7 @@ def _file_identity(uri: str) -> tuple[int, int] | None:
 def describe(error: BaseException) -> str:
     """One line: the error's type and the first line of its message."""
     lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:500]
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
 
 
 def _mlflow_client(uri: str) -> Any:
@@ -126,6 +126,56 @@ def _mlflow_client(uri: str) -> Any:
     return MlflowClient(tracking_uri=uri)
 
 
+def check_usable(uri: str, experiment: str) -> None:
+    """After check_reachable: one real request, for what only a request finds out. A server is
+    asked over plain HTTP (no mlflow import: pre-flight stays fast); an SQLite file is checked
+    by check_reachable; any other store (a database, file:, an unknown scheme) goes through
+    MLflow itself, which is where a missing driver shows."""
+    if uri.startswith(("http://", "https://")):
+        check_server_api(uri, experiment)
+    elif sqlite_path(uri) is None:
+        probe(uri, experiment)
+
+
+def check_server_api(uri: str, experiment: str, timeout_s: float = 10.0) -> None:
+    """A server that answers /health must also answer MLflow's API: another web service on
+    that port answers 404 to it, and a server with authentication 401/403 without the right
+    credentials (MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD)."""
+    import base64
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    query = urllib.parse.urlencode({"experiment_name": experiment})
+    request = urllib.request.Request(
+        f"{uri.rstrip('/')}/api/2.0/mlflow/experiments/get-by-name?{query}")
+    user, password = (os.environ.get("MLFLOW_TRACKING_USERNAME"),
+                      os.environ.get("MLFLOW_TRACKING_PASSWORD"))
+    if user and password:
+        token = base64.b64encode(f"{user}:{password}".encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s):
+            return
+    except urllib.error.HTTPError as e:
+        body = e.read(2000).decode(errors="replace")
+        if e.code == 404 and "RESOURCE_DOES_NOT_EXIST" in body:
+            return  # an MLflow server without that experiment yet
+        if e.code in (401, 403):
+            problem = (f"it refused the request (HTTP {e.code}): set MLFLOW_TRACKING_USERNAME "
+                       "and MLFLOW_TRACKING_PASSWORD to an account of that server")
+        elif e.code == 404:
+            problem = "it answers /health but not MLflow's API (HTTP 404): not an MLflow server"
+        elif e.code >= 500 or e.code == 429:
+            return  # busy or failing for now: the job retries such answers
+        else:
+            problem = f"MLflow's API answered HTTP {e.code}: {body[:200]}"
+    except (urllib.error.URLError, OSError):
+        return  # check_reachable has just reached it; a blip now is the job's to retry
+    raise TrackingError(f"MLflow tracking server {uri} is not usable: {problem}. Fix "
+                        "MLFLOW_TRACKING_URI / tracking.uri, or run with tracking.enabled=false.")
+
+
 def probe(uri: str, experiment: str) -> None:
     """One real request to the store (the experiment looked up by name), as a job's first
     request would be: TrackingError with the reason if it can never succeed (a missing driver,
@@ -133,6 +183,11 @@ def probe(uri: str, experiment: str) -> None:
     try:
         _mlflow_client(uri).get_experiment_by_name(experiment)
     except Exception as e:  # noqa: BLE001 - classified below
+        if isinstance(e, ImportError):
+            raise TrackingError(f"The MLflow store {uri} needs a database driver that is not "
+                                f"installed here ({describe(e)}): install it into this Python "
+                                "environment (e.g. pip install 'psycopg[binary]' for "
+                                "postgresql://), or use another store.") from None
         if is_permanent(e):
             raise TrackingError(f"The MLflow store {uri} cannot be used: {describe(e)}. Fix "
                                 "MLFLOW_TRACKING_URI / tracking.uri, or run with "
