@@ -82,8 +82,8 @@ def _write_outputs(out: Path, state: train_state.TrainState, bundle: data_lib.Da
         names = bundle.class_names
         files[""] = render_confusion(final_val.confusion, names, out / "confusion_matrix.svg")
         table = per_class_accuracy(final_val.confusion, names)
-    files["weights"] = out / "model.pt"
-    torch.save(state.module.state_dict(), files["weights"])
+    files["weights"] = checkpoint.save_weights(state.module.state_dict(), out / "model.pt",
+                                               checkpoint.directory(out))
     example = next(iter(bundle.val))[0][:4].cpu().numpy()  # batch > 1: any size loads back
     logger.log_outputs(files, table, state.module, example)
     (out / "summary.json").write_text(json.dumps(logger.summary(peaks), indent=2))
@@ -135,6 +135,8 @@ def _train(cfg: TrainConfig, config: dict[str, Any], env: distenv.DistEnv, out: 
     torch.manual_seed(cfg.trainer.seed + env.rank)  # different augmentation per rank
     if resumed is not None:
         checkpoint.restore(state, resumed, env.rank, env.world_size)
+    if env.is_main:  # the one writer: refuse now rather than after an epoch's work
+        checkpoint.check_room_for_one(checkpoint.directory(out), state)
     checkpointer = checkpoint.Checkpointer(
         checkpoint.directory(out), cfg.trainer, env.rank, env.world_size,
         before_write=lambda: logger.run.flush(cfg.tracking.checkpoint_flush_s),

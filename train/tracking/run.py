@@ -33,7 +33,7 @@ from train.tracking.store import resolve_uri
 
 log = logging.getLogger(__name__)
 
-RUN_FILE = "mlflow_run.json"
+RUN_FILE = unsent.RUN_FILE
 """In the job's output directory: the run it logs to (a restart of the job continues it)."""
 
 
