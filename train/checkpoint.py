@@ -147,16 +147,16 @@ def _make_room(folder: Path, needed: int, expendable: list[Path], what: str) -> 
     """Free space for `needed` bytes in `folder`, deleting `expendable` files (oldest first)
     only if that is what it takes; DiskFull if even that is not enough."""
     free = shutil.disk_usage(folder).free
-    for old in reversed(expendable):
+    sizes = [(old, old.stat().st_size) for old in reversed(expendable) if old.exists()]
+    if free + sum(size for _, size in sizes) < needed + ROOM_MARGIN:  # delete nothing in vain
+        raise DiskFull(f"No space left on device: the {what} needs {needed} bytes and {folder} "
+                       f"has {free} free")
+    for old, size in sizes:
         if free >= needed + ROOM_MARGIN:
             return
-        size = old.stat().st_size
         old.unlink(missing_ok=True)
         log.warning("removed %s (%d bytes) to make room for the %s", old, size, what)
         free = shutil.disk_usage(folder).free
-    if free < needed + ROOM_MARGIN:
-        raise DiskFull(f"No space left on device: the {what} needs {needed} bytes and {folder} "
-                       f"has {free} free")
 
 
 def _write_atomically(path: Path, payload: memoryview) -> None:
