@@ -342,7 +342,9 @@ def test_a_store_file_removed_mid_run_is_not_reported_as_finished(tmp_path: Path
     db.unlink()
     t.log_metrics({"train/loss": 0.5}, 1)
     assert not t.finish(timeout_s=20)
-    assert t.failure is not None
+    # Writes to the removed file's inode fail (read-only) or the file is found replaced.
+    assert t.failure is not None and ("readonly database" in t.failure
+                                      or "was removed or replaced" in t.failure)
 
 
 @pytest.mark.slow
@@ -363,9 +365,8 @@ def test_a_finished_job_and_checkpoints_of_other_jobs(store: dict[str, str],
     assert run.data.params["data.num_val"] == "1"  # rank 0 held it, rank 1 none
     summary = (job / "summary.json").read_text()
 
-    again = run_train("distributed.nproc_per_node=2", "data.val_fraction=0.0001",
-                      "trainer.epochs=1", "tracking.log_model=false", f"hydra.run.dir={job}",
-                      env=store)
+    again = run_train("data.val_fraction=0.0001", "trainer.epochs=1", "tracking.log_model=false",
+                      f"hydra.run.dir={job}", env=store)  # (1 rank: cheaper, and all the same)
     assert again.returncode == 0, again.stderr
     assert f"this job finished already: MLflow run {run_id}" in again.stderr
     assert (job / "summary.json").read_text() == summary

@@ -109,9 +109,13 @@ def _file_identity(uri: str) -> tuple[int, int] | None:
 
 
 def describe(error: BaseException) -> str:
-    """One line: the error's type and the first line of its message."""
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
+    """One line: the error's type and its message, shortened."""
+    # SQLAlchemy's errors start with a hint about autoflush and end with the SQL: neither
+    # says what went wrong.
+    lines = [line.strip() for line in str(error).splitlines()
+             if line.strip() and not line.strip().startswith("(raised as a result of")]
+    text = " ".join(lines).split(" [SQL:")[0]
+    return f"{type(error).__name__}: {text}"[:300]
 
 
 def _mlflow_client(uri: str) -> Any:
