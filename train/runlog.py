@@ -64,6 +64,7 @@ class RunLogger:
         self.by_epoch: list[dict[str, float]] = []  # each epoch this start trained
         self.first_step_at: float | None = None
         self._finished = False
+        self._flushed = True
         self.output_dir = ""
         """The job's output directory, for messages (set by train/job.py)."""
 
@@ -155,7 +156,9 @@ class RunLogger:
     def summary(self, peak_rss_mb: list[float]) -> dict[str, Any]:
         """summary.json: what scripts (and `make bench`) read back."""
         self.run.log_metrics({"peak_rss_mb_max": max(peak_rss_mb)}, step=self.cfg.trainer.epochs)
-        self.run.flush(self.cfg.tracking.checkpoint_flush_s)  # for the run id; finish() waits
+        # For the run id. If MLflow has not taken everything within flush_timeout_s now, the
+        # end does not wait that long a second time.
+        self._flushed = self.run.flush()
         return {"run_id": self.run.run_id, "epochs": self.cfg.trainer.epochs,
                 "metrics": self.final_metrics,
                 "by_epoch": self.by_epoch, "first_step_at": self.first_step_at,
@@ -175,7 +178,9 @@ class RunLogger:
             self.run.set_tags({"stopped_by": stopped_by})
             self.run.finish(status="KILLED", timeout_s=self.cfg.tracking.checkpoint_flush_s)
             return
-        delivered = self.run.finish(status="FAILED" if error else "FINISHED", error=error)
+        delivered = self.run.finish(
+            status="FAILED" if error else "FINISHED", error=error,
+            timeout_s=None if self._flushed else self.cfg.tracking.checkpoint_flush_s)
         run_id = self.run.run_id
         if error is None and not delivered:
             raise TrackingIncomplete(self._undelivered())
