@@ -417,3 +417,28 @@ def test_a_full_output_disk_still_keeps_the_finished_training(store: dict[str, s
     assert listing == ["step-000000023.pt"]  # no partial file
     [run] = runs_in(store["MLFLOW_TRACKING_URI"])
     assert run.info.status == "FINISHED"
+
+
+@pytest.mark.slow
+def test_a_job_whose_end_did_not_reach_the_store_does_not_claim_success(tmp_path: Path) -> None:
+    """The run logger of a finished training, over a store that never answered: no FINISHED
+    line, but an error that says where the rest is and how to deliver it."""
+    from train.config import TrainConfig
+    from train.progress import Progress
+    from train.runlog import RunLogger
+    from train.tracking import TrackingIncomplete
+
+    cfg = TrainConfig()
+    cfg.tracking = TrackingConfig(uri=f"http://127.0.0.1:{free_port()}", flush_timeout_s=1.0,
+                                  checkpoint_flush_s=0.5)
+    logger = RunLogger(cfg, tracker(cfg.tracking.uri, tmp_path / "job", flush_timeout_s=1.0),
+                       Progress(False, 1, 64))
+    logger.run.start(tags={"world_size": "1"})
+    logger.run.log_metrics({"val/accuracy": 0.9}, 0)
+    with pytest.raises(TrackingIncomplete) as incomplete:
+        logger.finish()
+    path = tmp_path / "job" / unsent.UNSENT_FILE
+    assert f"python -m train.outbox upload {path}" in str(incomplete.value)
+    assert unsent.load(path)[0]["status"] == "FINISHED"
+    logger.finish(error="a second call")  # the failure path calls it again: nothing happens
+    assert len(list((tmp_path / "job").glob("mlflow_unsent*"))) == 1
