@@ -102,6 +102,8 @@ def not_mlflow() -> Iterator[str]:
 
 
 def test_stores_that_can_never_work_are_refused_at_preflight(not_mlflow: str) -> None:
+    import mlflow  # noqa: F401 - imported before the clock starts (seconds under load)
+
     expected = {"file:///nonexistent/x": "filesystem tracking backend",
                 "foo://bar": "unsupported URI 'foo://bar'",
                 not_mlflow: "not an MLflow server"}
@@ -110,7 +112,7 @@ def test_stores_that_can_never_work_are_refused_at_preflight(not_mlflow: str) ->
         with pytest.raises(LaunchError) as refused:
             preflight.check_tracking(typed(f"tracking.uri={uri}"), on_slurm=False, prepare=False)
         assert problem in one_line(refused.value), uri
-        assert time.monotonic() - began < 5, uri  # one try, not MLflow's minutes of retries
+        assert time.monotonic() - began < 30, uri  # one try, not MLflow's minutes of retries
 
 
 def test_tracking_errors_are_classified_from_real_requests(not_mlflow: str) -> None:
@@ -124,9 +126,10 @@ def test_tracking_errors_are_classified_from_real_requests(not_mlflow: str) -> N
             return e
         raise AssertionError(f"{uri} answered")
 
+    error_of(not_mlflow)  # mlflow imported before the clock starts
     began = time.monotonic()
     refused = error_of(f"http://127.0.0.1:{free_port()}")  # nobody listens: try again later
-    assert time.monotonic() - began < 5
+    assert time.monotonic() - began < 30  # one try: MLflow alone would retry for minutes
     assert not client.is_permanent(refused)
     assert client.is_permanent(error_of(not_mlflow))  # 404: the same answer every time
     assert client.is_permanent(error_of("file:///nonexistent/x"))

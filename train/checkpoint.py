@@ -1,6 +1,7 @@
 """Checkpoints: what a job needs to continue exactly where it stopped, written safely.
 
-One file per checkpoint, written by rank 0 after gathering every rank's RNG state and partial
+One file per checkpoint, written by rank 0 (through train/safewrite.py: a full disk costs no
+earlier checkpoint and leaves no partial file) after gathering every rank's RNG state and partial
 epoch sums: model, optimiser, LR schedule, grad scaler, epoch, global step, the batch reached in
 the current epoch, the MLflow run id and the composed config. Written atomically (temporary
 file, fsync, rename, fsync of the directory); the newest `keep` are kept. Read back with
@@ -10,10 +11,7 @@ load (truncated, corrupt) is reported and the previous one is used.
 
 from __future__ import annotations
 
-import errno
-import io
 import logging
-import os
 import random
 import re
 import shutil
@@ -25,6 +23,7 @@ from typing import Any
 
 import torch
 
+from train import safewrite
 from train.config import TrainerConfig
 from train.metrics import Totals
 from train.state import TrainState
@@ -73,17 +72,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-class DiskFull(OSError):
-    """No room for a checkpoint or the final weights; the message says where and how much.
-    (An OSError of ENOSPC: a write on a full disk means the same.)"""
-
-    errno = errno.ENOSPC
-
-
-ROOM_MARGIN = 64 * 1024
-"""Bytes left free beyond a file's size (filesystem blocks, the directory entry)."""
-
-
 def save(folder: Path, state: dict[str, Any], keep: int) -> Path:
     """Write `state` atomically as step-<global step>.pt and drop all but the newest `keep`.
 
@@ -92,11 +80,11 @@ def save(folder: Path, state: dict[str, Any], keep: int) -> Path:
     fit, DiskFull - no partial file, the newest checkpoint kept."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"step-{state['step']:09d}.pt"
-    payload = _serialised(state)
+    payload = safewrite.serialised(state)
     for stale in folder.glob("step-*.tmp"):  # left by a crash mid-write: space nobody uses
         stale.unlink(missing_ok=True)
-    _make_room(folder, len(payload), candidates(folder)[1:], f"checkpoint {path}")
-    _write_atomically(path, payload)
+    safewrite.make_room(folder, len(payload), candidates(folder)[1:], f"checkpoint {path}")
+    safewrite.write_atomically(path, payload)
     for old in candidates(folder)[keep:]:
         old.unlink(missing_ok=True)
     return path
@@ -107,16 +95,17 @@ def save_weights(weights: dict[str, Any], path: Path, checkpoints: Path) -> Path
     filesystem cannot hold them - even once older checkpoints but the newest are gone - in the
     temporary directory ($TMPDIR) instead, so that a finished training is not thrown away.
     Returns where they are."""
-    payload = _serialised(weights)
+    payload = safewrite.serialised(weights)
     try:
-        _make_room(path.parent, len(payload), candidates(checkpoints)[1:], f"weights {path}")
-        _write_atomically(path, payload)
+        safewrite.make_room(path.parent, len(payload), candidates(checkpoints)[1:],
+                            f"weights {path}")
+        safewrite.write_atomically(path, payload)
         return path
-    except DiskFull as full:
+    except safewrite.DiskFull as full:
         import tempfile
 
         elsewhere = Path(tempfile.mkdtemp(prefix="train-weights-")) / path.name
-        _write_atomically(elsewhere, payload)
+        safewrite.write_atomically(elsewhere, payload)
         log.error("%s. The final weights were saved to %s instead: move them next to the "
                   "job's outputs once there is room.", full, elsewhere)
         return elsewhere
@@ -126,60 +115,15 @@ def check_room_for_one(folder: Path, train: TrainState) -> None:
     """Before training: the output directory's filesystem holds at least one checkpoint (the
     weights and, per parameter, the optimiser's buffers), or DiskFull now rather than after
     the first epoch's work."""
-    weights = len(_serialised(train.module.state_dict()))
+    weights = len(safewrite.serialised(train.module.state_dict()))
     buffers = 2 if isinstance(train.optimizer, torch.optim.Adam | torch.optim.AdamW) else 1
     folder.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(folder).free
-    needed = weights * (1 + buffers) + ROOM_MARGIN
+    needed = weights * (1 + buffers) + safewrite.ROOM_MARGIN
     if free < needed:
-        raise DiskFull(f"No space left on device: {folder} has {free} bytes free and one "
+        raise safewrite.DiskFull(f"No space left on device: {folder} has {free} bytes free and one "
                        f"checkpoint needs about {needed}. Free some space, or put the outputs "
                        "on a larger filesystem (hydra.run.dir=...).")
-
-
-def _serialised(state: dict[str, Any]) -> memoryview:
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    return buffer.getbuffer()
-
-
-def _make_room(folder: Path, needed: int, expendable: list[Path], what: str) -> None:
-    """Free space for `needed` bytes in `folder`, deleting `expendable` files (oldest first)
-    only if that is what it takes; DiskFull if even that is not enough."""
-    free = shutil.disk_usage(folder).free
-    sizes = [(old, old.stat().st_size) for old in reversed(expendable) if old.exists()]
-    if free + sum(size for _, size in sizes) < needed + ROOM_MARGIN:  # delete nothing in vain
-        raise DiskFull(f"No space left on device: the {what} needs {needed} bytes and {folder} "
-                       f"has {free} free")
-    for old, size in sizes:
-        if free >= needed + ROOM_MARGIN:
-            return
-        old.unlink(missing_ok=True)
-        log.warning("removed %s (%d bytes) to make room for the %s", old, size, what)
-        free = shutil.disk_usage(folder).free
-
-
-def _write_atomically(path: Path, payload: memoryview) -> None:
-    """Temporary file, fsync, rename, fsync of the directory; a failed write (the disk filled
-    meanwhile) leaves no partial file behind."""
-    tmp = path.with_suffix(".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise DiskFull(f"No space left on device: writing {path} ({len(payload)} bytes) "
-                           "failed") from None
-        raise
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # the rename itself survives a crash
-    finally:
-        os.close(fd)
 
 
 def load_newest(paths: list[Path]) -> Resumed | None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from train.config import TrackingConfig
+from train.tracking.errors import describe, is_permanent
 from train.tracking.records import (
     ArtifactFile,
     Batch,
@@ -36,6 +37,7 @@ from train.tracking.store import (
     TrackingError,
     artifact_location,
     check_reachable,
+    check_server_api,
     is_new_sqlite,
     resolve_uri,
     sqlite_path,
@@ -66,39 +68,6 @@ timeout each) before our code hears of a failure: a checkpoint or a stop would w
 One try is bounded here instead (10 s); the sender's own loop (train/tracking/run.py) retries
 what is transient and gives up at once on what is permanent. A value the user exported wins."""
 
-PERMANENT_CODES = frozenset({
-    "INVALID_PARAMETER_VALUE", "ENDPOINT_NOT_FOUND", "RESOURCE_DOES_NOT_EXIST", "NOT_FOUND",
-    "PERMISSION_DENIED", "UNAUTHENTICATED", "CUSTOMER_UNAUTHORIZED", "BAD_REQUEST",
-    "MALFORMED_REQUEST", "INVALID_STATE", "FEATURE_DISABLED", "RESOURCE_ALREADY_EXISTS",
-    "ALREADY_EXISTS", "NOT_IMPLEMENTED", "RESOURCE_LIMIT_EXCEEDED", "MAX_LIST_SIZE_EXCEEDED"})
-"""MLflow error codes that the same request will always get again."""
-PERMANENT_DB_TEXT = ("readonly database", "no such table", "unable to open database file",
-                     "disk i/o error", "no space left on device")
-"""An SQLite store that can no longer be written (made read-only, removed, full): retrying
-the same request does not help."""
-
-
-def is_permanent(error: BaseException) -> bool:
-    """Whether a failed tracking request can never succeed as it is: a 4xx other than 408/429,
-    an invalid name or value, a missing database driver, a store that cannot be written, a
-    missing local file. Transient (retried): refused or reset connections, timeouts, 5xx, 429,
-    a locked SQLite database."""
-    from mlflow.exceptions import MlflowException
-
-    text = str(error).lower()
-    if isinstance(error, ImportError | FileNotFoundError | PermissionError | IsADirectoryError):
-        return True
-    if any(part in text for part in PERMANENT_DB_TEXT):
-        return True
-    if isinstance(error, MlflowException):
-        status = error.get_http_status_code()
-        return error.error_code in PERMANENT_CODES or (
-            400 <= status < 500 and status not in (408, 429))
-    # A request this code built wrongly will not be built better next time; OSError,
-    # ConnectionError, TimeoutError, SQLAlchemy's OperationalError ("locked") are transient.
-    return isinstance(error, TypeError | ValueError | KeyError | AttributeError)
-
-
 def _file_identity(uri: str) -> tuple[int, int] | None:
     """(device, inode) of an SQLite store's file; None for other stores or no file."""
     db = sqlite_path(uri)
@@ -106,16 +75,6 @@ def _file_identity(uri: str) -> tuple[int, int] | None:
         return None if db is None else (db.stat().st_dev, db.stat().st_ino)
     except OSError:
         return None
-
-
-def describe(error: BaseException) -> str:
-    """One line: the error's type and its message, shortened."""
-    # SQLAlchemy's errors start with a hint about autoflush and end with the SQL: neither
-    # says what went wrong.
-    lines = [line.strip() for line in str(error).splitlines()
-             if line.strip() and not line.strip().startswith("(raised as a result of")]
-    text = " ".join(lines).split(" [SQL:")[0]
-    return f"{type(error).__name__}: {text}"[:300]
 
 
 def _mlflow_client(uri: str) -> Any:
@@ -136,48 +95,9 @@ def check_usable(uri: str, experiment: str) -> None:
     by check_reachable; any other store (a database, file:, an unknown scheme) goes through
     MLflow itself, which is where a missing driver shows."""
     if uri.startswith(("http://", "https://")):
-        check_server_api(uri, experiment)
+        check_server_api(uri, experiment)  # a plain HTTP request: no mlflow import
     elif sqlite_path(uri) is None:
         probe(uri, experiment)
-
-
-def check_server_api(uri: str, experiment: str, timeout_s: float = 10.0) -> None:
-    """A server that answers /health must also answer MLflow's API: another web service on
-    that port answers 404 to it, and a server with authentication 401/403 without the right
-    credentials (MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD)."""
-    import base64
-    import urllib.error
-    import urllib.parse
-    import urllib.request
-
-    query = urllib.parse.urlencode({"experiment_name": experiment})
-    request = urllib.request.Request(
-        f"{uri.rstrip('/')}/api/2.0/mlflow/experiments/get-by-name?{query}")
-    user, password = (os.environ.get("MLFLOW_TRACKING_USERNAME"),
-                      os.environ.get("MLFLOW_TRACKING_PASSWORD"))
-    if user and password:
-        token = base64.b64encode(f"{user}:{password}".encode()).decode()
-        request.add_header("Authorization", f"Basic {token}")
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s):
-            return
-    except urllib.error.HTTPError as e:
-        body = e.read(2000).decode(errors="replace")
-        if e.code == 404 and "RESOURCE_DOES_NOT_EXIST" in body:
-            return  # an MLflow server without that experiment yet
-        if e.code in (401, 403):
-            problem = (f"it refused the request (HTTP {e.code}): set MLFLOW_TRACKING_USERNAME "
-                       "and MLFLOW_TRACKING_PASSWORD to an account of that server")
-        elif e.code == 404:
-            problem = "it answers /health but not MLflow's API (HTTP 404): not an MLflow server"
-        elif e.code >= 500 or e.code == 429:
-            return  # busy or failing for now: the job retries such answers
-        else:
-            problem = f"MLflow's API answered HTTP {e.code}: {body[:200]}"
-    except (urllib.error.URLError, OSError):
-        return  # check_reachable has just reached it; a blip now is the job's to retry
-    raise TrackingError(f"MLflow tracking server {uri} is not usable: {problem}. Fix "
-                        "MLFLOW_TRACKING_URI / tracking.uri, or run with tracking.enabled=false.")
 
 
 def probe(uri: str, experiment: str) -> None:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from train.config import TrackingConfig
-from train.tracking import client, unsent
+from train.tracking import client, errors, unsent
 from train.tracking.records import (
     CreateRun,
     EndRun,
@@ -297,8 +297,8 @@ class MlflowRun(NullRun):
             try:
                 return request()
             except Exception as e:  # noqa: BLE001 - a tracking outage must not stop training
-                if client.is_permanent(e):
-                    self.failure = client.describe(e)
+                if errors.is_permanent(e):
+                    self.failure = errors.describe(e)
                     log.error("MLflow refused a request and will refuse it again (%s): no "
                               "more requests for this run; the rest goes to the unsent file "
                               "at its end", self.failure)
@@ -306,7 +306,7 @@ class MlflowRun(NullRun):
                 if self._given_up.is_set():
                     raise _GivenUp from None
                 log.warning("MLflow request failed (%s); retrying in %.0f s",
-                            client.describe(e), delay)
+                            errors.describe(e), delay)
                 if self._given_up.wait(delay):
                     raise _GivenUp from None
                 delay = min(delay * 2, 30.0)
