@@ -218,10 +218,10 @@ class TrackingConfig:
     """At a checkpoint and at the end, how long to wait for MLflow to accept what is queued;
     what it has not taken by the end is saved to <output dir>/mlflow_unsent.jsonl."""
     checkpoint_flush_s: float = 5.0
-    """At a checkpoint, and at the end of a job that was stopped by a signal or failed, how long
-    to wait for MLflow to take what is queued: the other ranks wait in a collective meanwhile
-    (distributed.timeout_s), and Slurm or the launcher end such a job soon. Not taken by then:
-    it stays queued (at the end, it goes to the unsent file)."""
+    """At a checkpoint and when the job is stopped by a signal, how long to wait for MLflow to
+    take what is queued: the other ranks wait in a collective meanwhile (distributed.timeout_s)
+    and Slurm kills a stopped job soon. Not taken by then: it stays queued (at a stop, it goes
+    to the unsent file)."""
 
 
 @dataclass

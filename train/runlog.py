@@ -178,12 +178,9 @@ class RunLogger:
             self.run.set_tags({"stopped_by": stopped_by})
             self.run.finish(status="KILLED", timeout_s=self.cfg.tracking.checkpoint_flush_s)
             return
-        # A failing job does not linger either: its launcher stops it soon (and would lose
-        # the unsent file with it).
-        short = error is not None or not self._flushed
         delivered = self.run.finish(
             status="FAILED" if error else "FINISHED", error=error,
-            timeout_s=self.cfg.tracking.checkpoint_flush_s if short else None)
+            timeout_s=None if self._flushed else self.cfg.tracking.checkpoint_flush_s)
         run_id = self.run.run_id
         if error is None and not delivered:
             raise TrackingIncomplete(self._undelivered())
