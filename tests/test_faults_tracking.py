@@ -34,7 +34,7 @@ from train.distenv import free_port
 from train.launch import LaunchError
 from train.schema import register_schema, to_container, to_typed
 from train.tracking import client, unsent
-from train.tracking.records import ArtifactFile, EndRun, Text
+from train.tracking.records import ArtifactFile, Batch, EndRun, Text
 from train.tracking.run import MlflowRun
 
 
@@ -445,3 +445,29 @@ def test_a_job_whose_end_did_not_reach_the_store_does_not_claim_success(tmp_path
     assert unsent.load(path)[0]["status"] == "FINISHED"
     logger.finish(error="a second call")  # the failure path calls it again: nothing happens
     assert len(list((tmp_path / "job").glob("mlflow_unsent*"))) == 1
+
+
+@pytest.mark.slow
+def test_a_restart_delivers_what_its_stopped_start_left_unsent(tmp_path: Path) -> None:
+    """A stop while the store was away left the last rows in the unsent file; the next start
+    of the job (same directory, same run) delivers them before it continues the run."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    job = tmp_path / "job"
+    first = tracker(uri, job)
+    first.start(tags={}, run_name="stopped")
+    first.begin_sending()
+    first.log_metrics({"train/loss": 1.0}, 0)
+    assert first.finish(status="KILLED")
+    run_id = first.run_id
+    left = Batch(metrics=[("train/loss", 0.5, 0, 1)], tags=[("stopped_by", "SIGTERM")])
+    unsent.save(job / unsent.UNSENT_FILE, {"run_id": run_id, "tracking_uri": uri,
+                                           "status": "KILLED"}, left, [])
+    again = tracker(uri, job)
+    again.start(tags={"restarts": "1"}, resume_run_id=run_id)
+    again.begin_sending()
+    again.log_metrics({"train/loss": 0.25}, 2)
+    assert again.finish()
+    assert history(uri, run_id, "train/loss") == [(0, 1.0), (1, 0.5), (2, 0.25)]
+    [run] = runs_in(uri, "faults")
+    assert run.info.status == "FINISHED" and run.data.tags["stopped_by"] == "SIGTERM"
+    assert (job / "mlflow_unsent.uploaded").exists()

@@ -139,7 +139,8 @@ def _train(cfg: TrainConfig, config: dict[str, Any], env: distenv.DistEnv, out: 
         checkpoint.check_room_for_one(checkpoint.directory(out), state)
     checkpointer = checkpoint.Checkpointer(
         checkpoint.directory(out), cfg.trainer, env.rank, env.world_size,
-        before_write=lambda: logger.run.flush(cfg.tracking.checkpoint_flush_s),
+        before_write=lambda: logger.run.flush(
+            cfg.tracking.checkpoint_flush_s, created_within_s=cfg.distributed.timeout_s / 2),
         run_fields=logger.run_fields)
     duties = loop.Duties(logger, checkpointer, stop, env.rank, env.local_rank)
     final_val = loop.fit(cfg, state, bundle, device, duties)

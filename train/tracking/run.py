@@ -163,14 +163,22 @@ class MlflowRun(NullRun):
         would otherwise hold up this rank's start-up - and every other rank with it."""
         self._go.set()
 
-    def flush(self, timeout_s: float | None = None) -> bool:
+    def flush(self, timeout_s: float | None = None, created_within_s: float = 0.0) -> bool:
         """Wait until everything logged so far has been accepted, for at most `timeout_s`
-        (default tracking.flush_timeout_s); False if it was not (it stays queued)."""
+        (default tracking.flush_timeout_s); False if it was not (it stays queued).
+
+        `created_within_s`: first wait up to this long for the run itself to exist (a checkpoint
+        must name its run, or a restart from it would begin another; creating the run - and a
+        new store - can take seconds on a busy machine)."""
         timeout_s = self.cfg.flush_timeout_s if timeout_s is None else timeout_s
         self._go.set()
         records, rows = self._records_queued, self.rows.added
         self._hurry = True
         self._notify()
+        created_by = time.monotonic() + created_within_s
+        while (self._started and self.run_id is None and self._thread.is_alive()
+               and time.monotonic() < created_by):
+            time.sleep(self.POLL_S)
         deadline = time.monotonic() + timeout_s
         # Rows wait for a run to go to: without start() there is none, nothing to wait for.
         while not (self._records_done >= records
@@ -272,10 +280,27 @@ class MlflowRun(NullRun):
     def _begin(self, record: CreateRun | ResumeRun) -> None:
         if self._client is None:
             self._client = client.RunClient(self.uri)
+        if isinstance(record, ResumeRun):
+            self._deliver_leftovers(record.run_id)
         self._client.apply(record)
         (self.output_dir / RUN_FILE).write_text(json.dumps(
             {"run_id": self.run_id, "experiment_id": self.experiment_id,
              "tracking_uri": self.uri}))
+
+    def _deliver_leftovers(self, run_id: str) -> None:
+        """An earlier start of this job left an unsent file for this run (it was stopped while
+        the store was away): deliver it before the run continues, so that nothing waits for
+        someone to remember the upload. One that cannot be delivered stays for the user."""
+        for path in sorted(self.output_dir.glob("mlflow_unsent*.jsonl")):
+            try:
+                header = unsent.load(path)[0]
+                if header["run_id"] != run_id or header["tracking_uri"] != self.uri:
+                    continue
+                unsent.upload(path)
+                log.info("delivered %s, left by an earlier start of this job", path)
+            except Exception as e:  # noqa: BLE001 - the file stays; the run goes on
+                log.warning("could not deliver %s (%s); it stays for `python -m train.outbox "
+                            "upload %s`", path, errors.describe(e), path)
 
     def _run_client(self) -> client.RunClient:
         assert self._client is not None, "a record before the run's start()"
