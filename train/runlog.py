@@ -180,7 +180,8 @@ class RunLogger:
             return
         delivered = self.run.finish(
             status="FAILED" if error else "FINISHED", error=error,
-            timeout_s=None if self._flushed else self.cfg.tracking.checkpoint_flush_s)
+            timeout_s=None if self._flushed else min(self.cfg.tracking.checkpoint_flush_s,
+                                                     self.cfg.tracking.flush_timeout_s))
         run_id = self.run.run_id
         if error is None and not delivered:
             raise TrackingIncomplete(self._undelivered())
