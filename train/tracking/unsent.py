@@ -53,7 +53,8 @@ def free_path(output_dir: Path) -> Path:
 def save(path: Path, header: dict[str, Any], rows: Batch, records: list[Record]) -> list[str]:
     """Write the unsent file; returns the kinds of the records that could not be kept."""
     lost = [r.KIND for r in records if r.KIND not in SAVABLE]
-    with open(path, "w") as f:
+    # Private whatever the umask: the upload refuses a file others could have written to.
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
         f.write(json.dumps(header) + "\n")
         for record in records:
             if record.KIND in SAVABLE:
