@@ -103,6 +103,7 @@ def start_local_ranks(config: dict[str, Any], output_dir: str, command: str,
     (root_cause) is the JobFailedError's message. TERM, HUP or INT here reach the ranks as
     TERM: their coordinated stop (a checkpoint, the run KILLED), then JobStoppedError."""
     ctx = mp.get_context("spawn")  # a fresh interpreter: no state of this process carried over
+    _start_resource_tracker()
     outcomes: mp.Queue = ctx.Queue()
     port = distenv.free_port()
     procs = [ctx.Process(target=_rank_entry, name=f"rank {rank}", args=(
@@ -173,6 +174,19 @@ class _Forwarding:
         if self.received is None:
             return set()
         return {rank for rank, code in exits.items() if code == -signal.SIGTERM}
+
+
+def _start_resource_tracker() -> None:
+    """multiprocessing's helper process (it unlinks the queue's semaphores) ignores INT and
+    TERM but would die of a closed terminal's HUP, and its successor then prints KeyErrors:
+    started with HUP ignored, it inherits that."""
+    from multiprocessing import resource_tracker
+
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 def _end_abandoned_run(output_dir: str, started: float, exits: dict[int, int | None],
