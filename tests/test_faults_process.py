@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -193,6 +194,25 @@ class Job:
             assert steps and steps == sorted(set(steps)), key
 
 
+@pytest.fixture(scope="module")
+def migrated_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty SQLite store with MLflow's schema in place, made once: migrating a new file
+    takes rank 0 many seconds, which each job here would wait for before its first step."""
+    from mlflow import MlflowClient
+
+    db = tmp_path_factory.mktemp("store") / "mlflow.db"
+    MlflowClient(tracking_uri=f"sqlite:///{db}").search_experiments(max_results=1)
+    return db
+
+
+@pytest.fixture
+def fresh_store(migrated_db: Path, tmp_path: Path) -> dict[str, str]:
+    """A store of this test's own (a copy of the migrated empty one)."""
+    db = tmp_path / "mlflow.db"
+    shutil.copyfile(migrated_db, db)
+    return {"MLFLOW_TRACKING_URI": f"sqlite:///{db}"}
+
+
 def _stopped_cleanly(job: Job, stderr: str, signal_name: str, code: int) -> None:
     assert job.proc.returncode == code, stderr
     last = [line for line in stderr.splitlines() if line.strip()][-1]
@@ -208,12 +228,12 @@ def _stopped_cleanly(job: Job, stderr: str, signal_name: str, code: int) -> None
 
 @pytest.mark.slow
 def test_a_second_job_is_refused_and_term_to_the_launcher_stops_its_ranks(
-        store: dict[str, str], tmp_path: Path) -> None:
+        fresh_store: dict[str, str], tmp_path: Path) -> None:
     """`kill <launcher>` reaches the ranks as their coordinated stop; meanwhile the same
     command in the same directory is refused before it starts anything."""
-    job = Job(tmp_path / "job", store)
-    second = run_train("distributed.nproc_per_node=2", f"hydra.run.dir={job.out_dir}", env=store,
-                       timeout=60)
+    job = Job(tmp_path / "job", fresh_store)
+    second = run_train("distributed.nproc_per_node=2", f"hydra.run.dir={job.out_dir}",
+                       env=fresh_store, timeout=60)
     assert second.returncode == 2
     assert second.stderr.strip().splitlines()[-1].startswith(
         f"error: {job.out_dir} is in use by another job: pid {job.proc.pid} on ")
@@ -224,9 +244,9 @@ def test_a_second_job_is_refused_and_term_to_the_launcher_stops_its_ranks(
 
 @pytest.mark.slow
 def test_term_to_the_group_with_dataloader_workers_writes_the_stop_checkpoint(
-        store: dict[str, str], tmp_path: Path) -> None:
+        fresh_store: dict[str, str], tmp_path: Path) -> None:
     """As Slurm signals a job: every process of the group at once, workers included."""
-    job = Job(tmp_path / "job", store, "data.num_workers=1")
+    job = Job(tmp_path / "job", fresh_store, "data.num_workers=1")
     workers = [c for rank in job.ranks for c in rank.children()]
     assert len(workers) >= 2, "each rank has its DataLoader worker"
     os.killpg(job.proc.pid, signal.SIGTERM)
@@ -234,18 +254,19 @@ def test_term_to_the_group_with_dataloader_workers_writes_the_stop_checkpoint(
 
 
 @pytest.mark.slow
-def test_hup_to_the_group_is_a_coordinated_stop(store: dict[str, str], tmp_path: Path) -> None:
+def test_hup_to_the_group_is_a_coordinated_stop(fresh_store: dict[str, str],
+                                                tmp_path: Path) -> None:
     """A closed terminal: HUP to the launcher and its ranks."""
-    job = Job(tmp_path / "job", store)
+    job = Job(tmp_path / "job", fresh_store)
     os.killpg(job.proc.pid, signal.SIGHUP)
     _stopped_cleanly(job, job.end(), "SIGHUP", 128 + signal.SIGHUP)
 
 
 @pytest.mark.slow
-def test_a_killed_rank_0_fails_the_run_with_its_death(store: dict[str, str],
+def test_a_killed_rank_0_fails_the_run_with_its_death(fresh_store: dict[str, str],
                                                       tmp_path: Path) -> None:
     """Rank 0 alone talks to MLflow; SIGKILLed, it cannot end its run: the launcher does."""
-    job = Job(tmp_path / "job", store)
+    job = Job(tmp_path / "job", fresh_store)
     job.ranks[0].send_signal(signal.SIGKILL)
     stderr = job.end()
     assert job.proc.returncode == 1
