@@ -160,8 +160,8 @@ class Job:
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         self.launcher = psutil.Process(self.proc.pid)
         self.ranks = sorted(_wait_for(self._ranks, 60, "2 ranks"), key=lambda p: p.pid)
-        # Training is under way (and the run exists) once epoch 1's checkpoint is written.
-        _wait_for(lambda: self.checkpoints(), 120, "the first checkpoint")
+        # Training is under way once the run exists: rank 0 creates it at the first step.
+        _wait_for(lambda: (out_dir / "mlflow_run.json").exists(), 120, "the run")
         self.family = [self.launcher, *self.launcher.children(recursive=True)]
 
     def _ranks(self) -> list[psutil.Process] | None:
@@ -188,10 +188,12 @@ class Job:
             "run_id"]
         return run
 
-    def assert_steps_once(self, run_id: str) -> None:
+    def assert_steps_once(self, run_id: str) -> list[int]:
+        """Every metric's steps, each once; returns train/step_loss's."""
         for key in ("train/loss", "lr", "train/step_loss"):
             steps = [s for s, _ in history(self.uri, run_id, key)]
-            assert steps and steps == sorted(set(steps)), key
+            assert steps == sorted(set(steps)), key
+        return [s for s, _ in history(self.uri, run_id, "train/step_loss")]
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +215,8 @@ def fresh_store(migrated_db: Path, tmp_path: Path) -> dict[str, str]:
     return {"MLFLOW_TRACKING_URI": f"sqlite:///{db}"}
 
 
-def _stopped_cleanly(job: Job, stderr: str, signal_name: str, code: int) -> None:
+def _stopped_cleanly(job: Job, before: list[str], signal_name: str, code: int) -> None:
+    stderr = job.end()
     assert job.proc.returncode == code, stderr
     last = [line for line in stderr.splitlines() if line.strip()][-1]
     assert last == (f"stopped by {signal_name} after saving a checkpoint in {job.out_dir}/"
@@ -222,23 +225,27 @@ def _stopped_cleanly(job: Job, stderr: str, signal_name: str, code: int) -> None
     assert run.info.status == "KILLED"
     assert run.data.tags["stopped_by"] == signal_name
     assert "error" not in run.data.tags
-    assert len(job.checkpoints()) >= 2  # epoch 1's and the stop's
-    job.assert_steps_once(run.info.run_id)
+    [*_, stop_checkpoint] = job.checkpoints()
+    assert stop_checkpoint not in before  # written after the signal
+    logged = job.assert_steps_once(run.info.run_id)
+    assert logged and int(stop_checkpoint[5:-3]) >= logged[-1]  # nothing trained after it
 
 
 @pytest.mark.slow
-def test_a_second_job_is_refused_and_term_to_the_launcher_stops_its_ranks(
+def test_a_second_job_is_refused_and_hup_to_the_launcher_stops_its_ranks(
         fresh_store: dict[str, str], tmp_path: Path) -> None:
-    """`kill <launcher>` reaches the ranks as their coordinated stop; meanwhile the same
-    command in the same directory is refused before it starts anything."""
+    """The same command in a directory in use is refused before it starts anything; a HUP
+    (a closed terminal) or TERM (`kill`) that only the launcher gets reaches its ranks as their
+    coordinated stop. (HUP to the whole group: the ranks also get it directly.)"""
     job = Job(tmp_path / "job", fresh_store)
     second = run_train("distributed.nproc_per_node=2", f"hydra.run.dir={job.out_dir}",
                        env=fresh_store, timeout=60)
     assert second.returncode == 2
     assert second.stderr.strip().splitlines()[-1].startswith(
         f"error: {job.out_dir} is in use by another job: pid {job.proc.pid} on ")
-    job.launcher.send_signal(signal.SIGTERM)
-    _stopped_cleanly(job, job.end(), "SIGTERM", 128 + signal.SIGTERM)
+    before = job.checkpoints()
+    job.launcher.send_signal(signal.SIGHUP)
+    _stopped_cleanly(job, before, "SIGHUP", 128 + signal.SIGHUP)
     assert not (job.out_dir / joblock.LOCK_FILE).exists()
 
 
@@ -249,17 +256,9 @@ def test_term_to_the_group_with_dataloader_workers_writes_the_stop_checkpoint(
     job = Job(tmp_path / "job", fresh_store, "data.num_workers=1")
     workers = [c for rank in job.ranks for c in rank.children()]
     assert len(workers) >= 2, "each rank has its DataLoader worker"
+    before = job.checkpoints()
     os.killpg(job.proc.pid, signal.SIGTERM)
-    _stopped_cleanly(job, job.end(), "SIGTERM", 128 + signal.SIGTERM)
-
-
-@pytest.mark.slow
-def test_hup_to_the_group_is_a_coordinated_stop(fresh_store: dict[str, str],
-                                                tmp_path: Path) -> None:
-    """A closed terminal: HUP to the launcher and its ranks."""
-    job = Job(tmp_path / "job", fresh_store)
-    os.killpg(job.proc.pid, signal.SIGHUP)
-    _stopped_cleanly(job, job.end(), "SIGHUP", 128 + signal.SIGHUP)
+    _stopped_cleanly(job, before, "SIGTERM", 128 + signal.SIGTERM)
 
 
 @pytest.mark.slow

@@ -100,8 +100,8 @@ def start_local_ranks(config: dict[str, Any], output_dir: str, command: str,
     """Start `nproc` ranks on this machine and supervise them until all end; rank 0's final
     metrics. A rank that fails makes the others fail at their next collective (their
     connections to it close); any still running GRACE_S later is stopped. The root cause
-    (root_cause) is the JobFailedError's message. TERM, HUP or INT here reach the ranks as
-    TERM: their coordinated stop (a checkpoint, the run KILLED), then JobStoppedError."""
+    (root_cause) is the JobFailedError's message. TERM, HUP, INT or USR2 here reach the ranks:
+    their coordinated stop (a checkpoint, the run KILLED), then JobStoppedError."""
     ctx = mp.get_context("spawn")  # a fresh interpreter: no state of this process carried over
     _start_resource_tracker()
     outcomes: mp.Queue = ctx.Queue()
@@ -137,8 +137,8 @@ def start_local_ranks(config: dict[str, Any], output_dir: str, command: str,
 
 
 class _Forwarding:
-    """While entered, TERM, HUP and INT sent to the launcher (a `kill`, a closed terminal,
-    Ctrl-C) are passed to the ranks as TERM, their coordinated stop, and USR2 as USR2; the
+    """While entered, TERM, HUP, INT and USR2 sent to the launcher (a `kill`, a closed
+    terminal, Ctrl-C) are passed on to the ranks (INT as TERM): their coordinated stop; the
     launcher itself waits for them. Without this the launcher would die at once and its ranks
     would learn of it only through their death signal."""
 
@@ -162,7 +162,9 @@ class _Forwarding:
         if self.received is None:
             log.warning("received %s: the ranks checkpoint and stop", name)
         self.received = self.received or name
-        to_ranks = signal.SIGUSR2 if signum == signal.SIGUSR2 else signal.SIGTERM
+        # INT as TERM: the ranks of a terminal's Ctrl-C got INT already, and a second INT
+        # would abort them without the checkpoint.
+        to_ranks = signal.SIGTERM if signum == signal.SIGINT else signum
         for p in self.procs:
             if p.pid is not None and p.exitcode is None:
                 with contextlib.suppress(ProcessLookupError):
