@@ -281,11 +281,12 @@ def test_a_killed_rank_0_fails_the_run_with_its_death(fresh_store: dict[str, str
 def test_command_line_mistakes_and_dry_runs_leave_nothing(tmp_path: Path) -> None:
     """One line and exit code 2 for what the user typed wrong; a dry run leaves no empty
     multirun/<date>/<time>/ in the directory it was started from."""
-    for override, start in (("+trainer.foo=1", "error: trainer.foo: Key 'foo' not in"),
-                            ("trainer.nope=1", "error: Could not override 'trainer.nope'"),
-                            ("distributed.nproc_per_node=1000",
-                             "error: distributed.nproc_per_node=1000 local ranks, but ")):
-        result = run_train(override, f"hydra.run.dir={tmp_path}/job", cwd=tmp_path, timeout=60)
+    for overrides, start in ((["+trainer.foo=1"], "error: trainer.foo: Key 'foo' not in"),
+                             (["trainer.nope=1"], "error: Could not override 'trainer.nope'"),
+                             (["distributed.nproc_per_node=1000", "data.batch_size=1000"],
+                              "error: distributed.nproc_per_node=1000 local ranks, but ")):
+        result = run_train(*overrides, f"hydra.run.dir={tmp_path}/job", cwd=tmp_path,
+                           timeout=60)
         lines = result.stderr.strip().splitlines()
         assert result.returncode == 2 and lines[-1].startswith(start), result.stderr
         assert "Traceback" not in result.stderr
