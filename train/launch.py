@@ -111,7 +111,7 @@ def start_local_ranks(config: dict[str, Any], output_dir: str, command: str,
         distenv.torchrun_env(rank, rank, nproc, nproc, "127.0.0.1", port), outcomes))
         for rank in range(nproc)]
     started = time.time()
-    with _Forwarding(procs) as forwarding:
+    with stopping.PassOn(procs) as forwarding:
         for p in procs:
             p.start()
         try:
@@ -134,48 +134,6 @@ def start_local_ranks(config: dict[str, Any], output_dir: str, command: str,
     _end_abandoned_run(output_dir, started, exits, results, stopped,
                        {rank: p.pid for rank, p in enumerate(procs)})
     raise JobFailedError(f"the training job failed; {root_cause(exits, results, stopped)}")
-
-
-class _Forwarding:
-    """While entered, TERM, HUP, INT and USR2 sent to the launcher (a `kill`, a closed
-    terminal, Ctrl-C) are passed on to the ranks (INT as TERM): their coordinated stop; the
-    launcher itself waits for them. Without this the launcher would die at once and its ranks
-    would learn of it only through their death signal."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGUSR2)
-
-    def __init__(self, procs: list[mp.Process]) -> None:
-        self.procs, self.received = procs, None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> _Forwarding:
-        for number in self.SIGNALS:
-            self._previous[number] = signal.signal(number, self._forward)
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        for number, handler in self._previous.items():
-            signal.signal(number, handler)
-
-    def _forward(self, signum: int, _frame: Any) -> None:
-        name = signal.Signals(signum).name
-        if self.received is None:
-            log.warning("received %s: the ranks checkpoint and stop", name)
-        self.received = self.received or name
-        # INT as TERM: the ranks of a terminal's Ctrl-C got INT already, and a second INT
-        # would abort them without the checkpoint.
-        to_ranks = signal.SIGTERM if signum == signal.SIGINT else signum
-        for p in self.procs:
-            if p.pid is not None and p.exitcode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.pid, to_ranks)
-
-    def signalled_ranks(self, exits: dict[int, int | None]) -> set[int]:
-        """Ranks that died of the TERM passed on here (before their handler was in place):
-        stopped by the user, not the cause of a failure."""
-        if self.received is None:
-            return set()
-        return {rank for rank, code in exits.items() if code == -signal.SIGTERM}
 
 
 def _start_resource_tracker() -> None:

@@ -8,13 +8,17 @@ the checkpoint: it raises KeyboardInterrupt, as Python would.
 
 DataLoader workers are forked from a rank and get the same signals when a whole process group
 is signalled (Slurm, a closed terminal): `ignore_in_worker` makes them leave stopping to their
-rank, which ends them with its DataLoader.
+rank, which ends them with its DataLoader. The local launcher passes the signals it gets on to
+its ranks (`PassOn`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import signal
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
@@ -87,3 +91,47 @@ class StopSignals:
     def preempted(self) -> Preempted:
         """The exception that ends training once the ranks have saved their checkpoint."""
         return Preempted(self.received or "a stop request on another rank")
+
+
+class PassOn:
+    """The local launcher's side, over its rank processes (multiprocessing.Process): while
+    entered, TERM, HUP, INT and USR2 sent to the launcher (a `kill`, a closed terminal,
+    Ctrl-C) are passed on to the ranks (INT as TERM): their coordinated stop; the launcher
+    itself waits for them. Without this the launcher would die at once and its ranks
+    would learn of it only through their death signal."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGUSR2)
+
+    def __init__(self, procs: Sequence[Any]) -> None:
+        self.procs = procs
+        self.received: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> PassOn:
+        for number in self.SIGNALS:
+            self._previous[number] = signal.signal(number, self._forward)
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+
+    def _forward(self, signum: int, _frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if self.received is None:
+            log.warning("received %s: the ranks checkpoint and stop", name)
+        self.received = self.received or name
+        # INT as TERM: the ranks of a terminal's Ctrl-C got INT already, and a second INT
+        # would abort them without the checkpoint.
+        to_ranks = signal.SIGTERM if signum == signal.SIGINT else signum
+        for p in self.procs:
+            if p.pid is not None and p.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, to_ranks)
+
+    def signalled_ranks(self, exits: dict[int, int | None]) -> set[int]:
+        """Ranks that died of the TERM passed on here (before their handler was in place):
+        stopped by the user, not the cause of a failure."""
+        if self.received is None:
+            return set()
+        return {rank for rank, code in exits.items() if code == -signal.SIGTERM}
