@@ -31,10 +31,14 @@ from train.config import ConfigError
 # -- the job lock (fast: its holder is a real process that imports no torch) -------------------
 
 HOLDER = """
-import sys
+import subprocess, sys
 from pathlib import Path
 from train import joblock
 joblock.take(Path(sys.argv[1]))
+if len(sys.argv) > 2:  # as the local launcher: its ranks hold the directory with it
+    rank = subprocess.Popen(["sleep", "60"])
+    joblock.add_ranks(Path(sys.argv[1]), [rank.pid])
+    print(rank.pid, flush=True)
 print("held", flush=True)
 sys.stdin.read()
 """
@@ -45,12 +49,15 @@ def holder(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen[str]]]:
     """Start a process that holds a directory's lock until its stdin closes."""
     started: list[subprocess.Popen[str]] = []
 
-    def start(directory: Path, **env: str) -> subprocess.Popen[str]:
-        proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(directory)], text=True,
-                                env={**os.environ, "PYTHONPATH": str(REPO), **env},
+    def start(directory: Path, *with_rank: str, **env: str) -> subprocess.Popen[str]:
+        proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(directory), *with_rank],
+                                text=True, env={**os.environ, "PYTHONPATH": str(REPO), **env},
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        assert proc.stdout is not None and proc.stdout.readline() == "held\n"
         started.append(proc)
+        assert proc.stdout is not None
+        if with_rank:
+            proc.rank_pid = int(proc.stdout.readline())  # type: ignore[attr-defined]
+        assert proc.stdout.readline() == "held\n"
         return proc
 
     yield start
@@ -81,6 +88,21 @@ def test_a_dead_holders_lock_is_taken_over_and_released(
         assert json.loads((tmp_path / joblock.LOCK_FILE).read_text())["pid"] == os.getpid()
     assert not (tmp_path / joblock.LOCK_FILE).exists()
     assert [p.name for p in tmp_path.iterdir()] == []  # no draft left either
+
+
+def test_ranks_that_outlive_their_killed_launcher_still_hold_the_directory(
+        tmp_path: Path, holder: Callable[..., subprocess.Popen[str]]) -> None:
+    """`kill -9 <launcher>`: its ranks write their stop checkpoint before they end."""
+    launcher = holder(tmp_path, "with a rank")
+    rank = psutil.Process(launcher.rank_pid)  # type: ignore[attr-defined]
+    launcher.kill()
+    launcher.wait()
+    with pytest.raises(joblock.JobLockedError, match=f"pid {launcher.pid} on "):
+        joblock.take(tmp_path)
+    rank.kill()
+    _wait_for(lambda: _ended(rank), 10, "the rank's end")
+    with joblock.held(tmp_path):
+        pass
 
 
 def test_a_requeued_slurm_job_takes_its_directory_back(

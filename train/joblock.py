@@ -6,9 +6,10 @@ output directory until the job ends: the local launcher (for all of its ranks), 
 rank of a job whose ranks were started by torchrun or Slurm (they share the directory).
 
 A lock whose holder is gone is taken over: a dead pid on this host (its start time is compared
-too: pids are reused), a Slurm job that squeue no longer knows, or the same Slurm job id (a
-requeued job taking its directory back). A holder on another host that Slurm cannot vouch for
-is taken as alive: the message says which file to delete if it is not.
+too: pids are reused; a local launcher's ranks count as holders, as they may outlive it by a
+checkpoint), a Slurm job that squeue no longer knows, or the same Slurm job id (a requeued job
+taking its directory back). A holder on another host that Slurm cannot vouch for is taken as
+alive: the message says which file to delete if it is not.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 LOCK_FILE = "job.lock"
@@ -41,6 +42,9 @@ class Holder:
     slurm_job_id: str
     since: float
     """time.time() when it took the lock."""
+    ranks: tuple[tuple[int, str], ...] = ()
+    """(pid, start ticks) of the local ranks it started: they may outlive it by a checkpoint
+    (a launcher killed with -9 leaves them a TERM), and hold the directory until they end."""
 
     def describe(self) -> str:
         job = f" (Slurm job {self.slurm_job_id})" if self.slurm_job_id else ""
@@ -49,12 +53,14 @@ class Holder:
 
 
 def _start_ticks(pid: int) -> str:
-    """Field 22 of /proc/<pid>/stat ('' where there is no /proc or no such process)."""
+    """Field 22 of /proc/<pid>/stat ('' where there is no /proc, no such process, or only
+    its zombie: an orphan's exit status waits for PID 1, which reaps lazily)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return ""
-    return stat.rsplit(")", 1)[-1].split()[19]
+    fields = stat.rsplit(")", 1)[-1].split()
+    return "" if fields[0] == "Z" else fields[19]
 
 
 def me() -> Holder:
@@ -64,8 +70,10 @@ def me() -> Holder:
 
 def _read(path: Path) -> Holder | None:
     try:
-        return Holder(**json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError):
+        fields = json.loads(path.read_text())
+        fields["ranks"] = tuple(tuple(rank) for rank in fields.get("ranks", ()))
+        return Holder(**fields)
+    except (OSError, ValueError, TypeError, AttributeError):
         return None  # gone, or not ours to read: a half-written or foreign file is stale
 
 
@@ -88,11 +96,16 @@ def is_live(holder: Holder, mine: Holder) -> bool:
     if holder.host == mine.host:
         if holder.pid == mine.pid:
             return False
-        ticks = _start_ticks(holder.pid)
-        return bool(ticks) and (not holder.started or ticks == holder.started)
+        return any(_lives(pid, started)
+                   for pid, started in ((holder.pid, holder.started), *holder.ranks))
     if holder.slurm_job_id:
         return _slurm_job_known(holder.slurm_job_id) is not False
     return True
+
+
+def _lives(pid: int, started: str) -> bool:
+    ticks = _start_ticks(pid)
+    return bool(ticks) and (not started or ticks == started)
 
 
 def take(output_dir: Path) -> Holder:
@@ -113,6 +126,19 @@ def take(output_dir: Path) -> Holder:
     finally:
         draft.unlink(missing_ok=True)
     return mine
+
+
+def add_ranks(output_dir: Path, pids: list[int]) -> None:
+    """The local launcher's ranks hold the directory with it (if this process holds it)."""
+    path = output_dir / LOCK_FILE
+    with _guard(output_dir):
+        holder = _read(path)
+        if holder is None or (holder.pid, holder.host) != (os.getpid(), socket.gethostname()):
+            return
+        ranks = tuple((pid, _start_ticks(pid)) for pid in pids)
+        draft = output_dir / f".{LOCK_FILE}.{os.getpid()}"
+        draft.write_text(json.dumps(asdict(replace(holder, ranks=ranks))))
+        os.replace(draft, path)
 
 
 def release(output_dir: Path, mine: Holder) -> None:

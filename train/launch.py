@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from train import distenv, stopping
+from train import distenv, joblock, stopping
 from train.stopping import Preempted
 
 log = logging.getLogger("train")
@@ -114,6 +114,7 @@ def start_local_ranks(config: dict[str, Any], output_dir: str, command: str,
     with stopping.PassOn(procs) as forwarding:
         for p in procs:
             p.start()
+        joblock.add_ranks(Path(output_dir), [p.pid for p in procs if p.pid is not None])
         try:
             _supervise(procs)
         finally:
