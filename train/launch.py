@@ -162,8 +162,9 @@ def _end_abandoned_run(output_dir: str, started: float, exits: dict[int, int | N
     if killed:
         rank, number = killed[0]
         cause = f"rank {rank} (pid {pids[rank]}) killed by {_signal_name(number)}"
-    elif 0 not in reported:
-        cause = f"rank 0 (pid {pids[0]}) exited with code {exits[0]} without reporting an error"
+    elif 0 not in reported:  # hung and stopped here, or gone without a word: say why
+        lines = root_cause(exits, results, stopped).strip().splitlines()
+        cause = lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
     else:
         return
     from train.tracking import abandoned
