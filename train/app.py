@@ -30,6 +30,11 @@ register_schema()
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 
+_sweep_stopped_by: str | None = None
+"""A job of this process's local sweep was stopped by this signal (Ctrl-C, `kill`): the jobs
+after it are not started, rather than one more Ctrl-C per job."""
+
+
 def job(cfg: DictConfig) -> float | None:
     """Run one job; returns its objective (trainer.objective) for Hydra's sweepers."""
     from train.config import ConfigError
@@ -37,9 +42,12 @@ def job(cfg: DictConfig) -> float | None:
     from train.joblock import JobLockedError
     from train.launch import JobFailedError, JobStoppedError, LaunchError
 
+    global _sweep_stopped_by
     _keep_hydras_short_errors()
     hydra_cfg = HydraConfig.get()
     try:
+        if _sweep_stopped_by is not None:
+            raise LaunchError(f"not started: the sweep was stopped by {_sweep_stopped_by}")
         # What the user typed (also inside a Slurm job, where argv is submitit's).
         overrides = config_lib.typed_by_user(hydra_cfg.overrides.task)
         command = " ".join(["python -m train", *overrides])
@@ -48,6 +56,8 @@ def job(cfg: DictConfig) -> float | None:
     except (ConfigError, DistEnvError, LaunchError, JobLockedError, JobFailedError,
             JobStoppedError) as e:
         if hydra_cfg.mode == RunMode.MULTIRUN:
+            if isinstance(e, JobStoppedError):
+                _sweep_stopped_by = e.signal_name
             raise  # Hydra marks this job FAILED; the other jobs of the sweep go on
         # A single job: the message alone, no stack of Hydra frames around it.
         if isinstance(e, JobStoppedError):

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import signal
+import threading
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
@@ -52,9 +53,23 @@ def note_early() -> None:
 
 def ignore_in_worker(_worker_id: int) -> None:
     """DataLoader `worker_init_fn`: the rank decides when its workers end (at its stop, after
-    the checkpoint); a worker that died of the group's TERM would crash the rank before."""
+    the checkpoint); a worker that died of the group's TERM would crash the rank before.
+
+    TERM is ignored only when another process sends it: from the rank itself (the DataLoader's
+    shutdown, multiprocessing's terminate() at exit) it still ends the worker, or the rank
+    would wait for it forever."""
     for number in STOP_SIGNALS:
-        signal.signal(number, signal.SIG_IGN)
+        if number != signal.SIGTERM:
+            signal.signal(number, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads made later too
+    threading.Thread(target=_end_on_term_from, args=(os.getppid(),), daemon=True,
+                     name="term-from-rank").start()
+
+
+def _end_on_term_from(rank: int) -> None:
+    while True:
+        if signal.sigwaitinfo({signal.SIGTERM}).si_pid == rank:
+            os._exit(0)  # as torch's own worker handler does for its parent's TERM
 
 
 class StopSignals:
