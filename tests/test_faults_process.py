@@ -125,6 +125,32 @@ def test_ranks_after_the_first_do_not_take_the_lock(
         pass
 
 
+# -- DataLoader workers (fast: one forked worker) ---------------------------------------------
+
+def test_a_worker_outlives_the_groups_signals_but_not_its_ranks_terminate() -> None:
+    """TERM or HUP from elsewhere (Slurm, a shell's `kill -- -<pgid>`) leaves the worker to its
+    rank; the rank's own terminate() (DataLoader shutdown, exit) still ends it."""
+    import torch.utils.data
+
+    from train.stopping import ignore_in_worker
+
+    loader = torch.utils.data.DataLoader(list(range(1000)), batch_size=4, num_workers=1,
+                                         worker_init_fn=ignore_in_worker,
+                                         persistent_workers=True, multiprocessing_context="fork")
+    batches = iter(loader)
+    assert next(batches).tolist() == [0, 1, 2, 3]
+    [worker] = batches._workers  # type: ignore[attr-defined]
+    for name in ("TERM", "HUP", "INT", "USR2"):
+        subprocess.run(["kill", f"-{name}", str(worker.pid)], check=True)
+    # More batches than were prefetched: the worker made them after the signals.
+    assert [next(batches)[0].item() for _ in range(20)] == list(range(4, 84, 4))
+    assert worker.is_alive()
+    worker.terminate()
+    worker.join(10)
+    assert worker.exitcode == 0
+    del batches
+
+
 # -- command-line mistakes (fast: Hydra's compose API; the CLI itself in the slow test) --------
 
 def _composed(*overrides: str) -> Any:
