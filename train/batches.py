@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler
 
+from train import devices
 from train.tracking import records
 
 
@@ -132,7 +133,7 @@ def loader(dataset: torch.utils.data.Dataset, order: ShardOrder, workers: int,
     """Batches of `order` read by `workers` processes (kept for the whole job)."""
     return DataLoader(dataset, batch_sampler=BatchSampler(order, order.batch_size, drop_last=False),
                       collate_fn=collate, num_workers=workers, persistent_workers=workers > 0,
-                      pin_memory=device.type == "cuda",
+                      pin_memory=devices.pin_memory(device),
                       multiprocessing_context=WORKER_START if workers > 0 else None)
 
 
