@@ -116,16 +116,18 @@ def cuda_only_requests(cfg: DistributedConfig) -> list[str]:
     return wanted
 
 
+_HINTS = {"distributed.backend=nccl": "distributed.backend=auto picks gloo on the CPU",
+          "distributed.device=cuda": "distributed.device=auto trains on the CPU",
+          "distributed.sync_batchnorm=true": "without it BatchNorm statistics stay per rank"}
+
+
 def refuse_without_cuda(cfg: DistributedConfig) -> str | None:
     """One line for pre-flight when `cfg` asks for CUDA this machine (or device=cpu) lacks."""
     wanted = cuda_only_requests(cfg)
-    if not wanted:
-        return None
-    if cfg.device == "cpu":  # CUDA or not, these cannot work on CPU tensors
+    if cfg.device == "cpu" and wanted:  # CUDA or not, these cannot work on CPU tensors
         return (f"{' '.join(wanted)} needs GPU tensors, but distributed.device=cpu: drop it "
-                "(gloo serves the CPU; BatchNorm statistics then stay per rank) or use a GPU.")
-    if cuda_available():
+                f"({'; '.join(_HINTS[w] for w in wanted)}) or use distributed.device=auto.")
+    if not wanted or cuda_available():
         return None
     return (f"{' '.join(wanted)} needs CUDA, but this machine has no GPU: drop "
-            f"{'it' if len(wanted) == 1 else 'them'} (distributed.device=auto trains on the "
-            "CPU with gloo; BatchNorm statistics then stay per rank).")
+            f"{'it' if len(wanted) == 1 else 'them'} ({'; '.join(_HINTS[w] for w in wanted)}).")

@@ -145,18 +145,22 @@ def check_image_folder(data: DataConfig) -> None:
 
 
 def check_local_devices(cfg: TrainConfig) -> None:
-    """nccl or device=cuda: one GPU per local rank."""
+    """nccl or device=cuda: one GPU per local rank; no CUDA-only option without CUDA."""
     d = cfg.distributed
-    if d.backend != "nccl" and d.device != "cuda":
+    if d.backend != "nccl" and d.device != "cuda" and not d.sync_batchnorm:
         return
     import torch
 
+    from train import devices
+
     gpus = torch.cuda.device_count()
-    if d.nproc_per_node > gpus:
+    if (d.backend == "nccl" or d.device == "cuda") and d.nproc_per_node > gpus:
         raise LaunchError(
             f"distributed.nproc_per_node={d.nproc_per_node} ranks need as many GPUs with "
             f"backend={d.backend} device={d.device}, but this machine has {gpus}. Lower "
             "nproc_per_node, or use distributed.device=cpu distributed.backend=gloo.")
+    if problem := devices.refuse_without_cuda(d):  # sync_batchnorm; nccl on device=cpu
+        raise LaunchError(problem)
 
 
 def check_tracking(cfg: TrainConfig, on_slurm: bool, prepare: bool) -> str | None:
