@@ -3,9 +3,9 @@
 These are the options a GPU user turns on; every one of them that torch can run on a CPU runs
 here, end to end, and is read back from MLflow. What only CUDA can run is in tests/test_gpu.py.
 
-Tolerances against fp32 eager (the same job, same seeds, same data order, 3 epochs on digits):
+Tolerances against fp32 eager (the same job, same seeds, same data order, 2 epochs on digits):
 - bf16-mixed: bfloat16 keeps 8 bits of mantissa (about 2-3 significant digits) in every conv
-  and matmul, so the weights follow another trajectory from the first step on; after 69 steps
+  and matmul, so the weights follow another trajectory from the first step on; after 46 steps
   the epoch losses stay within 15 % and validation accuracy within 3 points (11 of 359 samples).
 - fp16-mixed: float16 keeps 11 bits, so closer: epoch losses within 5 %, accuracy within 2
   points. The GradScaler multiplies the loss by 65536 and divides the gradients back exactly
@@ -34,9 +34,13 @@ import torch
 
 from tests.conftest import REPO, history, run_train, runs_in
 
-EPOCHS = 3
+EPOCHS = 2
 STEPS_PER_EPOCH = 23  # 1438 digits, 2 ranks, 32 per rank
-JOB = ("distributed.nproc_per_node=2", f"trainer.epochs={EPOCHS}", "trainer.log_every_n_steps=5")
+# A narrow CNN: fp16 and bf16 run on a CPU without half-precision units (emulated, slow), and
+# what is checked here - numbers, skipped steps, checkpoints - does not need a wide one.
+WIDTH = 8
+JOB = ("distributed.nproc_per_node=2", f"trainer.epochs={EPOCHS}", "trainer.log_every_n_steps=5",
+       f"model.width={WIDTH}")
 EPOCH_KEYS = ("train/loss", "train/samples", "val/accuracy", "val/samples", "lr")
 
 
@@ -120,7 +124,7 @@ def test_fp16_overflowing_steps_are_skipped_and_training_goes_on(uri: str,
     # The skipped steps were not applied: the weights never saw an inf, and training learned.
     weights = torch.load(job.out / "model.pt", weights_only=True)
     assert all(torch.isfinite(w).all() for w in weights.values())
-    assert job.series("val/accuracy")[-1] > 0.8
+    assert job.series("val/accuracy")[-1] > 0.5  # chance is 0.1
 
 
 @pytest.mark.slow
@@ -196,7 +200,7 @@ def test_a_compiled_job_killed_resumes_and_its_checkpoints_serve_eager_jobs(
 
     mlflow.set_tracking_uri(uri)
     logged = mlflow.pytorch.load_model(f"runs:/{run.info.run_id}/model").eval()
-    eager = models.build(ModelConfig(), models.InputSpec.of((1, 8, 8), 10)).eval()
+    eager = models.build(ModelConfig(width=WIDTH), models.InputSpec.of((1, 8, 8), 10)).eval()
     eager.load_state_dict(torch.load(out / "model.pt", weights_only=True))
     images = torch.randn(5, 1, 8, 8)
     with torch.no_grad():
