@@ -240,3 +240,45 @@ def test_everything_at_once_on_resnet18(uri: str, tmp_path: Path) -> None:
                        weights_only=True)
     assert not [k for k in state["model"] if "_orig_mod." in k]
     assert any("bn" in k or "running_mean" in k for k in state["model"])
+
+
+def test_the_scaler_skips_an_overflowing_step_and_counts_it() -> None:
+    """Fast, in-process: a real overflow (1e38 x the scale is inf in float32) through the real
+    GradScaler. The step is not applied, the scale halves, the next step is; the count survives
+    a checkpoint's state_dict."""
+    from train.state import GradScaler
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    scaler = GradScaler(torch.device("cpu"), enabled=True)
+    for factor in (1e38, 1.0):  # the first step overflows once scaled, the second does not
+        optimizer.zero_grad()
+        scaler.scale((weight * factor).sum()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        if factor > 1:
+            assert torch.equal(weight.detach(), torch.ones(3))  # skipped: not applied
+            assert scaler.get_scale() == 65536 / 2 and scaler.skipped_steps == 1
+    assert torch.allclose(weight.detach(), torch.full((3,), 0.9))  # applied
+    assert scaler.skipped_steps == 1
+    restored = GradScaler(torch.device("cpu"), enabled=True)
+    restored.load_state_dict(scaler.state_dict())
+    assert restored.skipped_steps == 1 and restored.get_scale() == 65536 / 2
+    off = GradScaler(torch.device("cpu"), enabled=False)
+    assert off.state_dict() == {}  # fp32 and bf16 checkpoints hold no scaler state, as before
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without "
+                    "CUDA; tests/test_gpu.py runs SyncBatchNorm where CUDA exists")
+def test_sync_batchnorm_is_refused_without_cuda_before_any_rank(tmp_path: Path) -> None:
+    """What the issue's user met: both ranks started, a run was created, then a traceback."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    for overrides in (("distributed.sync_batchnorm=true",),
+                      ("distributed.sync_batchnorm=true", "distributed.device=cpu")):
+        result = run_train("distributed.nproc_per_node=2", "model=resnet18", *overrides,
+                           f"hydra.run.dir={tmp_path}/job", env={"MLFLOW_TRACKING_URI": uri})
+        assert result.returncode == 2
+        [line] = [x for x in result.stderr.splitlines() if x.strip()]
+        assert "distributed.sync_batchnorm=true needs" in line and "drop it" in line
+        assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "job").exists()
