@@ -3,11 +3,13 @@
 These are the options a GPU user turns on; every one of them that torch can run on a CPU runs
 here, end to end, and is read back from MLflow. What only CUDA can run is in tests/test_gpu.py.
 
-Tolerances against fp32 eager (the same job, same seeds, same data order, 2 epochs on digits):
+Tolerances against fp32 eager (the same job, same seeds, same data order, 2 epochs on digits);
+measured on 2026-11-23: bf16 and fp16 epoch losses within 0.1 % of fp32's, validation accuracy
+within 0.9 points. The tolerances leave room for other CPUs' kernels:
 - bf16-mixed: bfloat16 keeps 8 bits of mantissa (about 2-3 significant digits) in every conv
-  and matmul, so the weights follow another trajectory from the first step on; after 46 steps
-  the epoch losses stay within 15 % and validation accuracy within 3 points (11 of 359 samples).
-- fp16-mixed: float16 keeps 11 bits, so closer: epoch losses within 5 %, accuracy within 2
+  and matmul, so the weights follow another trajectory from the first step on: epoch losses
+  within 2 %, validation accuracy within 2.5 points (9 of 359 samples).
+- fp16-mixed: float16 keeps 11 bits, so closer: epoch losses within 1 %, accuracy within 1.5
   points. The GradScaler multiplies the loss by 65536 and divides the gradients back exactly
   (a power of two), so it adds no error of its own.
 - torch.compile (fp32): the same arithmetic, fused and reordered by Inductor, so only rounding
@@ -88,7 +90,7 @@ def _assert_close(job: Job, reference: dict[str, list[float]], rel_loss: float,
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("precision", "rel_loss", "accuracy_points"), [
-    ("bf16-mixed", 0.15, 3), ("fp16-mixed", 0.05, 2)])
+    ("bf16-mixed", 0.02, 2.5), ("fp16-mixed", 0.01, 1.5)])
 def test_mixed_precision_trains_within_tolerance_of_fp32(
         uri: str, tmp_path: Path, fp32_eager: dict[str, list[float]], precision: str,
         rel_loss: float, accuracy_points: float) -> None:
