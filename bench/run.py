@@ -1,10 +1,17 @@
 """`make bench`: the training service side by side with a plain DDP loop, in one invocation.
 
-Three variants train the same model on the same synthetic data, global batch and ranks:
+Six variants train the same model on the same synthetic data, global batch and ranks:
 
   a  plain           bench/plain_ddp.py under torchrun (the tutorials' loop, fp32)
-  b  service         python -m train data=synthetic ... tracking.enabled=false
+  b  service         python -m train data=synthetic ... tracking.enabled=false (eager, fp32)
   c  service+mlflow  the same, recording a run into a fresh SQLite MLflow store
+  d  +compile        b with trainer.compile=true
+  e  +channels_last  b with trainer.channels_last=true
+  f  +bf16           b with trainer.precision=bf16-mixed
+
+d, e and f are measured against b (and a) in the same invocation; for d the start-up cost of
+compiling is reported apart from its steady-state samples/s (`compile_startup_s`: its first
+epoch's extra time over its steady rate, less b's).
 
 b and c log every step (trainer.log_every_n_steps=1 unless --log-every says otherwise), so c/b
 is the price of MLflow alone and both sync with the host every step, as a's `loss.item()` does.
@@ -12,7 +19,8 @@ Each variant runs --repeats times, interleaved (a b c a b c ...) so a burst of l
 the machine spreads over all of them; the table shows medians. Every command gets a fresh output
 directory; nothing is written into the repository except the results file.
 
-    python -m bench.run                      # CPU defaults: 2 gloo ranks, ~4 minutes
+    python -m bench.run                      # CPU defaults: 2 gloo ranks, ~8 minutes
+    python -m bench.run --variants abc       # without d, e, f: ~4 minutes
     python -m bench.run --device cuda        # GPU: resnet18, bf16 + channels_last for the service
 """
 
@@ -21,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import sqlite3
 import statistics
@@ -31,14 +38,17 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
+from bench.report import VARIANTS, machine_info, print_table, ratios, summarise
+
 REPO = Path(__file__).resolve().parent.parent
-VARIANTS = {"a": "plain", "b": "service", "c": "service+mlflow"}
+# What d, e and f add to b's command (on CUDA, b already runs bf16 + channels_last).
+OPTION_VARIANTS = {"d": ["trainer.compile=true"], "e": ["trainer.channels_last=true"],
+                   "f": ["trainer.precision=bf16-mixed"]}
 
 # Per device: what gives a stable figure in a couple of minutes on the project's 2-core CI
 # machine (a small CNN: resnet18 runs at a few samples/s there), and a realistic GPU workload.
@@ -77,7 +87,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="runs per variant; medians are shown")
     p.add_argument("--log-every", type=int, default=1, help="trainer.log_every_n_steps (b, c)")
     p.add_argument("--compile", action="store_true", help="cuda: trainer.compile=true (b, c)")
-    p.add_argument("--variants", default="abc", help="subset to run, e.g. 'bc'")
+    p.add_argument("--variants", default="abcdef", help="subset to run, e.g. 'bd'")
     p.add_argument("--timeout", type=float, default=900, help="seconds per command")
     p.add_argument("--keep", action="store_true", help="keep the temporary run directories")
     p.add_argument("--out", type=Path, default=REPO / ".bench" / "results.json")
@@ -92,7 +102,7 @@ def parse_args() -> argparse.Namespace:
     if args.batch_size % args.nproc:
         p.error(f"--batch-size {args.batch_size} must split evenly over --nproc {args.nproc}")
     if bad := set(args.variants) - set(VARIANTS):
-        p.error(f"unknown variants {sorted(bad)}; choose from a, b, c")
+        p.error(f"unknown variants {sorted(bad)}; choose from {', '.join(VARIANTS)}")
     return args
 
 
@@ -126,7 +136,7 @@ def plain_command(args: argparse.Namespace, model: dict[str, Any], out: Path) ->
 
 
 def service_command(args: argparse.Namespace, model: dict[str, Any], out: Path,
-                    tracking: bool) -> list[str]:
+                    tracking: bool, options: list[str]) -> list[str]:
     cmd = [sys.executable, "-m", "train", "data=synthetic", f"model={args.model}",
            f"model.width={args.width}", f"model.depth={model['depth']}",
            f"model.dropout={model['dropout']}", f"data.batch_size={args.batch_size}",
@@ -138,7 +148,7 @@ def service_command(args: argparse.Namespace, model: dict[str, Any], out: Path,
         cmd += ["trainer.precision=bf16-mixed", "trainer.channels_last=true"]
         if args.compile:
             cmd.append("trainer.compile=true")
-    return cmd
+    return cmd + [o for o in options if o not in cmd]
 
 
 def run_one(variant: str, repeat: int, args: argparse.Namespace, model: dict[str, Any],
@@ -152,9 +162,13 @@ def run_one(variant: str, repeat: int, args: argparse.Namespace, model: dict[str
     if variant == "a":
         cmd = plain_command(args, model, out)
     else:
-        cmd = service_command(args, model, out, tracking=variant == "c")
+        cmd = service_command(args, model, out, tracking=variant == "c",
+                              options=OPTION_VARIANTS.get(variant, []))
         # Never the repository's store: a fresh database per run, migrated by the job itself.
         env["MLFLOW_TRACKING_URI"] = f"sqlite:///{out / 'mlflow.db'}"
+        # A cold compiler cache, as a job's first start on a fresh node has: the start-up cost
+        # measured is the one users pay (a warm cache in /tmp hides most of it).
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(out / "inductor-cache")
     log = out / "output.log"
     with log.open("w") as sink:
         started = time.time()
@@ -173,7 +187,9 @@ def run_one(variant: str, repeat: int, args: argparse.Namespace, model: dict[str
         result = json.loads((out / "summary.json").read_text())
         epochs = result["by_epoch"]
         by_epoch = [e["samples_per_sec"] for e in epochs]
-        extra = {"run_id": result["run_id"], "by_epoch": epochs}
+        extra = {"run_id": result["run_id"], "by_epoch": epochs,
+                 "first_epoch_extra_s": first_epoch_extra(by_epoch,
+                                                          result["metrics"]["train/samples"])}
         if len(epochs) > 1:  # MLflow's CPU time on rank 0 once set up, over those epochs' time
             extra["tracking_cpu_share"] = (
                 (epochs[-1]["tracking_thread_cpu_s"] - epochs[0]["tracking_thread_cpu_s"])
@@ -192,74 +208,18 @@ def steady_rate(by_epoch: list[float]) -> float:
     return statistics.harmonic_mean(steady)
 
 
+def first_epoch_extra(by_epoch: list[float], samples: float) -> float:
+    """How much longer the first epoch trained than the steady rate says it should have: the
+    start-up work inside the loop (torch.compile's compilation, first-touch allocations)."""
+    return samples / by_epoch[0] - samples / steady_rate(by_epoch)
+
+
 def store_check(db: Path, run_id: str | None) -> dict[str, Any]:
     """What the run left in the store (plain SQL: no mlflow import in the harness)."""
     with sqlite3.connect(db) as con:
         status = con.execute("SELECT status FROM runs WHERE run_uuid = ?", (run_id,)).fetchone()
         rows = con.execute("SELECT COUNT(*) FROM metrics WHERE run_uuid = ?", (run_id,)).fetchone()
     return {"run_status": status[0] if status else None, "metric_rows": rows[0]}
-
-
-# -- reporting -----------------------------------------------------------------------------------
-def machine_info(device: str) -> dict[str, Any]:
-    cpu = next((line.split(":", 1)[1].strip() for line in
-                Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
-               platform.processor())
-    mem_kb = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
-                  if line.startswith("MemTotal"))
-    info = {"host": platform.node(), "cpu": cpu, "cores": os.cpu_count(),
-            "cores_usable": len(os.sched_getaffinity(0)), "memory_gb": round(mem_kb / 2**20, 1),
-            "os": platform.platform(), "python": platform.python_version(),
-            "torch": version("torch"), "mlflow": version("mlflow"),
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
-    if device == "cuda":
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version",
-                              "--format=csv,noheader"], capture_output=True, text=True)
-        info["gpus"] = out.stdout.strip().splitlines()
-    return info
-
-
-def summarise(runs: list[Measurement]) -> dict[str, dict[str, Any]]:
-    summary: dict[str, dict[str, Any]] = {}
-    for key, name in VARIANTS.items():
-        mine = [r for r in runs if r.variant == key]
-        if not mine:
-            continue
-        sps = [r.samples_per_sec for r in mine]
-        summary[key] = {
-            "name": name, "samples_per_sec": statistics.median(sps),
-            "samples_per_sec_min": min(sps), "samples_per_sec_max": max(sps),
-            "time_to_first_step_s": statistics.median(r.time_to_first_step_s for r in mine),
-            "peak_rss_mb": [statistics.median(rank) for rank in zip(*(r.peak_rss_mb for r in mine),
-                                                                     strict=True)],
-            "wall_s": statistics.median(r.wall_s for r in mine)}
-        shares = [r.extra["tracking_cpu_share"] for r in mine if "tracking_cpu_share" in r.extra]
-        if shares:  # a steadier figure for the price of MLflow than c/b on a noisy machine
-            summary[key]["tracking_cpu_share"] = statistics.median(shares)
-    return summary
-
-
-def ratios(summary: dict[str, dict[str, Any]]) -> dict[str, float]:
-    out = {}
-    for num, den in (("b", "a"), ("c", "b")):
-        if num in summary and den in summary:
-            out[f"{num}/{den}"] = summary[num]["samples_per_sec"] / summary[den]["samples_per_sec"]
-    return out
-
-
-def print_table(summary: dict[str, dict[str, Any]], found: dict[str, float]) -> None:
-    print(f"\n{'variant':<18} {'samples/s':>10} {'(min-max)':>17} {'1st step s':>11} "
-          f"{'peak RSS MB per rank':>22} {'wall s':>8}")
-    for key, s in summary.items():
-        spread = f"({s['samples_per_sec_min']:.0f}-{s['samples_per_sec_max']:.0f})"
-        rss = ", ".join(f"{v:.0f}" for v in s["peak_rss_mb"])
-        print(f"{key} {s['name']:<16} {s['samples_per_sec']:>10.1f} {spread:>17} "
-              f"{s['time_to_first_step_s']:>11.1f} {rss:>22} {s['wall_s']:>8.1f}")
-    for name, value in found.items():
-        print(f"samples/s {name} = {value:.3f}  ({(value - 1) * 100:+.1f}%)")
-    if "tracking_cpu_share" in summary.get("c", {}):
-        print(f"MLflow thread on rank 0 after the first epoch: "
-              f"{summary['c']['tracking_cpu_share'] * 100:.2f}% of one core")
 
 
 def main() -> None:

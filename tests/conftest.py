@@ -24,9 +24,11 @@ def skip_or_fail(reason: str) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    # Belt and braces: a skip from anywhere (a plain pytest.skip) also fails CI.
+    # Belt and braces: a skip from anywhere (a plain pytest.skip) also fails CI - except a
+    # `gpu` test's: no CI machine of this project has CUDA (tests/test_gpu.py).
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    skipped = len(reporter.stats.get("skipped", [])) if reporter else 0
+    skipped = len([r for r in reporter.stats.get("skipped", [])
+                   if "gpu" not in getattr(r, "keywords", {})]) if reporter else 0
     if IN_CI and skipped and exitstatus == 0:
         print(f"\nCI=true: {skipped} test(s) skipped; real-part tests must run in CI.")
         session.exitstatus = 1

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler
 
+from train import devices
 from train.stopping import ignore_in_worker
 from train.tracking import records
 
@@ -134,7 +135,7 @@ def loader(dataset: torch.utils.data.Dataset, order: ShardOrder, workers: int,
     ignore stop signals: their rank stops them after its stop checkpoint."""
     return DataLoader(dataset, batch_sampler=BatchSampler(order, order.batch_size, drop_last=False),
                       collate_fn=collate, num_workers=workers, persistent_workers=workers > 0,
-                      pin_memory=device.type == "cuda", worker_init_fn=ignore_in_worker,
+                      pin_memory=devices.pin_memory(device), worker_init_fn=ignore_in_worker,
                       multiprocessing_context=WORKER_START if workers > 0 else None)
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.utils.data import DistributedSampler
 
+from train import devices
 from train.batches import (
     Batches,
     DataBundle,
@@ -70,9 +71,7 @@ class ResidentBatches(Batches):
 
     def raw(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         order = torch.tensor(list(self.order), dtype=torch.long)
-        if self.device.type == "cuda":
-            order = order.pin_memory()
-        order = order.to(self.device, non_blocking=True)
+        order = devices.to_device(order, self.device)
         size = self.order.batch_size
         for start in range(0, len(order), size):
             rows = self.subset.idx[order[start:start + size]]
@@ -97,7 +96,8 @@ def build(cfg: DataConfig, rank: int, world_size: int, local_world_size: int,
     std = train_images.std(dim=(0, 2, 3)).clamp_min(1e-6).view(1, -1, 1, 1)
     del train_images
 
-    keep_on_device = cfg.on_device and device.type == "cuda" if resident is None else resident
+    keep_on_device = (devices.keep_data_on_device(cfg.on_device, device) if resident is None
+                      else resident)
     images, labels = data.images, data.labels
     train_index = parts.train_idx  # the record describes the split on the host
     if keep_on_device:

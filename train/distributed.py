@@ -13,35 +13,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from train.distenv import DistEnv, DistEnvError
+from train import devices
+from train.distenv import DistEnv
 
 _FAILURE_KEY = "train/first_failure"
 
 
-def select_device(requested: str, local_rank: int) -> torch.device:
-    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise DistEnvError("distributed.device=cuda but no CUDA device is visible.")
-    if local_rank >= torch.cuda.device_count():
-        raise DistEnvError(f"Local rank {local_rank} has no GPU: only {torch.cuda.device_count()} "
-                           "visible. Start at most one rank per GPU.")
-    return torch.device("cuda", local_rank)
-
-
-def select_backend(requested: str, device: torch.device) -> str:
-    if requested == "auto":
-        return "nccl" if device.type == "cuda" else "gloo"
-    return requested
+# Device and backend choice live with the rest of what CUDA decides (train/devices.py).
+select_device = devices.select_device
+select_backend = devices.select_backend
 
 
 def init(env: DistEnv, backend: str, device: torch.device, timeout_s: int) -> None:
     """Initialise the default process group; the CUDA device is set first, as NCCL requires."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    devices.prepare(device)
     dist.init_process_group(backend=backend, init_method="env://", rank=env.rank,
                             world_size=env.world_size, timeout=timedelta(seconds=timeout_s),
-                            device_id=device if device.type == "cuda" else None)
+                            device_id=devices.group_device(device))
 
 
 def shutdown() -> None:
@@ -102,8 +90,7 @@ def barrier() -> None:
 
 def any_rank(flag: bool) -> bool:
     """True on every rank if `flag` is true on any (one small collective)."""
-    value = torch.tensor([1 if flag else 0], dtype=torch.int64)
-    if dist.get_backend() == "nccl":
-        value = value.cuda()
+    value = devices.collective_tensor(torch.tensor([1 if flag else 0], dtype=torch.int64),
+                                      dist.get_backend())
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return bool(value.item())

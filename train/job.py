@@ -29,6 +29,7 @@ from train import checkpoint, distenv, distributed, flops, loop, models, slurm, 
 from train import data as data_lib
 from train import state as train_state
 from train.config import TrainConfig
+from train.devices import device_name
 from train.figures import per_class_accuracy, render_confusion
 from train.metrics import Reduced
 from train.progress import Progress
@@ -55,8 +56,7 @@ def peak_rss_mb() -> float:
 
 
 def _rank_info(device: torch.device) -> dict[str, str]:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return {"host": socket.gethostname(), "device": name}
+    return {"host": socket.gethostname(), "device": device_name(device)}
 
 
 def _previous_run(cfg: TrainConfig, out: Path,

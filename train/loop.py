@@ -93,6 +93,26 @@ def _check_finite(value: float, rank: int, step: int, where: str) -> None:
                                  "diverged (lower optim.lr, set optim.grad_clip, or use fp32).")
 
 
+# fp16's loss scale only falls when a step's gradients overflow; this low, every step for ~40
+# in a row overflowed: the loss or the weights are no longer finite numbers in fp16, a
+# divergence that skipping steps cannot cure.
+MIN_LOSS_SCALE = 2.0**-24
+
+
+def _report_scaler(state: TrainState, duties: Duties) -> None:
+    """fp16: the steps skipped so far and the loss scale (host syncs: logging steps and epoch
+    ends only); a scale that collapsed stops the job as a divergence, with rank and step."""
+    if not state.scaler.is_enabled():
+        return
+    scale = state.scaler.get_scale()
+    duties.logger.grad_scaler(state.step, state.scaler.skipped_steps, scale)
+    if scale < MIN_LOSS_SCALE:
+        raise NonFiniteLossError(
+            f"fp16 gradients overflowed at every step up to step {state.step} on rank "
+            f"{duties.rank} (loss scale {scale:.3g}): training diverged (lower optim.lr, set "
+            "optim.grad_clip, or use bf16-mixed or fp32).")
+
+
 def _optimiser_step(cfg: TrainConfig, state: TrainState, images: torch.Tensor,
                     labels: torch.Tensor, device: torch.device,
                     criterion: Criterion) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,6 +161,7 @@ def train_epoch(cfg: TrainConfig, state: TrainState, batches: Batches, device: t
             _check_finite(sync.mean_loss, duties.rank, state.step,
                           "train/step_loss (mean over ranks)")
             duties.logger.step(state.step, sync)
+            _report_scaler(state, duties)
             wanted = sync.stop_requested or sync.checkpoint_due
             if wanted and index + 1 < len(batches):  # the epoch end checkpoints anyway
                 duties.checkpointer.save(state, totals, index + 1)
@@ -178,6 +199,8 @@ def fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.dev
         train_totals = train_epoch(cfg, state, data.train, device, duties, criterion)
         _check_finite(train_totals.as_host()[0], duties.rank, state.step,
                       "the epoch's training loss")
+        if state.step % cfg.trainer.log_every_n_steps:  # else logged at that step already
+            _report_scaler(state, duties)
         train_time = time.perf_counter() - started
         train = metrics.reduce(train_totals)
         last = state.epoch + 1 == epochs

@@ -196,7 +196,8 @@ the model and its data): 3 ranks on 2 CPUs still run, 1000 are refused."""
 
 
 def check_local_devices(cfg: TrainConfig) -> None:
-    """At most RANKS_PER_CPU local ranks per CPU; nccl or device=cuda: one GPU per local rank."""
+    """At most RANKS_PER_CPU local ranks per CPU; nccl or device=cuda: one GPU per local rank; no
+    CUDA-only option without CUDA."""
     d = cfg.distributed
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     if d.nproc_per_node > RANKS_PER_CPU * (cpus or 1):
@@ -204,16 +205,20 @@ def check_local_devices(cfg: TrainConfig) -> None:
             f"distributed.nproc_per_node={d.nproc_per_node} local ranks, but this machine lets "
             f"this process use {cpus} CPUs (at most {RANKS_PER_CPU} ranks per CPU). Lower "
             "nproc_per_node, or run on more nodes (+cluster=slurm cluster.nodes=N).")
-    if d.backend != "nccl" and d.device != "cuda":
+    if d.backend != "nccl" and d.device != "cuda" and not d.sync_batchnorm:
         return
     import torch
 
+    from train import devices
+
     gpus = torch.cuda.device_count()
-    if d.nproc_per_node > gpus:
+    if (d.backend == "nccl" or d.device == "cuda") and d.nproc_per_node > gpus:
         raise LaunchError(
             f"distributed.nproc_per_node={d.nproc_per_node} ranks need as many GPUs with "
             f"backend={d.backend} device={d.device}, but this machine has {gpus}. Lower "
             "nproc_per_node, or use distributed.device=cpu distributed.backend=gloo.")
+    if problem := devices.refuse_without_cuda(d):  # sync_batchnorm; nccl on device=cpu
+        raise LaunchError(problem)
 
 
 def check_tracking(cfg: TrainConfig, on_slurm: bool, prepare: bool) -> str | None:

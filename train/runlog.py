@@ -116,6 +116,11 @@ class RunLogger:
                               "train/step_time_min_s": sync.fastest_s}, step)
         self.bar.show(loss=sync.mean_loss)
 
+    def grad_scaler(self, step: int, skipped_steps: int, loss_scale: float) -> None:
+        """fp16: optimiser steps skipped so far (their gradients overflowed) and the loss scale."""
+        self.run.log_metrics({"train/skipped_steps": float(skipped_steps),
+                              "train/loss_scale": loss_scale}, step)
+
     def epoch(self, epoch: int, *, train: Reduced, val: Reduced | None, train_time_s: float,
               epoch_time_s: float, lr: float, nodes: list[Any] | None = None) -> None:
         values = {"train/loss": train.loss, "train/accuracy": train.accuracy,

@@ -9,8 +9,45 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from train import models, optim
+from train import devices, models, optim
 from train.config import TrainConfig
+
+
+class GradScaler(torch.amp.GradScaler):
+    """fp16's loss scaler that also counts the optimiser steps it skipped.
+
+    A step whose scaled gradients overflowed (inf/NaN) is not applied and the scale backs off
+    (halves); that is the only time the scale falls, so a fall is a skipped step. The count is a
+    tensor on the device, so counting costs no host sync; it is read at logging steps and epoch
+    ends (train/loop.py), and kept in checkpoints with the rest of the scaler's state.
+    """
+
+    def __init__(self, device: torch.device, enabled: bool) -> None:
+        super().__init__(device.type, enabled=enabled)
+        self._skipped = torch.zeros((), dtype=torch.int64, device=device)
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        if not self.is_enabled() or self._scale is None:
+            super().update(new_scale)
+            return
+        before = self._scale.clone()
+        super().update(new_scale)
+        if new_scale is None:
+            self._skipped += (self._scale < before).squeeze().long()
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped so far in this job (restarts included); a host sync."""
+        return int(self._skipped.item())
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        return {**state, "skipped_steps": self.skipped_steps} if state else state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        self._skipped.fill_(int(state_dict.pop("skipped_steps", 0)))
+        super().load_state_dict(state_dict)
 
 
 @dataclass
@@ -21,7 +58,7 @@ class TrainState:
     """The bare model: what checkpoints, the saved weights and evaluation use."""
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    scaler: torch.amp.GradScaler
+    scaler: GradScaler
     epoch: int = 0
     step: int = 0
     batch_in_epoch: int = 0
@@ -34,15 +71,11 @@ def build(cfg: TrainConfig, spec: models.InputSpec, steps_per_epoch: int,
           device: torch.device) -> TrainState:
     """The model on `device` in DDP, with its optimiser, schedule and scaler. Seed the RNG
     first: every rank must start from the same weights."""
-    if device.type == "cuda":  # fixed input shapes: let cuDNN pick the fastest kernels once
-        torch.backends.cudnn.benchmark = True
-    module: nn.Module = models.build(cfg.model, spec)
-    if cfg.distributed.sync_batchnorm:
-        module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
+    module = devices.sync_batchnorm(models.build(cfg.model, spec), cfg.distributed.sync_batchnorm)
     module = module.to(device)
     if cfg.trainer.channels_last:
         module = module.to(memory_format=torch.channels_last)
-    ddp: nn.Module = DDP(module, device_ids=[device.index] if device.type == "cuda" else None,
+    ddp: nn.Module = DDP(module, device_ids=devices.ddp_device_ids(device),
                          find_unused_parameters=cfg.distributed.find_unused_parameters,
                          gradient_as_bucket_view=cfg.distributed.gradient_as_bucket_view,
                          static_graph=cfg.distributed.static_graph,
@@ -51,5 +84,5 @@ def build(cfg: TrainConfig, spec: models.InputSpec, steps_per_epoch: int,
         ddp = torch.compile(ddp)  # type: ignore[assignment]
     optimizer = optim.build_optimizer(cfg.optim, module)
     scheduler = optim.build_scheduler(cfg.optim, optimizer, steps_per_epoch, cfg.trainer.epochs)
-    scaler = torch.amp.GradScaler(device.type, enabled=cfg.trainer.precision == "fp16-mixed")
+    scaler = GradScaler(device, enabled=cfg.trainer.precision == "fp16-mixed")
     return TrainState(ddp, module, optimizer, scheduler, scaler)

@@ -7,12 +7,13 @@ run's "System metrics" tab, one series per node. No other process talks to MLflo
 
 from __future__ import annotations
 
-import contextlib
 import socket
 from typing import Any
 
 import psutil
 import torch
+
+from train import devices
 
 
 def sample(device: torch.device) -> dict[str, float]:
@@ -21,13 +22,7 @@ def sample(device: torch.device) -> dict[str, float]:
     stats = {"cpu_utilization_percentage": psutil.cpu_percent(interval=None),
              "system_memory_usage_megabytes": (memory.total - memory.available) / 2**20,
              "system_memory_usage_percentage": memory.percent}
-    if device.type == "cuda":
-        for index in range(torch.cuda.device_count()):
-            free, total = torch.cuda.mem_get_info(index)
-            stats[f"gpu_{index}_memory_usage_megabytes"] = (total - free) / 2**20
-            with contextlib.suppress(Exception):  # needs NVML (pynvml), which may be missing
-                stats[f"gpu_{index}_utilization_percentage"] = float(
-                    torch.cuda.utilization(index))
+    stats.update(devices.memory_stats(device))
     return stats
 
 

@@ -1,0 +1,87 @@
+"""The CUDA-only branches of train/devices.py, run for real where a GPU exists.
+
+Without CUDA every test here skips with its reason - under CI=true too: no GPU machine serves
+this project's CI, and tests/conftest.py lets the `gpu` marker's skips (and only those) pass.
+`make test` runs them on a machine with CUDA. What torch runs on a CPU is in
+tests/test_precision.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import history, run_train, runs_in
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(),
+                                 reason="CUDA-only branch: this machine has no CUDA device")]
+
+
+def _ranks() -> int:
+    return min(2, torch.cuda.device_count())
+
+
+def _job(store: dict[str, str], out: Path, *overrides: str) -> tuple[object, dict]:
+    result = run_train(f"distributed.nproc_per_node={_ranks()}", *overrides,
+                       f"hydra.run.dir={out}", env=store, timeout=600)
+    assert result.returncode == 0, result.stderr
+    run_id = json.loads((out / "summary.json").read_text())["run_id"]
+    [run] = [r for r in runs_in(store["MLFLOW_TRACKING_URI"]) if r.info.run_id == run_id]
+    assert run.info.status == "FINISHED"
+    return run, run.data.metrics
+
+
+@pytest.mark.slow
+def test_an_nccl_job_on_the_gpus(store: dict[str, str], tmp_path: Path) -> None:
+    run, metrics = _job(store, tmp_path / "job", "distributed.backend=nccl",
+                        "trainer.epochs=2", "tracking.log_model=false")
+    assert run.data.tags["backend"] == "nccl" and run.data.tags["devices"] != "cpu"
+    assert metrics["val/accuracy"] > 0.8
+    steps = [s for s, _ in history(store["MLFLOW_TRACKING_URI"], run.info.run_id, "train/loss")]
+    assert steps == [0, 1]
+
+
+@pytest.mark.slow
+def test_sync_batchnorm_trains_resnet18(store: dict[str, str], tmp_path: Path) -> None:
+    run, metrics = _job(store, tmp_path / "job", "model=resnet18",
+                        "distributed.sync_batchnorm=true", "trainer.epochs=1",
+                        "tracking.log_model=false")
+    assert run.data.params["distributed.sync_batchnorm"] == "True"
+    state = torch.load(sorted((tmp_path / "job" / "checkpoints").glob("step-*.pt"))[-1],
+                       weights_only=True)
+    means = [v for k, v in state["model"].items() if k.endswith("running_mean")]
+    assert means and all(torch.isfinite(m).all() for m in means)
+    assert all(math.isfinite(metrics[k]) for k in ("train/loss", "val/loss", "val/accuracy"))
+
+
+def test_in_memory_data_is_kept_and_batched_on_the_gpu() -> None:
+    from train import data
+    from train.config import DataConfig
+
+    device = torch.device("cuda", 0)
+    bundle = data.build(DataConfig(), rank=0, world_size=1, local_world_size=1, device=device,
+                        seed=0)
+    assert isinstance(bundle.train, data.ResidentBatches)
+    images, labels = next(iter(bundle.train))
+    assert images.is_cuda and labels.is_cuda and images.dtype == torch.float32
+
+
+@pytest.mark.slow
+def test_bf16_compile_channels_last_resnet18_reports_mfu(store: dict[str, str],
+                                                          tmp_path: Path) -> None:
+    from train import flops
+
+    # A GPU without a data-sheet entry gets an upper bound of any current GPU's dense bf16 peak,
+    # so that train/mfu is still computed (and must then still lie in (0, 1)).
+    known = flops.peak_tflops(torch.device("cuda", 0), "bf16-mixed", None)
+    peak = [] if known is not None else ["trainer.peak_tflops=2500"]
+    _, metrics = _job(store, tmp_path / "job", "model=resnet18", "data=synthetic",
+                      "trainer.epochs=2", "trainer.compile=true", "trainer.precision=bf16-mixed",
+                      "trainer.channels_last=true", "tracking.log_model=false", *peak)
+    assert 0 < metrics["train/mfu"] < 1
+    assert metrics["val/accuracy"] >= 0  # synthetic labels are random: it ran to the end

@@ -1,0 +1,133 @@
+"""Everything that differs between a CUDA device and the CPU, in one place.
+
+Each function below is one branch the rest of the code takes on the device: which device and
+backend a rank uses, cuDNN's autotuner, SyncBatchNorm, pinned memory, whether an in-memory data
+set lives on the device, the device's name and memory. docs/architecture.md ("CUDA") lists
+which of them run on the CPU in tests and which only on a GPU (tests/test_gpu.py).
+
+`cuda_only_requests` is what pre-flight refuses on a machine without CUDA (train/preflight.py):
+such an option would otherwise start every rank, create a run and then fail inside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from train.config import DistributedConfig
+from train.distenv import DistEnvError
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def select_device(requested: str, local_rank: int) -> torch.device:
+    """distributed.device for this rank: cpu, or the local rank's GPU (auto: a GPU if any)."""
+    if requested == "cpu" or (requested == "auto" and not cuda_available()):
+        return torch.device("cpu")
+    if not cuda_available():
+        raise DistEnvError("distributed.device=cuda but no CUDA device is visible.")
+    if local_rank >= torch.cuda.device_count():
+        raise DistEnvError(f"Local rank {local_rank} has no GPU: only {torch.cuda.device_count()} "
+                          "visible. Start at most one rank per GPU.")
+    return torch.device("cuda", local_rank)
+
+
+def select_backend(requested: str, device: torch.device) -> str:
+    """distributed.backend: auto is nccl on a GPU, gloo on the CPU."""
+    if requested == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    return requested
+
+
+def prepare(device: torch.device) -> None:
+    """Before the process group: NCCL needs the rank's GPU set as current; with fixed input
+    shapes, cuDNN's autotuner picks the fastest kernels once."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cudnn.benchmark = True
+
+
+def group_device(device: torch.device) -> torch.device | None:
+    """init_process_group's device_id: binds NCCL's communicator to the GPU up front."""
+    return device if device.type == "cuda" else None
+
+
+def ddp_device_ids(device: torch.device) -> list[int] | None:
+    return [device.index] if device.type == "cuda" else None
+
+
+def collective_tensor(value: torch.Tensor, backend: str) -> torch.Tensor:
+    """NCCL reduces only tensors on the GPU; gloo takes them where they are."""
+    return value.cuda() if backend == "nccl" else value
+
+
+def sync_batchnorm(module: nn.Module, enabled: bool) -> nn.Module:
+    """distributed.sync_batchnorm: BatchNorm statistics over all ranks (GPU modules only;
+    pre-flight refuses it without CUDA)."""
+    return nn.SyncBatchNorm.convert_sync_batchnorm(module) if enabled else module
+
+
+def pin_memory(device: torch.device) -> bool:
+    """Page-locked host buffers let host-to-GPU copies run asynchronously; no use on a CPU."""
+    return device.type == "cuda"
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor onto `device` without making the host wait (pinned first on a GPU)."""
+    if pin_memory(device):
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
+def keep_data_on_device(on_device: bool, device: torch.device) -> bool:
+    """data.on_device: an in-memory data set lives on the GPU (no loader, no per-step copy). On
+    a CPU the data is already where training happens: the loader path serves it."""
+    return on_device and device.type == "cuda"
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def memory_stats(device: torch.device) -> dict[str, float]:
+    """Every visible GPU's memory in use and (with NVML) utilisation; nothing on a CPU."""
+    stats: dict[str, float] = {}
+    if device.type != "cuda":
+        return stats
+    for index in range(torch.cuda.device_count()):
+        free, total = torch.cuda.mem_get_info(index)
+        stats[f"gpu_{index}_memory_usage_megabytes"] = (total - free) / 2**20
+        with contextlib.suppress(Exception):  # needs NVML (pynvml), which may be missing
+            stats[f"gpu_{index}_utilization_percentage"] = float(torch.cuda.utilization(index))
+    return stats
+
+
+def cuda_only_requests(cfg: DistributedConfig) -> list[str]:
+    """The options of `cfg` that only a CUDA device can serve."""
+    wanted = [f"distributed.backend={cfg.backend}"] if cfg.backend == "nccl" else []
+    if cfg.device == "cuda":
+        wanted.append("distributed.device=cuda")
+    if cfg.sync_batchnorm:
+        wanted.append("distributed.sync_batchnorm=true")
+    return wanted
+
+
+_HINTS = {"distributed.backend=nccl": "distributed.backend=auto picks gloo on the CPU",
+          "distributed.device=cuda": "distributed.device=auto trains on the CPU",
+          "distributed.sync_batchnorm=true": "without it BatchNorm statistics stay per rank"}
+
+
+def refuse_without_cuda(cfg: DistributedConfig) -> str | None:
+    """One line for pre-flight when `cfg` asks for CUDA this machine (or device=cpu) lacks."""
+    wanted = cuda_only_requests(cfg)
+    if cfg.device == "cpu" and wanted:  # CUDA or not, these cannot work on CPU tensors
+        return (f"{' '.join(wanted)} needs GPU tensors, but distributed.device=cpu: drop it "
+                f"({'; '.join(_HINTS[w] for w in wanted)}) or use distributed.device=auto.")
+    if not wanted or cuda_available():
+        return None
+    return (f"{' '.join(wanted)} needs CUDA, but this machine has no GPU: drop "
+            f"{'it' if len(wanted) == 1 else 'them'} ({'; '.join(_HINTS[w] for w in wanted)}).")
