@@ -15,21 +15,10 @@ from train import config as config_lib
 from train.config import ConfigError, CustomModelConfig, DataConfig, TrainConfig, TrainerConfig
 from train.launch import LaunchError
 
-# The registries in train/models.py and train/data.py are keyed by exactly these names; they are
-# repeated here so that validation (and --help) need not import torch.
-MODEL_NAMES = ("cnn", "mlp", "resnet18")
-MODEL_SOURCES = ("builtin", "torchvision")
-DATASET_NAMES = ("digits", "synthetic", "mnist", "fashion_mnist", "cifar10")
-STREAMED_DATASET_NAMES = ("imagefolder", "custom")
-"""train/data.py's STREAMED: read from disk batch by batch (train/streaming.py)."""
-PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
-OPTIMIZERS = ("sgd", "adamw")
-SCHEDULES = ("cosine", "constant")
-BACKENDS = ("auto", "gloo", "nccl")
-DIRECTIONS = ("maximize", "minimize")
-MAX_NAME = 250
-"""Longest experiment and run name: MLflow refuses experiment names over 500 characters and
-run names over 250, at the first request, after the job has started."""
+# Re-exported: callers and tests reach validation through the pre-flight.
+from train.validation import DATASET_NAMES as DATASET_NAMES
+from train.validation import MODEL_NAMES as MODEL_NAMES
+from train.validation import validate as validate
 
 
 def preflight(cfgs: Sequence[TrainConfig], on_slurm: bool = False, dry_run: bool = False,
@@ -244,81 +233,3 @@ def check_tracking(cfg: TrainConfig, on_slurm: bool, prepare: bool) -> str | Non
         return client.prepare(cfg.tracking)
     except tracking.TrackingError as e:
         raise LaunchError(str(e)) from None
-
-
-def _require(ok: bool, message: str, problems: list[str]) -> None:
-    if not ok:
-        problems.append(message)
-
-
-def validate(cfg: TrainConfig, world_size: int) -> None:
-    """Refuse what the types allow but training cannot use; every problem in one message."""
-    p: list[str] = []
-    if not isinstance(cfg.model, CustomModelConfig):  # model=custom: checked by check_model
-        _require(cfg.model.source in MODEL_SOURCES,
-                 f"model.source={cfg.model.source!r}; choose one of {list(MODEL_SOURCES)}.", p)
-        _require(cfg.model.source != "builtin" or cfg.model.name in MODEL_NAMES,
-                 f"model.name={cfg.model.name!r} is not a model; choose one of "
-                 f"{[*MODEL_NAMES, 'torchvision']} (for a torchvision.models builder: "
-                 f"model=torchvision model.name={cfg.model.name}).", p)
-    datasets = [*DATASET_NAMES, *STREAMED_DATASET_NAMES]
-    _require(cfg.data.name in datasets,
-             f"data={cfg.data.name!r} is not a data set; choose one of {datasets}.", p)
-    _require(cfg.data.name != "imagefolder" or len(cfg.data.mean) == len(cfg.data.std) == 3,
-             "data.mean and data.std need 3 values (one per RGB channel).", p)
-    _require(cfg.optim.name in OPTIMIZERS,
-             f"optim.name={cfg.optim.name!r}; choose one of {list(OPTIMIZERS)}.", p)
-    _require(cfg.optim.schedule in SCHEDULES,
-             f"optim.schedule={cfg.optim.schedule!r}; choose one of {list(SCHEDULES)}.", p)
-    _require(cfg.trainer.precision in PRECISIONS,
-             f"trainer.precision={cfg.trainer.precision!r}; choose one of {list(PRECISIONS)}.", p)
-    _require(cfg.distributed.backend in BACKENDS,
-             f"distributed.backend={cfg.distributed.backend!r}; choose one of {list(BACKENDS)}.",
-             p)
-    _require(cfg.distributed.device in ("auto", "cuda", "cpu"),
-             f"distributed.device={cfg.distributed.device!r}; choose auto, cuda or cpu.", p)
-    _require(cfg.trainer.objective_direction in DIRECTIONS,
-             f"trainer.objective_direction must be one of {list(DIRECTIONS)}.", p)
-    _require(cfg.optim.lr > 0, f"optim.lr must be positive (got {cfg.optim.lr}).", p)
-    _require(cfg.trainer.epochs > 0, f"trainer.epochs must be positive (got {cfg.trainer.epochs}).",
-             p)
-    _require(cfg.trainer.eval_every > 0, "trainer.eval_every must be positive.", p)
-    _require(cfg.trainer.log_every_n_steps > 0, "trainer.log_every_n_steps must be positive.", p)
-    _require(cfg.trainer.keep_checkpoints > 0, "trainer.keep_checkpoints must be positive.", p)
-    _require(cfg.trainer.checkpoint_every >= 0, "trainer.checkpoint_every cannot be negative.",
-             p)
-    _require(cfg.data.batch_size > 0,
-             f"data.batch_size must be positive (got {cfg.data.batch_size}).", p)
-    _require(cfg.data.num_workers is None or cfg.data.num_workers >= 0,
-             f"data.num_workers must be 0 or more, or null (got {cfg.data.num_workers}).", p)
-    if cfg.data.name == "synthetic":
-        for key in ("num_samples", "channels", "image_size", "num_classes"):
-            _require(getattr(cfg.data, key) > 0,
-                     f"data.{key} must be positive (got {getattr(cfg.data, key)}).", p)
-    _require(0 < len(cfg.tracking.experiment.strip()) <= MAX_NAME,
-             f"tracking.experiment must be a name of 1 to {MAX_NAME} characters (got "
-             f"{len(cfg.tracking.experiment)}).", p)
-    _require(cfg.tracking.run_name is None or len(cfg.tracking.run_name) <= MAX_NAME,
-             f"tracking.run_name can have at most {MAX_NAME} characters.", p)
-    _require(cfg.tracking.checkpoint_flush_s >= 0 and cfg.tracking.flush_timeout_s >= 0,
-             "tracking.checkpoint_flush_s and tracking.flush_timeout_s cannot be negative.", p)
-    _require(0 < cfg.data.val_fraction < 1,
-             f"data.val_fraction must be between 0 and 1 (got {cfg.data.val_fraction}).", p)
-    _require(cfg.distributed.nproc_per_node > 0, "distributed.nproc_per_node must be positive.", p)
-    _require(cfg.distributed.timeout_s > 0, "distributed.timeout_s must be positive.", p)
-    _require(cfg.trainer.peak_tflops is None or cfg.trainer.peak_tflops > 0,
-             "trainer.peak_tflops must be positive or null.", p)
-    _require(cfg.optim.grad_clip is None or cfg.optim.grad_clip > 0,
-             "optim.grad_clip must be positive or null.", p)
-    if cfg.data.batch_size > 0 and world_size > 0:
-        suggestion = max(world_size, cfg.data.batch_size // world_size * world_size)
-        _require(cfg.data.batch_size % world_size == 0,
-                 f"data.batch_size={cfg.data.batch_size} is the GLOBAL batch and must split evenly "
-                 f"over the {world_size} ranks; use a multiple of {world_size}, e.g. "
-                 f"data.batch_size={suggestion}.",
-                 p)
-    from train.safe_text import control_character_problems  # reaches a job script
-
-    p += control_character_problems(cfg)
-    if p:
-        raise ConfigError("Refusing to start: " + " ".join(p))
