@@ -153,8 +153,19 @@ def report_finished(returns: Sequence[Any]) -> None:
               flush=True)
 
 
+def run_error(job: Any) -> str | None:
+    """The root cause rank 0 recorded on the run ("MLflow run X marked FAILED: ..."): it can
+    lie above the last lines of a log, under the tracebacks that followed it."""
+    path = job.task(0).paths.stderr
+    text = path.read_text(errors="replace") if path.exists() else ""
+    found = [line for line in text.splitlines() if "marked FAILED:" in line]
+    return found[-1].split("] ", 1)[-1].strip() if found else None
+
+
 def report_failures(jobs: Sequence[Any], failed: Sequence[Any]) -> None:
     for job in failed:
         print(f"\njob {job.job_id} failed.\n{failing_log_tail(job)}", file=sys.stderr)
+        if (error := run_error(job)) is not None:
+            print(f"\njob {job.job_id}: {error}", file=sys.stderr)
     if failed:
         print(f"\nerror: {len(failed)} of {len(jobs)} Slurm job(s) failed.", file=sys.stderr)
