@@ -121,12 +121,21 @@ def collect(jobs: Sequence[Any], states: Sequence[str]) -> Outcomes:
     return outcomes
 
 
+def output_dir(ret: Any) -> Path:
+    """A job's output directory, from the Hydra config its JobReturn carries (its working_dir
+    is the directory it ran in, which Hydra does not change)."""
+    try:
+        return Path(str(ret.hydra_cfg.hydra.runtime.output_dir))
+    except AttributeError:
+        return Path(ret.working_dir)
+
+
 def time_limit_stop(rank0: Any) -> str | None:
     """The note of a job that stopped at its time limit (USR2) and was not requeued."""
     error = getattr(rank0, "_return_value", None)
     if type(error).__name__ != "Preempted" or "SIGUSR2" not in str(error):
         return None
-    out = Path(rank0.working_dir)
+    out = output_dir(rank0)
     newest = sorted((out / "checkpoints").glob("step-*.pt"),
                     key=lambda p: int(p.stem.split("-")[1]) if p.stem[5:].isdigit() else -1)
     command = " ".join(["python -m train", *typed_by_user(rank0.overrides or [])])
@@ -138,7 +147,7 @@ def report_finished(returns: Sequence[Any]) -> None:
     from train.tracking import how_to_view
 
     for ret in returns:
-        out = Path(ret.working_dir)
+        out = output_dir(ret)
         try:
             summary = json.loads((out / "summary.json").read_text())
             where = json.loads((out / "mlflow_run.json").read_text())
