@@ -182,3 +182,61 @@ def test_a_time_limit_without_requeue_says_how_to_resume(
     assert note.endswith(f"trainer.resume={checkpoint}") and "+cluster=slurm" in note
     assert note in result.stdout
     assert "FAILED" not in result.stdout
+
+
+@on_slurm
+def test_scancel_with_dataloader_workers_stops_with_a_checkpoint(
+        cluster: None, store: dict[str, str], tmp_path: Path) -> None:  # noqa: F811
+    """TERM reaches the ranks and their DataLoader workers alike: the workers must not die
+    first, so the ranks agree on the stop, save a checkpoint and mark the run KILLED."""
+    proc = _train(tmp_path, store, *TWO_NODES, "data.num_workers=2", "trainer.epochs=200",
+                  "trainer.checkpoint_every=0", "trainer.log_every_n_steps=1",
+                  "tracking.log_model=false")
+    job = _job_id(_read_until(proc, ": RUNNING", 180))
+    log = tmp_path / "sweep" / "0" / "train.log"
+    wait_until(lambda: log.exists() and "epoch 1/200" in log.read_text(), 240, "an epoch")
+    subprocess.run(["scancel", job], check=True)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and f"job {job}: CANCELLED" in stdout, stdout + stderr
+    [run] = runs_in(store["MLFLOW_TRACKING_URI"])
+    assert run.info.status == "KILLED", run.data.tags.get("error")
+    assert run.data.tags["stopped_by"] == "SIGTERM" and "error" not in run.data.tags
+    assert list((tmp_path / "sweep" / "0" / "checkpoints").glob("step-*.pt"))
+
+
+@on_slurm
+def test_a_tracking_outage_on_slurm_loses_no_epoch(
+        cluster: None, tmp_path: Path) -> None:  # noqa: F811
+    """The tracking server away for 60 s mid-job: training goes on (no rank waits on MLflow
+    near the 120 s collective timeout), the run FINISHES with every epoch once."""
+    from tests.servers import ServerProcess
+
+    server = ServerProcess(tmp_path / "server")
+    server.start()
+    epochs = 8
+    proc = _train(tmp_path, {"MLFLOW_TRACKING_URI": server.url}, *TWO_NODES,
+                  f"trainer.epochs={epochs}", "tracking.log_model=false")
+    log = tmp_path / "sweep" / "0" / "train.log"
+
+    def epochs_ended() -> int:
+        return log.read_text().count(f"/{epochs}  train/loss") if log.exists() else 0
+
+    try:
+        wait_until(lambda: epochs_ended() >= 2 or proc.poll() is not None, 300, "two epochs")
+        server.stop()
+        down_at, before = time.monotonic(), epochs_ended()
+        wait_until(lambda: time.monotonic() - down_at >= 60 or proc.poll() is not None, 90,
+                   "a minute of outage")
+        assert proc.poll() is None and epochs_ended() > before  # trained on meanwhile
+        server.start()
+        stdout, stderr = proc.communicate(timeout=400)
+        assert proc.returncode == 0, stdout + stderr[-3000:]
+        [run] = runs_in(server.url)
+        assert run.info.status == "FINISHED"
+        for key in ("train/loss", "val/accuracy", "epoch_time_s"):
+            assert [s for s, _ in history(server.url, run.info.run_id, key)] == \
+                list(range(epochs)), key
+    finally:
+        proc.kill()
+        proc.wait()
+        server.stop()
