@@ -15,7 +15,13 @@ import psutil
 import pytest
 
 from tests.conftest import REPO, history, runs_in
-from tests.test_slurm import cluster, on_slurm, slurm_job, wait_until  # noqa: F401 - fixture
+from tests.test_slurm import (  # noqa: F401 - cluster is a fixture
+    _listed_by_squeue,
+    cluster,
+    on_slurm,
+    slurm_job,
+    wait_until,
+)
 from train import slurm
 from train.config import ClusterConfig, ConfigError, TrainConfig
 
@@ -66,9 +72,11 @@ def _job_id(stdout: str) -> str:
 
 
 def _train(tmp_path: Path, store: dict[str, str], *overrides: str) -> subprocess.Popen[str]:
+    flags = [o for o in overrides if o == "-m"]  # argparse wants flags before the overrides
     return subprocess.Popen(
-        [sys.executable, "-m", "train", "+cluster=slurm", "cluster.partition=debug",
-         "cluster.time_min=10", f"hydra.sweep.dir={tmp_path}/sweep", *overrides],
+        [sys.executable, "-m", "train", *flags, "+cluster=slurm", "cluster.partition=debug",
+         "cluster.time_min=10", f"hydra.sweep.dir={tmp_path}/sweep",
+         *(o for o in overrides if o != "-m")],
         cwd=REPO, env={**os.environ, **store}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True)
 
@@ -162,6 +170,7 @@ def test_ctrl_c_while_following_leaves_the_jobs_to_finish_the_sweep(
 
     parent = wait_until(ended_parent, 240, "the sweep's last job ending the parent run")
     assert parent.info.status == "FINISHED" and parent.data.metrics["sweep/children"] == 2
+    wait_until(lambda: not _listed_by_squeue(job), 60, f"job {job} leaving squeue")
 
 
 @on_slurm
