@@ -75,7 +75,7 @@ def run(cfg: DictConfig, output_dir: str, command: str,
     from train.launch import run_in_process, start_local_ranks
 
     if not preflighted:
-        preflight([typed])
+        preflight([typed], output_dir=output_dir)
     nproc = typed.distributed.nproc_per_node
     if nproc == 1:
         return objective(typed, run_in_process(config, output_dir, command))

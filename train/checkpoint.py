@@ -1,6 +1,7 @@
 """Checkpoints: what a job needs to continue exactly where it stopped, written safely.
 
-One file per checkpoint, written by rank 0 after gathering every rank's RNG state and partial
+One file per checkpoint, written by rank 0 (through train/safewrite.py: a full disk costs no
+earlier checkpoint and leaves no partial file) after gathering every rank's RNG state and partial
 epoch sums: model, optimiser, LR schedule, grad scaler, epoch, global step, the batch reached in
 the current epoch, the MLflow run id and the composed config. Written atomically (temporary
 file, fsync, rename, fsync of the directory); the newest `keep` are kept. Read back with
@@ -11,9 +12,9 @@ load (truncated, corrupt) is reported and the previous one is used.
 from __future__ import annotations
 
 import logging
-import os
 import random
 import re
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 
+from train import safewrite
 from train.config import TrainerConfig
 from train.metrics import Totals
 from train.state import TrainState
@@ -41,6 +43,11 @@ class Resumed:
 
 def directory(output_dir: Path) -> Path:
     return output_dir / "checkpoints"
+
+
+def is_own(resumed: Resumed, output_dir: Path) -> bool:
+    """Whether a checkpoint is this output directory's own (not trainer.resume=<elsewhere>)."""
+    return resumed.path.resolve().parent == directory(output_dir).resolve()
 
 
 def candidates(folder: Path) -> list[Path]:
@@ -66,23 +73,57 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save(folder: Path, state: dict[str, Any], keep: int) -> Path:
-    """Write `state` atomically as step-<global step>.pt and drop all but the newest `keep`."""
+    """Write `state` atomically as step-<global step>.pt and drop all but the newest `keep`.
+
+    Serialised in memory first, so its size is known before the disk is touched: if the
+    filesystem cannot hold it, older checkpoints but the newest go first; if it still does not
+    fit, DiskFull - no partial file, the newest checkpoint kept."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"step-{state['step']:09d}.pt"
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # the rename itself survives a crash
-    finally:
-        os.close(fd)
+    payload = safewrite.serialised(state)
+    for stale in folder.glob("step-*.tmp"):  # left by a crash mid-write: space nobody uses
+        stale.unlink(missing_ok=True)
+    safewrite.make_room(folder, len(payload), candidates(folder)[1:], f"checkpoint {path}")
+    safewrite.write_atomically(path, payload)
     for old in candidates(folder)[keep:]:
         old.unlink(missing_ok=True)
     return path
+
+
+def save_weights(weights: dict[str, Any], path: Path, checkpoints: Path) -> Path:
+    """The final weights at `path` (written atomically); where the output directory's
+    filesystem cannot hold them - even once older checkpoints but the newest are gone - in the
+    temporary directory ($TMPDIR) instead, so that a finished training is not thrown away.
+    Returns where they are."""
+    payload = safewrite.serialised(weights)
+    try:
+        safewrite.make_room(path.parent, len(payload), candidates(checkpoints)[1:],
+                            f"weights {path}")
+        safewrite.write_atomically(path, payload)
+        return path
+    except safewrite.DiskFull as full:
+        import tempfile
+
+        elsewhere = Path(tempfile.mkdtemp(prefix="train-weights-")) / path.name
+        safewrite.write_atomically(elsewhere, payload)
+        log.error("%s. The final weights were saved to %s instead: move them next to the "
+                  "job's outputs once there is room.", full, elsewhere)
+        return elsewhere
+
+
+def check_room_for_one(folder: Path, train: TrainState) -> None:
+    """Before training: the output directory's filesystem holds at least one checkpoint (the
+    weights and, per parameter, the optimiser's buffers), or DiskFull now rather than after
+    the first epoch's work."""
+    weights = len(safewrite.serialised(train.module.state_dict()))
+    buffers = 2 if isinstance(train.optimizer, torch.optim.Adam | torch.optim.AdamW) else 1
+    folder.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(folder).free
+    needed = weights * (1 + buffers) + safewrite.ROOM_MARGIN
+    if free < needed:
+        raise safewrite.DiskFull(f"No space left on device: {folder} has {free} bytes free and one "
+                       f"checkpoint needs about {needed}. Free some space, or put the outputs "
+                       "on a larger filesystem (hydra.run.dir=...).")
 
 
 def load_newest(paths: list[Path]) -> Resumed | None:
@@ -99,6 +140,64 @@ def load_newest(paths: list[Path]) -> Resumed | None:
     return None
 
 
+class CheckpointMismatch(ValueError):
+    """A checkpoint this job cannot continue from (another model, data shape, optimiser, or a
+    mid-epoch position on another world size); refused before any run is touched."""
+
+
+SHAPING = {"model": None, "data": ("name",), "optim": ("name",)}
+"""Config keys a checkpoint's tensors depend on (None: the whole section but MODEL_FREE)."""
+MODEL_FREE = ("dropout",)
+"""Model keys that do not change the state dict's tensors."""
+DATA_SHAPE = ("channels", "image_size", "num_classes")
+"""Data keys that shape the model where a data set takes them (synthetic, imagefolder)."""
+
+
+def _shaping(config: dict[str, Any]) -> dict[str, Any]:
+    picked: dict[str, Any] = {}
+    for section, keys in SHAPING.items():
+        values = config.get(section) or {}
+        if not isinstance(values, dict):
+            continue
+        chosen = [k for k in values if k not in MODEL_FREE] if keys is None else list(keys)
+        if section == "data" and values.get("name") in ("synthetic", "imagefolder"):
+            chosen += [k for k in DATA_SHAPE if k in values]
+        picked.update({f"{section}.{k}": values.get(k) for k in chosen})
+    return picked
+
+
+def mismatch(state: dict[str, Any], config: dict[str, Any], world_size: int) -> str | None:
+    """Why this job (its composed `config`, on `world_size` ranks) cannot continue from a
+    checkpoint's `state`; None if it can. A checkpoint taken at an epoch's end continues on any
+    world size (every rank starts the next epoch afresh; the other ranks' RNG streams are
+    seeded anew); one taken mid-epoch holds each rank's place in its shard and partial sums,
+    which exist only for the world size that wrote it."""
+    import yaml
+
+    try:
+        stored = yaml.safe_load(state.get("config") or "") or {}
+    except yaml.YAMLError:
+        stored = {}
+    theirs, ours = _shaping(stored if isinstance(stored, dict) else {}), _shaping(config)
+    differences = [f"{key}={theirs[key]!r} there, {ours.get(key)!r} here"
+                   for key in theirs if key in ours and theirs[key] != ours[key]]
+    written_by = int(state.get("world_size") or world_size)
+    if state.get("batch_in_epoch") and written_by != world_size:
+        differences.append(
+            f"it was written mid-epoch by {written_by} ranks and this job has {world_size} (a "
+            "mid-epoch checkpoint holds each rank's place in its shard; resume it with "
+            f"{written_by} ranks, or from an epoch-end checkpoint on any number)")
+    return "; ".join(differences) or None
+
+
+def check_compatible(resumed: Resumed, config: dict[str, Any], world_size: int) -> None:
+    if problem := mismatch(resumed.state, config, world_size):
+        raise CheckpointMismatch(
+            f"Refusing to resume from {resumed.path}: this job cannot continue it ({problem}). "
+            "Use the configuration that wrote it, another output directory "
+            "(hydra.run.dir=...), or trainer.resume=never to start afresh.")
+
+
 def find(resume: str, output_dir: Path) -> Resumed | None:
     """`trainer.resume`: auto (this job's newest, if any), never, or a checkpoint path."""
     if resume == "never":
@@ -109,7 +208,8 @@ def find(resume: str, output_dir: Path) -> Resumed | None:
     paths = candidates(path) if path.is_dir() else [path]
     found = load_newest(paths)
     if found is None:
-        raise FileNotFoundError(f"trainer.resume={resume}: no loadable checkpoint there.")
+        raise CheckpointMismatch(f"trainer.resume={resume}: no loadable checkpoint there "
+                                 "(step-<N>.pt files, or one such file).")
     return found
 
 
@@ -162,9 +262,6 @@ class Checkpointer:
 def restore(train: TrainState, resumed: Resumed, rank: int, world_size: int) -> None:
     """Put a loaded checkpoint back into this rank's training state."""
     s = resumed.state
-    if s["world_size"] != world_size and s["batch_in_epoch"]:
-        raise ValueError(f"{resumed.path} was written mid-epoch by {s['world_size']} ranks; "
-                         f"resume it with the same world size (not {world_size}).")
     train.module.load_state_dict(s["model"])
     train.optimizer.load_state_dict(s["optimizer"])
     train.scheduler.load_state_dict(s["scheduler"])

@@ -217,6 +217,11 @@ class TrackingConfig:
     flush_timeout_s: float = 120.0
     """At a checkpoint and at the end, how long to wait for MLflow to accept what is queued;
     what it has not taken by the end is saved to <output dir>/mlflow_unsent.jsonl."""
+    checkpoint_flush_s: float = 5.0
+    """At a checkpoint and when the job is stopped by a signal, how long to wait for MLflow to
+    take what is queued: the other ranks wait in a collective meanwhile (distributed.timeout_s)
+    and Slurm kills a stopped job soon. Not taken by then: it stays queued (at a stop, it goes
+    to the unsent file)."""
 
 
 @dataclass

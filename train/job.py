@@ -62,8 +62,11 @@ def _rank_info(device: torch.device) -> dict[str, str]:
 def _previous_run(cfg: TrainConfig, out: Path,
                   resumed: checkpoint.Resumed | None) -> tuple[str, int] | None:
     """(run id, restarts so far) of an earlier start of this job: a Slurm requeue, or the same
-    output directory again. Its run continues instead of a new one being made."""
-    if resumed is not None and resumed.state.get("run_id"):
+    output directory again. Its run continues instead of a new one being made. A checkpoint
+    from another directory (trainer.resume=<path>) gives its weights, not its run: that job's
+    run is not this job's to reopen."""
+    own = resumed is not None and checkpoint.is_own(resumed, out)
+    if own and resumed is not None and resumed.state.get("run_id"):
         return str(resumed.state["run_id"]), int(resumed.state.get("restarts") or 0)
     if cfg.trainer.resume != "never" and (run_id := tracking.recorded_run_id(out)):
         return run_id, 0
@@ -79,17 +82,40 @@ def _write_outputs(out: Path, state: train_state.TrainState, bundle: data_lib.Da
         names = bundle.class_names
         files[""] = render_confusion(final_val.confusion, names, out / "confusion_matrix.svg")
         table = per_class_accuracy(final_val.confusion, names)
-    files["weights"] = out / "model.pt"
-    torch.save(state.module.state_dict(), files["weights"])
+    files["weights"] = checkpoint.save_weights(state.module.state_dict(), out / "model.pt",
+                                               checkpoint.directory(out))
     example = next(iter(bundle.val))[0][:4].cpu().numpy()  # batch > 1: any size loads back
     logger.log_outputs(files, table, state.module, example)
     (out / "summary.json").write_text(json.dumps(logger.summary(peaks), indent=2))
 
 
+def finished_already(cfg: TrainConfig, out: Path) -> dict[str, Any] | None:
+    """summary.json of this output directory if its job already trained trainer.epochs epochs
+    (the same command again); None otherwise."""
+    if cfg.trainer.resume != "auto":
+        return None
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+        done = int(summary.get("epochs", 0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+    return summary if done >= cfg.trainer.epochs else None
+
+
 def _train(cfg: TrainConfig, config: dict[str, Any], env: distenv.DistEnv, out: Path,
            command: str, device: torch.device, backend: str, logger: RunLogger,
            stop: StopSignals) -> dict[str, float]:
+    if (done := finished_already(cfg, out)) is not None:
+        # Nothing to train, nothing to log again: the run and the files stay as they are.
+        log.info("this job finished already: MLflow run %s, %s epochs (%s). Nothing changed; "
+                 "a larger trainer.epochs continues it.",
+                 done.get("run_id") or tracking.recorded_run_id(out), done.get("epochs"),
+                 out / "summary.json")
+        logger.run.finish()  # no run was started: only ends the sender thread
+        return {k: float(v) for k, v in (done.get("metrics") or {}).items()}
     resumed = checkpoint.find(cfg.trainer.resume, out)
+    if resumed is not None:  # before the run: a checkpoint it cannot use touches no run
+        checkpoint.check_compatible(resumed, config, env.world_size)
     # The run exists before anything that can fail on one node (data, model): such a failure
     # then shows in MLflow as a FAILED run with the failing rank's error.
     ranks = distributed.gather_to_all(_rank_info(device))
@@ -109,9 +135,13 @@ def _train(cfg: TrainConfig, config: dict[str, Any], env: distenv.DistEnv, out: 
     torch.manual_seed(cfg.trainer.seed + env.rank)  # different augmentation per rank
     if resumed is not None:
         checkpoint.restore(state, resumed, env.rank, env.world_size)
-    checkpointer = checkpoint.Checkpointer(checkpoint.directory(out), cfg.trainer, env.rank,
-                                           env.world_size, before_write=logger.run.flush,
-                                           run_fields=logger.run_fields)
+    if env.is_main:  # the one writer: refuse now rather than after an epoch's work
+        checkpoint.check_room_for_one(checkpoint.directory(out), state)
+    checkpointer = checkpoint.Checkpointer(
+        checkpoint.directory(out), cfg.trainer, env.rank, env.world_size,
+        before_write=lambda: logger.run.flush(
+            cfg.tracking.checkpoint_flush_s, created_within_s=cfg.distributed.timeout_s / 2),
+        run_fields=logger.run_fields)
     duties = loop.Duties(logger, checkpointer, stop, env.rank, env.local_rank)
     final_val = loop.fit(cfg, state, bundle, device, duties)
     peaks = distributed.gather_to_all(peak_rss_mb())
@@ -146,6 +176,7 @@ def run_rank(config: dict[str, Any], output_dir: str, command: str,
     progress = Progress(env.is_main and sys.stderr.isatty(), cfg.trainer.epochs,
                         cfg.data.batch_size)
     logger = RunLogger(cfg, tracking.open_run(cfg.tracking, out, env.is_main), progress)
+    logger.output_dir = str(out)
     try:
         with StopSignals() as stop:
             return _train(cfg, config, env, out, command, device, backend, logger, stop)

@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from train.tracking import unsent
+from train.tracking import client, unsent
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -23,10 +23,17 @@ def main(argv: list[str] | None = None) -> None:
                          "logged it (the file's first line)")
     args = parser.parse_args(argv)
     try:
-        header, _, _ = unsent.load(args.file)  # refuses a damaged file before any request
+        # A damaged or foreign file is refused before any request.
+        header, _, records = unsent.load(args.file)
+        unsent.check_safe(args.file, header, records, args.tracking_uri)
     except (OSError, ValueError) as e:
         sys.exit(f"python -m train.outbox: {e}")
-    run_id = unsent.upload(args.file, args.tracking_uri)
+    try:
+        run_id = unsent.upload(args.file, args.tracking_uri)
+    except Exception as e:  # noqa: BLE001 - one line for the user, whatever the store said
+        sys.exit(f"python -m train.outbox: {args.file} was not delivered "
+                 f"({client.describe(e)}); the file is unchanged. Check the run id and the "
+                 "store (--tracking-uri URI if it moved).")
     print(f"delivered {args.file} to run {run_id} ({header['status']}); the file is now "
           f"{args.file.with_suffix('.uploaded')}")
 

@@ -26,10 +26,13 @@ OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("cosine", "constant")
 BACKENDS = ("auto", "gloo", "nccl")
 DIRECTIONS = ("maximize", "minimize")
+MAX_NAME = 250
+"""Longest experiment and run name: MLflow refuses experiment names over 500 characters and
+run names over 250, at the first request, after the job has started."""
 
 
 def preflight(cfgs: Sequence[TrainConfig], on_slurm: bool = False, dry_run: bool = False,
-              prepare_tracking: bool = False) -> str | None:
+              prepare_tracking: bool = False, output_dir: str | None = None) -> str | None:
     """Check every job of a run or sweep; returns the experiment id when `prepare_tracking`
     (the launching process then creates the experiment once, for all of its jobs).
 
@@ -39,7 +42,8 @@ def preflight(cfgs: Sequence[TrainConfig], on_slurm: bool = False, dry_run: bool
     and the config (no cluster, data set or store needed to print a script).
 
     Raises ConfigError (the config itself) or LaunchError (what this machine, the cluster, the
-    data or the store lacks); nothing has started or been submitted then.
+    data or the store lacks); nothing has started or been submitted then. `output_dir`: a
+    single job's directory, whose own checkpoint (trainer.resume=auto) is checked too.
     """
     from train import slurm
 
@@ -47,12 +51,11 @@ def preflight(cfgs: Sequence[TrainConfig], on_slurm: bool = False, dry_run: bool
         if on_slurm and not dry_run:
             slurm.check_slurm(cfg.cluster.partition for cfg in cfgs if cfg.cluster)
         for cfg in cfgs:
-            if on_slurm:
-                validate(cfg, slurm.check_request(cfg))
-            else:
-                validate(cfg, cfg.distributed.nproc_per_node)
+            world_size = slurm.check_request(cfg) if on_slurm else cfg.distributed.nproc_per_node
+            validate(cfg, world_size)
             if dry_run:
                 continue
+            check_resume(cfg, world_size, output_dir if len(cfgs) == 1 else None)
             check_model(cfg)
             check_data(cfg)
             if not on_slurm:
@@ -62,6 +65,48 @@ def preflight(cfgs: Sequence[TrainConfig], on_slurm: bool = False, dry_run: bool
         return check_tracking(cfgs[0], on_slurm, prepare_tracking)
     except slurm.SubmitError as e:
         raise LaunchError(str(e)) from None
+
+
+def check_resume(cfg: TrainConfig, world_size: int, output_dir: str | None) -> None:
+    """trainer.resume names a checkpoint that exists, and the checkpoint to be resumed (that
+    one, or this output directory's own) fits this job: the same model, data shape and
+    optimiser, and the same world size if it was taken mid-epoch. No torch import when there
+    is no checkpoint to look at."""
+    from pathlib import Path
+
+    resume = cfg.trainer.resume
+    if resume == "never":
+        return
+    if resume != "auto" and not Path(resume).exists():
+        raise ConfigError(f"trainer.resume={resume}: no such file or directory. Give a "
+                          "checkpoint file or a checkpoints/ directory, or trainer.resume=auto "
+                          "or never.")
+    folder = (Path(output_dir) / "checkpoints") if resume == "auto" and output_dir else (
+        None if resume == "auto" else Path(resume))
+    if folder is None or not (folder.is_file() or any(folder.glob("step-*.pt"))):
+        if resume != "auto":
+            raise ConfigError(f"trainer.resume={resume}: no checkpoint there (step-<N>.pt).")
+        return
+    from train import checkpoint, job
+
+    if output_dir and job.finished_already(cfg, Path(output_dir)) is not None:
+        return  # the job itself says so, and changes nothing
+    try:
+        found = checkpoint.find(resume, Path(output_dir or "."))
+        if found is not None:
+            checkpoint.check_compatible(found, config_dict(cfg), world_size)
+    except checkpoint.CheckpointMismatch as e:
+        raise ConfigError(str(e)) from None
+
+
+def config_dict(cfg: TrainConfig) -> dict:
+    """The typed config as the composed dict it came from (as a checkpoint stores it)."""
+    from dataclasses import asdict
+
+    as_dict = asdict(cfg)
+    if isinstance(cfg.model, CustomModelConfig):
+        as_dict["model"] = {"_target_": cfg.model.target, **cfg.model.kwargs}
+    return as_dict
 
 
 def check_model(cfg: TrainConfig,
@@ -169,12 +214,13 @@ def check_tracking(cfg: TrainConfig, on_slurm: bool, prepare: bool) -> str | Non
     try:
         uri = tracking.resolve_uri(cfg.tracking)
         tracking.check_reachable(uri)
+        from train.tracking import client
+
+        client.check_usable(uri, cfg.tracking.experiment)
         if on_slurm and tracking.is_local_path_uri(uri):
             slurm.warn_local_store(uri)
         if not prepare:
             return None
-        from train.tracking import client
-
         return client.prepare(cfg.tracking)
     except tracking.TrackingError as e:
         raise LaunchError(str(e)) from None
@@ -223,6 +269,19 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
              p)
     _require(cfg.data.batch_size > 0,
              f"data.batch_size must be positive (got {cfg.data.batch_size}).", p)
+    _require(cfg.data.num_workers is None or cfg.data.num_workers >= 0,
+             f"data.num_workers must be 0 or more, or null (got {cfg.data.num_workers}).", p)
+    if cfg.data.name == "synthetic":
+        for key in ("num_samples", "channels", "image_size", "num_classes"):
+            _require(getattr(cfg.data, key) > 0,
+                     f"data.{key} must be positive (got {getattr(cfg.data, key)}).", p)
+    _require(0 < len(cfg.tracking.experiment.strip()) <= MAX_NAME,
+             f"tracking.experiment must be a name of 1 to {MAX_NAME} characters (got "
+             f"{len(cfg.tracking.experiment)}).", p)
+    _require(cfg.tracking.run_name is None or len(cfg.tracking.run_name) <= MAX_NAME,
+             f"tracking.run_name can have at most {MAX_NAME} characters.", p)
+    _require(cfg.tracking.checkpoint_flush_s >= 0 and cfg.tracking.flush_timeout_s >= 0,
+             "tracking.checkpoint_flush_s and tracking.flush_timeout_s cannot be negative.", p)
     _require(0 < cfg.data.val_fraction < 1,
              f"data.val_fraction must be between 0 and 1 (got {cfg.data.val_fraction}).", p)
     _require(cfg.distributed.nproc_per_node > 0, "distributed.nproc_per_node must be positive.", p)

@@ -23,7 +23,7 @@ from train.data import DataBundle
 from train.distenv import DistEnv
 from train.metrics import Reduced, StepSync
 from train.progress import Progress
-from train.tracking import NullRun, how_to_view, records
+from train.tracking import NullRun, TrackingIncomplete, how_to_view, records
 from train.tracking.store import REPO_ROOT
 
 log = logging.getLogger("train")
@@ -63,6 +63,10 @@ class RunLogger:
         self.final_metrics: dict[str, float] = {}
         self.by_epoch: list[dict[str, float]] = []  # each epoch this start trained
         self.first_step_at: float | None = None
+        self._finished = False
+        self._flushed = True
+        self.output_dir = ""
+        """The job's output directory, for messages (set by train/job.py)."""
 
     def start(self, config: Mapping[str, Any], ranks: list[dict[str, str]], env: DistEnv,
               backend: str, tags: Mapping[str, str], config_yaml: str,
@@ -152,20 +156,35 @@ class RunLogger:
     def summary(self, peak_rss_mb: list[float]) -> dict[str, Any]:
         """summary.json: what scripts (and `make bench`) read back."""
         self.run.log_metrics({"peak_rss_mb_max": max(peak_rss_mb)}, step=self.cfg.trainer.epochs)
-        self.run.flush()
-        return {"run_id": self.run.run_id, "metrics": self.final_metrics,
+        # For the run id. If MLflow has not taken everything within flush_timeout_s now, the
+        # end does not wait that long a second time.
+        self._flushed = self.run.flush()
+        return {"run_id": self.run.run_id, "epochs": self.cfg.trainer.epochs,
+                "metrics": self.final_metrics,
                 "by_epoch": self.by_epoch, "first_step_at": self.first_step_at,
                 "peak_rss_mb": peak_rss_mb}
 
     def finish(self, error: str | None = None, stopped_by: str | None = None) -> None:
         """End the run: FINISHED; FAILED with `error`; or KILLED after a stop signal, when it
-        waits, with its checkpoint, for the job to run again."""
+        waits, with its checkpoint, for the job to run again. Once: a later call does nothing.
+
+        Raises TrackingIncomplete when training succeeded but the store did not take the run's
+        end: the job must not look successful then (the message says how to deliver the rest).
+        """
+        if self._finished:
+            return
+        self._finished = True
         if stopped_by is not None:
             self.run.set_tags({"stopped_by": stopped_by})
-            self.run.finish(status="KILLED")
+            self.run.finish(status="KILLED", timeout_s=self.cfg.tracking.checkpoint_flush_s)
             return
-        self.run.finish(status="FAILED" if error else "FINISHED", error=error)
+        delivered = self.run.finish(
+            status="FAILED" if error else "FINISHED", error=error,
+            timeout_s=None if self._flushed else min(self.cfg.tracking.checkpoint_flush_s,
+                                                     self.cfg.tracking.flush_timeout_s))
         run_id = self.run.run_id
+        if error is None and not delivered:
+            raise TrackingIncomplete(self._undelivered())
         if run_id and error is None:
             shown = "  ".join(f"{k}={v:.4g}" for k, v in self.final_metrics.items()
                               if k.startswith("val/") or k == "train/loss")
@@ -173,3 +192,16 @@ class RunLogger:
                      how_to_view(self.run.uri, self.run.experiment_id, run_id))
         elif run_id:
             log.error("MLflow run %s marked FAILED: %s", run_id, error)
+
+    def _undelivered(self) -> str:
+        run = self.run
+        where = f"run {run.run_id}" if run.run_id else "the run (never created)"
+        if run.unsent_path is not None:
+            return (f"training finished, but the MLflow store {run.uri} did not take all of "
+                    f"{where} ({run.failure or 'timed out'}); the rest, its FINISHED status "
+                    f"included, is in {run.unsent_path}: once the store is fixed, deliver it "
+                    f"with `python -m train.outbox upload {run.unsent_path}` (add "
+                    "--tracking-uri URI if the store moved).")
+        return (f"training finished, but the MLflow store {run.uri} does not hold {where}: "
+                f"{run.failure}. The job's files (model.pt, summary.json, checkpoints) are in "
+                f"{self.output_dir}.")

@@ -1,16 +1,23 @@
 """Tracking: the only package that imports mlflow (lazily: `import train.tracking` imports
 neither mlflow nor torch). One-way imports: store <- records <- client <- run; unsent uses
-records and client.
+records and client; errors stands alone.
 
 - store.py    where runs are recorded (URIs, the embedded store, reachability)
 - records.py  typed records and the rows waiting to be batched
+- errors.py   which failed requests a retry can fix (transient) and which not (permanent)
 - client.py   every MLflow request
 - unsent.py   the file for what MLflow never accepted, and its upload
 - run.py      rank 0's MlflowRun (a background sender thread) and NullRun, the do-nothing one
 """
 
 from train.tracking import records
-from train.tracking.run import MlflowRun, NullRun, open_run, recorded_run_id
+from train.tracking.run import (
+    MlflowRun,
+    NullRun,
+    TrackingIncomplete,
+    open_run,
+    recorded_run_id,
+)
 from train.tracking.store import (
     EMBEDDED_STORE_DIR,
     REPO_ROOT,
@@ -25,6 +32,7 @@ from train.tracking.store import (
 )
 
 __all__ = ["EMBEDDED_STORE_DIR", "REPO_ROOT", "MlflowRun", "NullRun", "TrackingError",
+           "TrackingIncomplete",
            "artifact_location", "check_reachable", "embedded_uri", "how_to_view",
            "is_local_path_uri", "open_run", "recorded_run_id", "records", "resolve_uri",
            "sqlite_path"]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from train.config import TrackingConfig
+from train.tracking.errors import describe, is_permanent
 from train.tracking.records import (
     ArtifactFile,
     Batch,
@@ -33,8 +34,10 @@ from train.tracking.records import (
     Text,
 )
 from train.tracking.store import (
+    TrackingError,
     artifact_location,
     check_reachable,
+    check_server_api,
     is_new_sqlite,
     resolve_uri,
     sqlite_path,
@@ -58,14 +61,64 @@ def initialise(uri: str) -> None:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+ONE_TRY_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "0",
+               "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+"""MLflow's HTTP client would retry one request for ~4 minutes (7 retries, back-off 2, 120 s
+timeout each) before our code hears of a failure: a checkpoint or a stop would wait that long.
+One try is bounded here instead (10 s); the sender's own loop (train/tracking/run.py) retries
+what is transient and gives up at once on what is permanent. A value the user exported wins."""
+
+def _file_identity(uri: str) -> tuple[int, int] | None:
+    """(device, inode) of an SQLite store's file; None for other stores or no file."""
+    db = sqlite_path(uri)
+    try:
+        return None if db is None else (db.stat().st_dev, db.stat().st_ino)
+    except OSError:
+        return None
+
+
 def _mlflow_client(uri: str) -> Any:
-    """An MlflowClient for `uri`; a new SQLite store is initialised first (the first run into
-    it may start together with another)."""
+    """An MlflowClient for `uri`, whose requests try once (ONE_TRY_ENV); a new SQLite store is
+    initialised first (the first run into it may start together with another)."""
+    for key, value in ONE_TRY_ENV.items():
+        os.environ.setdefault(key, value)
     from mlflow import MlflowClient
 
     if is_new_sqlite(uri):
         initialise(uri)
     return MlflowClient(tracking_uri=uri)
+
+
+def check_usable(uri: str, experiment: str) -> None:
+    """After check_reachable: one real request, for what only a request finds out. A server is
+    asked over plain HTTP (no mlflow import: pre-flight stays fast); an SQLite file is checked
+    by check_reachable; any other store (a database, file:, an unknown scheme) goes through
+    MLflow itself, which is where a missing driver shows."""
+    if uri.startswith(("http://", "https://")):
+        check_server_api(uri, experiment)  # a plain HTTP request: no mlflow import
+    elif sqlite_path(uri) is None:
+        probe(uri, experiment)
+
+
+def probe(uri: str, experiment: str) -> None:
+    """One real request to the store (the experiment looked up by name), as a job's first
+    request would be: TrackingError with the reason if it can never succeed (a missing driver,
+    an unsupported scheme, a server that is not MLflow, refused credentials)."""
+    try:
+        _mlflow_client(uri).get_experiment_by_name(experiment)
+    except Exception as e:  # noqa: BLE001 - classified below
+        if isinstance(e, ImportError):
+            raise TrackingError(f"The MLflow store {uri} needs a database driver that is not "
+                                f"installed here ({describe(e)}): install it into this Python "
+                                "environment (e.g. pip install 'psycopg[binary]' for "
+                                "postgresql://), or use another store.") from None
+        if is_permanent(e):
+            raise TrackingError(f"The MLflow store {uri} cannot be used: {describe(e)}. Fix "
+                                "MLFLOW_TRACKING_URI / tracking.uri, or run with "
+                                "tracking.enabled=false.") from None
+        raise TrackingError(f"The MLflow store {uri} does not answer ({describe(e)}). Start it "
+                            "or fix MLFLOW_TRACKING_URI / tracking.uri, or run with "
+                            "tracking.enabled=false.") from None
 
 
 def prepare(cfg: TrackingConfig) -> str:
@@ -150,6 +203,20 @@ class RunClient:
         self.logged_until: dict[str, int] = {}
         """Per metric, the last step the run already holds (a resumed run replays steps)."""
         self._mlflow = _mlflow_client(uri)
+        self._db_file = _file_identity(uri)
+
+    def check_stored(self, status: str) -> str | None:
+        """None if the store holds this run with `status`; else what is wrong (the SQLite file
+        was removed or replaced while the run was logging - its writes went to a file nobody
+        will read -, or the run's status differs)."""
+        if self._db_file is not None and _file_identity(self.uri) != self._db_file:
+            return (f"the database file {sqlite_path(self.uri)} was removed or replaced while "
+                    "the run was logging to it")
+        try:
+            stored = self._mlflow.get_run(self.run_id).info.status
+        except Exception as e:  # noqa: BLE001 - any failure means: not confirmed
+            return f"reading the run back failed ({describe(e)})"
+        return None if stored == status else f"the store says {stored}, not {status}"
 
     def send_rows(self, batch: Batch) -> None:
         """One log_batch request (the batch within MLflow's limits); the metric steps a resumed

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from train.config import TrackingConfig
-from train.tracking import client, unsent
+from train.tracking import client, errors, unsent
 from train.tracking.records import (
     CreateRun,
     EndRun,
@@ -33,7 +33,7 @@ from train.tracking.store import resolve_uri
 
 log = logging.getLogger(__name__)
 
-RUN_FILE = "mlflow_run.json"
+RUN_FILE = unsent.RUN_FILE
 """In the job's output directory: the run it logs to (a restart of the job continues it)."""
 
 
@@ -52,6 +52,8 @@ class NullRun:
     experiment_id: str | None = None
     uri: str = ""
     cpu_seconds: float = 0.0
+    failure: str | None = None
+    unsent_path: Path | None = None
 
     def start(self, tags: Mapping[str, str], run_name: str | None = None,
               resume_run_id: str | None = None) -> None: ...
@@ -60,25 +62,39 @@ class NullRun:
     def set_tags(self, tags: Mapping[str, str]) -> None: ...
     def log(self, record: Loggable) -> None: ...
     def begin_sending(self) -> None: ...
-    def flush(self) -> None: ...
-    def finish(self, status: str = "FINISHED", error: str | None = None) -> None: ...
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        return True
+
+    def finish(self, status: str = "FINISHED", error: str | None = None,
+               timeout_s: float | None = None) -> bool:
+        return True
 
 
 class _GivenUp(Exception):
     """The run ended without MLflow; what was left went to the unsent file."""
 
 
+class TrackingIncomplete(RuntimeError):
+    """The job's work is done but the store does not hold all of it; the message says where the
+    rest is and how to deliver it."""
+
+
 class MlflowRun(NullRun):
-    """One MLflow run, fed from a background thread; no call waits on MLflow but flush()."""
+    """One MLflow run, fed from a background thread; no call waits on MLflow but flush() and
+    finish(), and those only for a bounded time."""
 
     START_DELAY_S = 10.0
     """The sender starts at begin_sending() (the first training step), or this long after."""
+    POLL_S = 0.05
+    """How often flush() and finish() look at the sender's progress. They poll instead of
+    waiting on a Condition: a signal that interrupts Condition.wait half-way can leave its lock
+    released ("RuntimeError: release unlocked lock") or held for good."""
 
     def __init__(self, cfg: TrackingConfig, output_dir: Path) -> None:
         self.cfg, self.uri, self.output_dir = cfg, resolve_uri(cfg), output_dir
         self.rows = Rows()
-        # One condition for both directions: callers notify the sender of a new record or a
-        # hurry; the sender notifies flush() after each request. What it guards:
+        # The sender waits on this for a new record or a hurry; callers only notify it.
         self._changed = threading.Condition()
         self._pending: deque[Record | None] = deque()  # records in order; None = the end
         self._records_queued = 0
@@ -86,7 +102,11 @@ class MlflowRun(NullRun):
         self._hurry = False  # a flush or the end: send rows now, not at the batch interval
         self._in_flight: Record | None = None
         self._go = threading.Event()  # see begin_sending()
-        self._given_up = False  # finish() timed out and saved the rest: stop retrying
+        self._given_up = threading.Event()  # finish() saved the rest: stop retrying
+        self.failure: str | None = None
+        """Set when a request failed in a way no retry can fix: the sender stopped there."""
+        self.unsent_path: Path | None = None
+        self._finished: bool | None = None  # finish()'s answer, once it ran
         self._client: client.RunClient | None = None  # made by the thread (imports mlflow)
         self._started = False
         self._cpu_seconds = 0.0
@@ -143,44 +163,81 @@ class MlflowRun(NullRun):
         would otherwise hold up this rank's start-up - and every other rank with it."""
         self._go.set()
 
-    def flush(self) -> None:
-        """Wait until everything logged so far has been accepted (or tracking.flush_timeout_s)."""
-        self._go.set()
-        with self._changed:
-            records, rows = self._records_queued, self.rows.added
-            self._hurry = True
-            self._changed.notify_all()
-            # Rows wait for a run to go to: without start() there is none, nothing to wait for.
-            sent = self._changed.wait_for(
-                lambda: self._records_done >= records
-                and (self.rows.taken >= rows or not self._started),
-                timeout=self.cfg.flush_timeout_s)
-            self._hurry = False
-        if not sent:
-            log.warning("MLflow has not accepted this run's updates for %.0f s; going on, they "
-                        "stay queued", self.cfg.flush_timeout_s)
+    def flush(self, timeout_s: float | None = None, created_within_s: float = 0.0) -> bool:
+        """Wait until everything logged so far has been accepted, for at most `timeout_s`
+        (default tracking.flush_timeout_s); False if it was not (it stays queued).
 
-    def finish(self, status: str = "FINISHED", error: str | None = None) -> None:
+        `created_within_s`: first wait up to this long for the run itself to exist (a checkpoint
+        must name its run, or a restart from it would begin another; creating the run - and a
+        new store - can take seconds on a busy machine)."""
+        timeout_s = self.cfg.flush_timeout_s if timeout_s is None else timeout_s
+        self._go.set()
+        records, rows = self._records_queued, self.rows.added
+        self._hurry = True
+        self._notify()
+        created_by = time.monotonic() + created_within_s
+        while (self._started and self.run_id is None and self._thread.is_alive()
+               and time.monotonic() < created_by):
+            time.sleep(self.POLL_S)
+        deadline = time.monotonic() + timeout_s
+        # Rows wait for a run to go to: without start() there is none, nothing to wait for.
+        while not (self._records_done >= records
+                   and (self.rows.taken >= rows or not self._started)):
+            if not self._thread.is_alive() or time.monotonic() >= deadline:
+                break
+            time.sleep(self.POLL_S)
+        else:
+            self._hurry = False
+            return True
+        self._hurry = False
+        why = self.failure or f"not accepted within {timeout_s:.0f} s"
+        log.warning("MLflow has not taken this run's latest updates (%s); training goes on, "
+                    "they stay queued", why)
+        return False
+
+    def finish(self, status: str = "FINISHED", error: str | None = None,
+               timeout_s: float | None = None) -> bool:
         """End the run with `status` (FAILED whenever there is an `error`, kept as a tag) once
-        everything before has been sent; what MLflow never takes goes to the unsent file."""
+        everything before has been sent, waiting at most `timeout_s` (default
+        tracking.flush_timeout_s). True when the store holds it all; otherwise what it lacks is
+        in the unsent file (`unsent_path`). A second call answers the first's result."""
+        if self._finished is not None:
+            return self._finished
         if error is not None and status == "FINISHED":
             status = "FAILED"
         if self._started:
             self._put(EndRun(status, error))
         with self._changed:
             self._pending.append(None)
-            self._hurry = True
-            self._changed.notify_all()
+        self._hurry = True
+        self._notify()
         self._go.set()
-        self._thread.join(timeout=self.cfg.flush_timeout_s if self._started else 5)
-        if self._thread.is_alive():
-            self._given_up = True
-            self._save_unsent(status)
+        wait_s = self.cfg.flush_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + (wait_s if self._started else 5)
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            self._thread.join(self.POLL_S * 4)
+        problem = None
+        if self._thread.is_alive() or self.failure is not None:
+            self._given_up.set()
+            self._save_unsent(status, self.failure or f"not accepted within {wait_s:.0f} s "
+                              "(tracking.flush_timeout_s)")
+            problem = "kept in the unsent file"
+        elif self._started and self._client is not None and self._client.run_id:
+            problem = self.failure = self._client.check_stored(status)
+            if problem is not None:
+                log.error("The MLflow store %s does not hold this run as %s: %s.", self.uri,
+                          status, problem)
+        self._finished = problem is None
+        return self._finished
 
     def _put(self, record: Record) -> None:
         with self._changed:
             self._pending.append(record)
             self._records_queued += 1
+            self._changed.notify_all()
+
+    def _notify(self) -> None:
+        with self._changed:
             self._changed.notify_all()
 
     # -- the sender thread ----------------------------------------------------------------------
@@ -217,18 +274,33 @@ class MlflowRun(NullRun):
                 self._send_rows()
             self._retry(lambda: self._run_client().apply(record))
         self._in_flight = None
-        with self._changed:
-            self._records_done += 1
-            self._cpu_seconds = time.thread_time()
-            self._changed.notify_all()
+        self._cpu_seconds = time.thread_time()
+        self._records_done += 1
 
     def _begin(self, record: CreateRun | ResumeRun) -> None:
         if self._client is None:
             self._client = client.RunClient(self.uri)
+        if isinstance(record, ResumeRun):
+            self._deliver_leftovers(record.run_id)
         self._client.apply(record)
         (self.output_dir / RUN_FILE).write_text(json.dumps(
             {"run_id": self.run_id, "experiment_id": self.experiment_id,
              "tracking_uri": self.uri}))
+
+    def _deliver_leftovers(self, run_id: str) -> None:
+        """An earlier start of this job left an unsent file for this run (it was stopped while
+        the store was away): deliver it before the run continues, so that nothing waits for
+        someone to remember the upload. One that cannot be delivered stays for the user."""
+        for path in sorted(self.output_dir.glob("mlflow_unsent*.jsonl")):
+            try:
+                header = unsent.load(path)[0]
+                if header["run_id"] != run_id or header["tracking_uri"] != self.uri:
+                    continue
+                unsent.upload(path)
+                log.info("delivered %s, left by an earlier start of this job", path)
+            except Exception as e:  # noqa: BLE001 - the file stays; the run goes on
+                log.warning("could not deliver %s (%s); it stays for `python -m train.outbox "
+                            "upload %s`", path, errors.describe(e), path)
 
     def _run_client(self) -> client.RunClient:
         assert self._client is not None, "a record before the run's start()"
@@ -240,23 +312,31 @@ class MlflowRun(NullRun):
         while batch := self.rows.peek():
             self._retry(lambda b=batch: self._run_client().send_rows(b))  # type: ignore[misc]
             self.rows.drop(batch)
-            with self._changed:
-                self._cpu_seconds = time.thread_time()
-                self._changed.notify_all()
+            self._cpu_seconds = time.thread_time()
 
     def _retry(self, request: Callable[[], None]) -> None:
+        """Until the request succeeds; a permanent failure (client.is_permanent) or finish()
+        giving up ends the sender instead."""
         delay = 0.5
         while True:
             try:
                 return request()
             except Exception as e:  # noqa: BLE001 - a tracking outage must not stop training
-                if self._given_up:
+                if errors.is_permanent(e):
+                    self.failure = errors.describe(e)
+                    log.error("MLflow refused a request and will refuse it again (%s): no "
+                              "more requests for this run; the rest goes to the unsent file "
+                              "at its end", self.failure)
                     raise _GivenUp from None
-                log.warning("MLflow request failed (%s); retrying in %.0f s", e, delay)
-                time.sleep(delay)
+                if self._given_up.is_set():
+                    raise _GivenUp from None
+                log.warning("MLflow request failed (%s); retrying in %.0f s",
+                            errors.describe(e), delay)
+                if self._given_up.wait(delay):
+                    raise _GivenUp from None
                 delay = min(delay * 2, 30.0)
 
-    def _save_unsent(self, status: str) -> None:
+    def _save_unsent(self, status: str, why: str) -> None:
         """Keep what MLflow did not take in a local file, with the command that delivers it."""
         with self._changed:
             waiting = [r for r in [self._in_flight, *self._pending] if r is not None]
@@ -264,15 +344,16 @@ class MlflowRun(NullRun):
         if self._client is not None:  # what a resumed run already holds is not kept twice
             until = self._client.logged_until
             rows.metrics = [m for m in rows.metrics if m[3] > until.get(m[0], -1)]
-        path = self.output_dir / unsent.UNSENT_FILE
+        path = unsent.free_path(self.output_dir)
         header = {"run_id": self.run_id, "tracking_uri": self.uri, "status": status}
         lost = unsent.save(path, header, rows, waiting)
-        log.error("MLflow did not accept this run's last updates within %.0f s "
-                  "(tracking.flush_timeout_s): %d metric values, %d params, %d tags and %d other "
-                  "requests are in %s%s. Deliver them (and end the run %s) once the store is "
-                  "back:\n  python -m train.outbox upload %s", self.cfg.flush_timeout_s,
-                  len(rows.metrics), len(rows.params), len(rows.tags), len(waiting) - len(lost),
-                  path, f" (not kept: {', '.join(lost)})" if lost else "", status, path)
+        self.unsent_path = path
+        log.error("MLflow did not take this run's last updates (%s): %d metric values, %d "
+                  "params, %d tags and %d other requests are in %s%s. Deliver them (and end the "
+                  "run %s) once the store is fixed:\n  python -m train.outbox upload %s",
+                  why, len(rows.metrics), len(rows.params), len(rows.tags),
+                  len(waiting) - len(lost), path,
+                  f" (not kept: {', '.join(lost)})" if lost else "", status, path)
 
 
 def open_run(cfg: TrackingConfig, output_dir: Path, is_main: bool) -> NullRun:

@@ -74,6 +74,43 @@ def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
             raise TrackingError(f"The MLflow store directory {directory} is not writable.")
 
 
+def check_server_api(uri: str, experiment: str, timeout_s: float = 10.0) -> None:
+    """A server that answers /health must also answer MLflow's API: another web service on
+    that port answers 404 to it, and a server with authentication 401/403 without the right
+    credentials (MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD)."""
+    import base64
+    import urllib.parse
+
+    query = urllib.parse.urlencode({"experiment_name": experiment})
+    request = urllib.request.Request(
+        f"{uri.rstrip('/')}/api/2.0/mlflow/experiments/get-by-name?{query}")
+    user, password = (os.environ.get("MLFLOW_TRACKING_USERNAME"),
+                      os.environ.get("MLFLOW_TRACKING_PASSWORD"))
+    if user and password:
+        token = base64.b64encode(f"{user}:{password}".encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s):
+            return
+    except urllib.error.HTTPError as e:
+        body = e.read(2000).decode(errors="replace")
+        if e.code == 404 and "RESOURCE_DOES_NOT_EXIST" in body:
+            return  # an MLflow server without that experiment yet
+        if e.code in (401, 403):
+            problem = (f"it refused the request (HTTP {e.code}): set MLFLOW_TRACKING_USERNAME "
+                       "and MLFLOW_TRACKING_PASSWORD to an account of that server")
+        elif e.code == 404:
+            problem = "it answers /health but not MLflow's API (HTTP 404): not an MLflow server"
+        elif e.code >= 500 or e.code == 429:
+            return  # busy or failing for now: the job retries such answers
+        else:
+            problem = f"MLflow's API answered HTTP {e.code}: {body[:200]}"
+    except (urllib.error.URLError, OSError):
+        return  # check_reachable has just reached it; a blip now is the job's to retry
+    raise TrackingError(f"MLflow tracking server {uri} is not usable: {problem}. Fix "
+                        "MLFLOW_TRACKING_URI / tracking.uri, or run with tracking.enabled=false.")
+
+
 def is_new_sqlite(uri: str) -> bool:
     """An SQLite store whose database does not exist yet: it must be created and migrated once,
     by one process (several doing it at once corrupt it)."""

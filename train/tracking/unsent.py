@@ -13,6 +13,8 @@ No mlflow import here: `upload` makes its requests through train/tracking/client
 from __future__ import annotations
 
 import json
+import os
+import stat
 import types
 import typing
 from dataclasses import asdict, fields
@@ -20,15 +22,39 @@ from pathlib import Path
 from typing import Any
 
 from train.tracking import client
-from train.tracking.records import SAVABLE, Batch, CreateRun, EndRun, Record, ResumeRun
+from train.tracking.records import (
+    SAVABLE,
+    ArtifactFile,
+    Batch,
+    CreateRun,
+    EndRun,
+    Record,
+    ResumeRun,
+    Table,
+    Text,
+)
 
 UNSENT_FILE = "mlflow_unsent.jsonl"
+RUN_FILE = "mlflow_run.json"
+"""The job's run (train/tracking/run.py writes it; an upload that creates the run too)."""
+
+
+def free_path(output_dir: Path) -> Path:
+    """Where a run's unsent file goes: mlflow_unsent.jsonl, or the first free
+    mlflow_unsent.<n>.jsonl - an earlier start's file is never overwritten (it may be the only
+    copy of that start's metrics)."""
+    path, number = output_dir / UNSENT_FILE, 1
+    while path.exists():
+        number += 1
+        path = output_dir / f"mlflow_unsent.{number}.jsonl"
+    return path
 
 
 def save(path: Path, header: dict[str, Any], rows: Batch, records: list[Record]) -> list[str]:
     """Write the unsent file; returns the kinds of the records that could not be kept."""
     lost = [r.KIND for r in records if r.KIND not in SAVABLE]
-    with open(path, "w") as f:
+    # Private whatever the umask: the upload refuses a file others could have written to.
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
         f.write(json.dumps(header) + "\n")
         for record in records:
             if record.KIND in SAVABLE:
@@ -48,14 +74,19 @@ def load(path: Path) -> tuple[dict[str, Any], Batch, list[Record]]:
     lines = path.read_text().splitlines()
     if not lines:
         raise ValueError(f"{path} is empty: not an unsent file")
-    header = json.loads(lines[0])
-    if not isinstance(header, dict) or not {"run_id", "tracking_uri", "status"} <= set(header):
-        raise ValueError(f"{path}:1: not the header of an unsent file: {lines[0][:200]}")
+    try:
+        header = json.loads(lines[0])
+    except ValueError:
+        header = None
+    if not (isinstance(header, dict) and {"run_id", "tracking_uri", "status"} <= set(header)
+            and isinstance(header["tracking_uri"], str) and isinstance(header["status"], str)
+            and isinstance(header["run_id"], str | None)):
+        raise ValueError(f"{path}:1: not the header of an unsent file: {lines[0][:200]!r}")
     rows, records = Batch(), []
     for number, line in enumerate(lines[1:], start=2):
         try:
             _read_line(json.loads(line), rows, records)
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, IndexError, KeyError) as e:
             raise ValueError(f"{path}:{number}: {e}: {line[:200]}") from None
     return header, rows, records
 
@@ -119,6 +150,62 @@ def _text(value: Any) -> str:
     return value
 
 
+class UnsafeFile(ValueError):
+    """An unsent file that asks for something its job could not have written."""
+
+
+def check_safe(path: Path, header: dict[str, Any], records: list[Record],
+               tracking_uri: str | None) -> None:
+    """Refuse a file that is not plainly its job's own before any request: owned by someone
+    else or writable by others; artifact files outside the job's output directory (the file's
+    own directory) or artifact names that climb out of the run's artifacts; a run to resume
+    other than its header's; a store other than mlflow_run.json's unless `tracking_uri` says
+    where the run lives now."""
+    info = path.stat()
+    if info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise UnsafeFile(f"{path} is not yours alone (owner uid {info.st_uid}, mode "
+                         f"{stat.filemode(info.st_mode)}): refusing to act on it.")
+    job_dir = path.resolve().parent
+    for record in records:
+        if isinstance(record, ArtifactFile):
+            _inside(Path(record.path), job_dir)
+            _artifact_name(record.artifact_path)
+        elif isinstance(record, Text | Table):
+            _artifact_name(record.artifact_file)
+        elif isinstance(record, ResumeRun) and record.run_id != header["run_id"]:
+            raise UnsafeFile(f"{path}: resumes run {record.run_id}, but the file is run "
+                             f"{header['run_id']}'s.")
+    recorded = _recorded(job_dir)
+    if tracking_uri is None and recorded.get("tracking_uri") not in (None,
+                                                                     header["tracking_uri"]):
+        raise UnsafeFile(f"{path} names the store {header['tracking_uri']}, but this job logged "
+                         f"to {recorded['tracking_uri']} ({job_dir / RUN_FILE}); give "
+                         "--tracking-uri to say where its run lives.")
+    if header["run_id"] and recorded.get("run_id") not in (None, header["run_id"]):
+        raise UnsafeFile(f"{path} is for run {header['run_id']}, but this job's run is "
+                         f"{recorded['run_id']} ({job_dir / RUN_FILE}).")
+
+
+def _inside(file: Path, job_dir: Path) -> None:
+    resolved = file.resolve()
+    if not resolved.is_relative_to(job_dir) or not resolved.is_file():
+        raise UnsafeFile(f"artifact {file} is not a file inside the job's output directory "
+                         f"{job_dir}: refusing to upload it.")
+
+
+def _artifact_name(name: str | None) -> None:
+    if name is not None and (name.startswith("/") or ".." in Path(name).parts or not name):
+        raise UnsafeFile(f"artifact name {name!r} must be a plain relative path.")
+
+
+def _recorded(job_dir: Path) -> dict[str, Any]:
+    try:
+        recorded = json.loads((job_dir / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return recorded if isinstance(recorded, dict) else {}
+
+
 def upload(path: Path, tracking_uri: str | None = None) -> str:
     """Deliver an unsent file: the run (created now if it never was), the rows the run does not
     hold yet - so a second upload changes nothing -, the artifacts, and the final status.
@@ -128,7 +215,9 @@ def upload(path: Path, tracking_uri: str | None = None) -> str:
     store has moved; MLFLOW_TRACKING_URI is not consulted, as it may name another store by now.
     """
     header, rows, records = load(path)
-    run = client.RunClient(tracking_uri or header["tracking_uri"], header["run_id"])
+    check_safe(path, header, records, tracking_uri)
+    uri = tracking_uri or header["tracking_uri"]
+    run = client.RunClient(uri, header["run_id"])
     begin = [r for r in records if isinstance(r, (CreateRun, ResumeRun))]
     end = [r for r in records if isinstance(r, EndRun)]
     for record in begin:
@@ -142,5 +231,9 @@ def upload(path: Path, tracking_uri: str | None = None) -> str:
         run.apply(record)
     if not end:  # the end request itself had gone through
         run.apply(EndRun(header["status"]))
+    # The job's directory now names its run (created just now, perhaps): running the job again
+    # continues this run instead of starting another.
+    (path.parent / RUN_FILE).write_text(json.dumps(
+        {"run_id": run.run_id, "experiment_id": run.experiment_id, "tracking_uri": uri}))
     path.rename(path.with_suffix(".uploaded"))
     return str(run.run_id)

@@ -1,0 +1,46 @@
+"""Tracking errors sorted into those a retry can fix and those it cannot (no mlflow import at
+module level: `is_permanent` imports it only to recognise MLflow's exceptions)."""
+
+from __future__ import annotations
+
+PERMANENT_CODES = frozenset({
+    "INVALID_PARAMETER_VALUE", "ENDPOINT_NOT_FOUND", "RESOURCE_DOES_NOT_EXIST", "NOT_FOUND",
+    "PERMISSION_DENIED", "UNAUTHENTICATED", "CUSTOMER_UNAUTHORIZED", "BAD_REQUEST",
+    "MALFORMED_REQUEST", "INVALID_STATE", "FEATURE_DISABLED", "RESOURCE_ALREADY_EXISTS",
+    "ALREADY_EXISTS", "NOT_IMPLEMENTED", "RESOURCE_LIMIT_EXCEEDED", "MAX_LIST_SIZE_EXCEEDED"})
+"""MLflow error codes that the same request will always get again."""
+PERMANENT_DB_TEXT = ("readonly database", "no such table", "unable to open database file",
+                     "disk i/o error", "no space left on device")
+"""An SQLite store that can no longer be written (made read-only, removed, full): retrying
+the same request does not help."""
+
+
+def is_permanent(error: BaseException) -> bool:
+    """Whether a failed tracking request can never succeed as it is: a 4xx other than 408/429,
+    an invalid name or value, a missing database driver, a store that cannot be written, a
+    missing local file. Transient (retried): refused or reset connections, timeouts, 5xx, 429,
+    a locked SQLite database."""
+    from mlflow.exceptions import MlflowException
+
+    text = str(error).lower()
+    if isinstance(error, ImportError | FileNotFoundError | PermissionError | IsADirectoryError):
+        return True
+    if any(part in text for part in PERMANENT_DB_TEXT):
+        return True
+    if isinstance(error, MlflowException):
+        status = error.get_http_status_code()
+        return error.error_code in PERMANENT_CODES or (
+            400 <= status < 500 and status not in (408, 429))
+    # A request this code built wrongly will not be built better next time; OSError,
+    # ConnectionError, TimeoutError, SQLAlchemy's OperationalError ("locked") are transient.
+    return isinstance(error, TypeError | ValueError | KeyError | AttributeError)
+
+
+def describe(error: BaseException) -> str:
+    """One line: the error's type and its message, shortened."""
+    # SQLAlchemy's errors start with a hint about autoflush and end with the SQL: neither
+    # says what went wrong.
+    lines = [line.strip() for line in str(error).splitlines()
+             if line.strip() and not line.strip().startswith("(raised as a result of")]
+    text = " ".join(lines).split(" [SQL:")[0]
+    return f"{type(error).__name__}: {text}"[:300]
