@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from tests.conftest import REPO
-from train import launch
+from train import launch, stopping
 from train.launch import RankOutcome, root_cause
 
 
@@ -71,16 +71,21 @@ def test_the_launcher_imports_no_torch() -> None:
 
 
 ORPHAN = """
-import multiprocessing, os, time
-from train import launch
+import multiprocessing, os, sys, time
+from train import launch, stopping
 
-def rank(launcher):
+def rank(launcher, report):
     launch._end_with(launcher)
-    print(os.getpid(), flush=True)
-    time.sleep(120)
+    with stopping.StopSignals() as stop:
+        print(os.getpid(), flush=True)
+        deadline = time.monotonic() + 120
+        while stop.received is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # as the training loop: the flag is read at step boundaries
+    with open(report, "w") as f:
+        f.write(str(stop.received))
 
 if __name__ == "__main__":
-    p = multiprocessing.get_context("spawn").Process(target=rank, args=(os.getpid(),))
+    p = multiprocessing.get_context("spawn").Process(target=rank, args=(os.getpid(), sys.argv[1]))
     p.start()
     p.join()
 """
@@ -93,13 +98,22 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def test_a_rank_ends_when_its_launcher_is_killed(tmp_path: Path) -> None:
-    """SIGKILL leaves the launcher no chance to stop its ranks: the kernel tells them."""
-    script = tmp_path / "launcher.py"
+def _ignore_stop_signals() -> None:
+    """As `nohup` or a non-interactive shell's `cmd &` start a process: these ignored, which
+    its children inherit."""
+    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(number, signal.SIG_IGN)
+
+
+def test_a_rank_stops_when_its_launcher_is_killed(tmp_path: Path) -> None:
+    """SIGKILL leaves the launcher no chance to stop its ranks: the kernel sends them TERM,
+    their coordinated stop, even from a launcher started with the stop signals ignored."""
+    script, report = tmp_path / "launcher.py", tmp_path / "received"
     script.write_text(ORPHAN)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    launcher = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, text=True)
+    launcher = subprocess.Popen([sys.executable, str(script), str(report)], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                preexec_fn=_ignore_stop_signals)
     assert launcher.stdout is not None
     rank_pid = int(launcher.stdout.readline())
     launcher.kill()
@@ -110,6 +124,31 @@ def test_a_rank_ends_when_its_launcher_is_killed(tmp_path: Path) -> None:
     if not _gone(rank_pid):
         os.kill(rank_pid, signal.SIGKILL)  # this test's own orphan
         raise AssertionError("the rank outlived its launcher")
+    assert report.read_text() == "SIGTERM"
+
+
+def test_the_first_stop_signal_names_the_stop_and_a_second_ctrl_c_aborts() -> None:
+    """A closed terminal sends HUP to the group, the launcher passes TERM on: HUP it was. A
+    second Ctrl-C does not wait for the checkpoint."""
+    with stopping.StopSignals() as stop:
+        os.kill(os.getpid(), signal.SIGHUP)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.received == "SIGHUP"
+        assert str(stop.preempted()) == "stopped by SIGHUP after saving a checkpoint"
+    with stopping.StopSignals() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.received == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # the handler runs before this ends
+    assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL  # the previous handlers are back
+
+
+def test_a_stop_job_exits_as_a_shell_reports_the_signal() -> None:
+    stopped = launch.JobStoppedError("SIGTERM", "/tmp/out")
+    assert stopped.exit_code == 143
+    assert str(stopped) == ("stopped by SIGTERM after saving a checkpoint in /tmp/out/checkpoints;"
+                            " the same command with hydra.run.dir=/tmp/out resumes it")
 
 
 def test_a_failed_rank_stops_the_others_after_the_grace_period(

@@ -8,16 +8,19 @@ run ids as overrides; a single run is pre-flighted here.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
 
 from train import config as config_lib
-from train import distenv
+from train import distenv, joblock
 from train.config import TrainConfig
 from train.schema import register_schema, to_container, to_typed
 
@@ -27,26 +30,110 @@ register_schema()
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")
-def main(cfg: DictConfig) -> float | None:
+_sweep_stopped_by: str | None = None
+"""A job of this process's local sweep was stopped by this signal (Ctrl-C, `kill`): the jobs
+after it are not started, rather than one more Ctrl-C per job."""
+
+
+def job(cfg: DictConfig) -> float | None:
     """Run one job; returns its objective (trainer.objective) for Hydra's sweepers."""
     from train.config import ConfigError
     from train.distenv import DistEnvError
-    from train.launch import JobFailedError, LaunchError
+    from train.joblock import JobLockedError
+    from train.launch import JobFailedError, JobStoppedError, LaunchError
 
+    global _sweep_stopped_by
+    _keep_hydras_short_errors()
     hydra_cfg = HydraConfig.get()
     try:
+        if _sweep_stopped_by is not None:
+            raise LaunchError(f"not started: the sweep was stopped by {_sweep_stopped_by}")
         # What the user typed (also inside a Slurm job, where argv is submitit's).
         overrides = config_lib.typed_by_user(hydra_cfg.overrides.task)
         command = " ".join(["python -m train", *overrides])
         return run(cfg, hydra_cfg.runtime.output_dir, command,
                    preflighted=launched_by_us(hydra_cfg))
-    except (ConfigError, DistEnvError, LaunchError, JobFailedError) as e:
+    except (ConfigError, DistEnvError, LaunchError, JobLockedError, JobFailedError,
+            JobStoppedError) as e:
         if hydra_cfg.mode == RunMode.MULTIRUN:
+            if isinstance(e, JobStoppedError):
+                _sweep_stopped_by = e.signal_name
             raise  # Hydra marks this job FAILED; the other jobs of the sweep go on
         # A single job: the message alone, no stack of Hydra frames around it.
+        if isinstance(e, JobStoppedError):
+            print(f"\n{e}\n", file=sys.stderr)
+            raise SystemExit(e.exit_code) from None
         print(f"\nerror: {e}\n", file=sys.stderr)
         raise SystemExit(1 if isinstance(e, JobFailedError) else 2) from None
+
+
+_hydra_main = hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")(job)
+_FULL_ERROR = "HYDRA_FULL_ERROR"
+_full_error_is_ours = False
+
+
+def main() -> None:
+    """`python -m train`: Hydra's main, with a mistake in the command line (an unknown key, a
+    value of the wrong type, a missing config option, bad override syntax) told in one line
+    with exit code 2 instead of Hydra's report. HYDRA_FULL_ERROR=1 still shows the trace."""
+    global _full_error_is_ours
+    if _FULL_ERROR in os.environ:
+        _hydra_main()
+        return
+    # Hydra raises instead of printing its report (and exiting 1) only with this set.
+    os.environ[_FULL_ERROR], _full_error_is_ours = "1", True
+    try:
+        _hydra_main()
+    except (HydraException, OmegaConfBaseException) as e:
+        print(f"\nerror: {one_line(e)}\n", file=sys.stderr)
+        raise SystemExit(2) from None
+    finally:
+        _keep_hydras_short_errors()
+
+
+def _keep_hydras_short_errors() -> None:
+    """Composition is over once a job runs: its own errors, its ranks and the jobs it submits
+    keep Hydra's usual short report."""
+    global _full_error_is_ours
+    if _full_error_is_ours:
+        os.environ.pop(_FULL_ERROR, None)
+        _full_error_is_ours = False
+
+
+_NOISE = ("full_key:", "reference_type=", "object_type=", "See https://", "Config search path",
+          "provider=", "To append to your config")  # `+key` cannot add what no dataclass has
+
+
+def one_line(error: BaseException) -> str:
+    """A Hydra or OmegaConf error and its causes as one line (options listed inline)."""
+    texts: list[str] = []
+    current: BaseException | None = error
+    while current is not None:
+        parts: list[str] = []
+        for raw in str(current).splitlines():
+            line = raw.strip()
+            if not line or line.startswith(_NOISE):
+                continue
+            if raw.startswith("\t") and parts:  # an option under "Available options in ..."
+                parts[-1] += (" " if parts[-1].endswith(":") else ", ") + line
+            else:
+                parts.append(line)
+        texts.append(" ".join(parts))
+        current = current.__cause__
+    return ": ".join(t.rstrip(".") for t in texts if t) + \
+        ". `python -m train --help` lists every setting."
+
+
+def _typed(cfg: DictConfig) -> tuple[dict, TrainConfig]:
+    """The composed config as a plain dict and typed; a key no dataclass has (`+trainer.foo=1`)
+    or a value of the wrong type is a ConfigError."""
+    from train.config import ConfigError
+
+    try:
+        config = to_container(cfg)
+        return config, to_typed(config)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{getattr(e, 'full_key', '') or 'config'}: {one_line(e)}") from None
 
 
 def launched_by_us(hydra_cfg: DictConfig) -> bool:
@@ -61,8 +148,7 @@ def run(cfg: DictConfig, output_dir: str, command: str,
         preflighted: bool = False) -> float | None:
     """Run the job this process was asked for; returns the objective for Hydra sweepers.
     `preflighted`: the launcher checked this job already."""
-    config = to_container(cfg)
-    typed = to_typed(config)
+    config, typed = _typed(cfg)
     from train.preflight import preflight, validate
 
     external = distenv.external_world_size()
@@ -71,15 +157,18 @@ def run(cfg: DictConfig, output_dir: str, command: str,
         validate(typed, external)
         from train.job import run_rank
 
-        return objective(typed, run_rank(config, output_dir, command))
+        # The job's first rank holds its directory for all of its ranks (they share it).
+        with joblock.held(Path(output_dir), holds=distenv.external_rank() == 0):
+            return objective(typed, run_rank(config, output_dir, command))
     from train.launch import run_in_process, start_local_ranks
 
-    if not preflighted:
-        preflight([typed], output_dir=output_dir)
-    nproc = typed.distributed.nproc_per_node
-    if nproc == 1:
-        return objective(typed, run_in_process(config, output_dir, command))
-    return objective(typed, start_local_ranks(config, output_dir, command, nproc))
+    with joblock.held(Path(output_dir)):  # before anything is checked, created or started
+        if not preflighted:
+            preflight([typed], output_dir=output_dir)
+        nproc = typed.distributed.nproc_per_node
+        if nproc == 1:
+            return objective(typed, run_in_process(config, output_dir, command))
+        return objective(typed, start_local_ranks(config, output_dir, command, nproc))
 
 
 def objective(cfg: TrainConfig, final: dict[str, float]) -> float | None:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler
 
+from train.stopping import ignore_in_worker
 from train.tracking import records
 
 
@@ -129,10 +130,11 @@ memory). They never touch CUDA; what they read (file lists, the data set) they s
 
 def loader(dataset: torch.utils.data.Dataset, order: ShardOrder, workers: int,
            device: torch.device, collate: Callable[[Any], Any]) -> DataLoader:
-    """Batches of `order` read by `workers` processes (kept for the whole job)."""
+    """Batches of `order` read by `workers` processes (kept for the whole job). The workers
+    ignore stop signals: their rank stops them after its stop checkpoint."""
     return DataLoader(dataset, batch_sampler=BatchSampler(order, order.batch_size, drop_last=False),
                       collate_fn=collate, num_workers=workers, persistent_workers=workers > 0,
-                      pin_memory=device.type == "cuda",
+                      pin_memory=device.type == "cuda", worker_init_fn=ignore_in_worker,
                       multiprocessing_context=WORKER_START if workers > 0 else None)
 
 

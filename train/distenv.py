@@ -64,6 +64,16 @@ def external_world_size(environ: Mapping[str, str] = os.environ) -> int | None:
     return None
 
 
+def external_rank(environ: Mapping[str, str] = os.environ) -> int | None:
+    """This process's rank when torchrun or Slurm started one process per rank; None
+    otherwise (before detect() has exported anything)."""
+    if "RANK" in environ:
+        return int(environ["RANK"])
+    if in_slurm_step(environ):
+        return int(environ["SLURM_PROCID"])
+    return None
+
+
 def detect() -> DistEnv:
     """Read this rank's place in the job from the environment, exporting torchrun-style vars."""
     present = [v for v in TORCHRUN_VARS if v in os.environ]

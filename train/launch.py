@@ -23,9 +23,11 @@ import signal
 import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
-from train import distenv
+from train import distenv, joblock, stopping
+from train.stopping import Preempted
 
 log = logging.getLogger("train")
 
@@ -43,12 +45,26 @@ class JobFailedError(RuntimeError):
     """A rank failed; the message names the root cause."""
 
 
+class JobStoppedError(RuntimeError):
+    """The job was stopped by a signal after its ranks saved a checkpoint; the run is KILLED."""
+
+    def __init__(self, signal_name: str, output_dir: str) -> None:
+        super().__init__(
+            f"stopped by {signal_name} after saving a checkpoint in {output_dir}/checkpoints; "
+            f"the same command with hydra.run.dir={output_dir} resumes it")
+        self.signal_name = signal_name
+        number = getattr(signal.Signals, signal_name, None)
+        self.exit_code = 128 + int(number) if number is not None else 1
+        """As a shell reports a process ended by that signal."""
+
+
 @dataclass(frozen=True)
 class RankOutcome:
-    """What a rank sent back before exiting: its result, or its error's traceback."""
+    """What a rank sent back before exiting: its result, its error's traceback, or the signal
+    that stopped it."""
 
     rank: int
-    kind: Literal["error", "result"]
+    kind: Literal["error", "result", "stopped"]
     payload: Any
     at: float
     """time.time() when it was sent: the earliest error is the root cause."""
@@ -65,6 +81,8 @@ def run_in_process(config: dict[str, Any], output_dir: str, command: str) -> dic
         from train.job import run_rank
 
         return run_rank(config, output_dir, command, own_process=False)
+    except Preempted as e:
+        raise JobStoppedError(e.signal_name, output_dir) from None
     except Exception as e:
         # As from several ranks: the job failed, with the error and where it happened.
         raise JobFailedError("the training job failed; rank 0 failed:\n"
@@ -82,30 +100,76 @@ def start_local_ranks(config: dict[str, Any], output_dir: str, command: str,
     """Start `nproc` ranks on this machine and supervise them until all end; rank 0's final
     metrics. A rank that fails makes the others fail at their next collective (their
     connections to it close); any still running GRACE_S later is stopped. The root cause
-    (root_cause) is the JobFailedError's message."""
+    (root_cause) is the JobFailedError's message. TERM, HUP, INT or USR2 here reach the ranks:
+    their coordinated stop (a checkpoint, the run KILLED), then JobStoppedError."""
     ctx = mp.get_context("spawn")  # a fresh interpreter: no state of this process carried over
+    _start_resource_tracker()
     outcomes: mp.Queue = ctx.Queue()
     port = distenv.free_port()
     procs = [ctx.Process(target=_rank_entry, name=f"rank {rank}", args=(
         config, output_dir, command, os.getpid(),
         distenv.torchrun_env(rank, rank, nproc, nproc, "127.0.0.1", port), outcomes))
         for rank in range(nproc)]
-    for p in procs:
-        p.start()
-    try:
-        _supervise(procs)
-    finally:
-        stopped = _stop(procs)
+    started = time.time()
+    with stopping.PassOn(procs) as forwarding:
+        for p in procs:
+            p.start()
+        joblock.add_ranks(Path(output_dir), [p.pid for p in procs if p.pid is not None])
+        try:
+            _supervise(procs)
+        finally:
+            stopped = _stop(procs)
     results = _drain(outcomes)
     exits = {rank: p.exitcode for rank, p in enumerate(procs)}
-    done = {o.rank for o in results if o.kind == "result"}
+    done = {o.rank for o in results if o.kind in ("result", "stopped")}
     for rank, code in exits.items():
         if code != 0 and rank in done:
             # Its work was done and delivered; only the interpreter's teardown failed.
             log.warning("rank %d exited with code %s after finishing its work", rank, code)
     if all(code == 0 or rank in done for rank, code in exits.items()):
+        stops = {o.rank: o.payload for o in results if o.kind == "stopped"}
+        if stops:  # rank 0's signal names the stop (the others may only know of a request)
+            raise JobStoppedError(stops.get(0) or next(iter(stops.values())), output_dir)
         return next((o.payload for o in results if o.kind == "result" and o.rank == 0), {})
+    stopped |= forwarding.signalled_ranks(exits)
+    _end_abandoned_run(output_dir, started, exits, results, stopped,
+                       {rank: p.pid for rank, p in enumerate(procs)})
     raise JobFailedError(f"the training job failed; {root_cause(exits, results, stopped)}")
+
+
+def _start_resource_tracker() -> None:
+    """multiprocessing's helper process (it unlinks the queue's semaphores) ignores INT and
+    TERM but would die of a closed terminal's HUP, and its successor then prints KeyErrors:
+    started with HUP ignored, it inherits that."""
+    from multiprocessing import resource_tracker
+
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+
+def _end_abandoned_run(output_dir: str, started: float, exits: dict[int, int | None],
+                       results: list[RankOutcome], stopped: set[int],
+                       pids: dict[int, int | None]) -> None:
+    """Rank 0 alone ends the run. If it died without a word, its run would stay RUNNING; if
+    another rank was killed, rank 0 blamed the closed connection it saw. Either way this
+    process knows better: it ends the run FAILED with the rank that died."""
+    killed = sorted((rank, -code) for rank, code in exits.items()
+                    if code is not None and code < 0 and rank not in stopped)
+    reported = {o.rank for o in results}
+    if killed:
+        rank, number = killed[0]
+        cause = f"rank {rank} (pid {pids[rank]}) killed by {_signal_name(number)}"
+    elif 0 not in reported:  # hung and stopped here, or gone without a word: say why
+        lines = root_cause(exits, results, stopped).strip().splitlines()
+        cause = lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
+    else:
+        return
+    from train.tracking import abandoned
+
+    abandoned.end_with_cause(Path(output_dir), started, cause)
 
 
 def _rank_entry(config: dict[str, Any], output_dir: str, command: str, launcher: int,
@@ -117,6 +181,8 @@ def _rank_entry(config: dict[str, Any], output_dir: str, command: str, launcher:
         from train.job import run_rank
 
         outcome = RankOutcome(rank, "result", run_rank(config, output_dir, command), time.time())
+    except Preempted as e:
+        outcome = RankOutcome(rank, "stopped", e.signal_name, time.time())
     except BaseException as e:
         outcome = RankOutcome(rank, "error", "".join(traceback.format_exception(e)), time.time())
     outcomes.put(outcome)
@@ -129,14 +195,16 @@ def _rank_entry(config: dict[str, Any], output_dir: str, command: str, launcher:
 
 
 def _end_with(launcher: int) -> None:
-    """This rank gets SIGINT (KeyboardInterrupt: the job marks its run FAILED and exits) when
-    the launching process dies, even by SIGKILL, instead of training on unsupervised."""
-    # A launcher started in the background by a non-interactive shell (nohup, `cmd &`, some CI
-    # runners) passes SIGINT on as ignored, and Python then installs no handler of its own: the
-    # signal below would be lost. Heed it.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    """This rank gets TERM when the launching process dies, even by SIGKILL: the coordinated
+    stop (a checkpoint, the run KILLED) instead of training on unsupervised.
+
+    TERM, not INT as before: Python may not heed an INT (a launcher started in the background
+    by a non-interactive shell passes INT on as ignored), and an INT made the run FAILED with
+    a bare KeyboardInterrupt and no checkpoint. Stop signals that come while the rank starts
+    are kept (stopping.note_early) rather than killing it unannounced."""
+    stopping.note_early()
     with contextlib.suppress(AttributeError, OSError):  # Linux only; elsewhere: best effort
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGINT)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != launcher:  # it died before the line above
         raise SystemExit(1)
 

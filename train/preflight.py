@@ -8,6 +8,7 @@ need them (a torchvision model name, a data set on disk, local GPUs).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 from train import config as config_lib
@@ -189,9 +190,20 @@ def check_image_folder(data: DataConfig) -> None:
         streaming.transforms(data, train=False)
 
 
+RANKS_PER_CPU = 2
+"""Local ranks beyond this many per CPU only slow each other down (and each holds a copy of
+the model and its data): 3 ranks on 2 CPUs still run, 1000 are refused."""
+
+
 def check_local_devices(cfg: TrainConfig) -> None:
-    """nccl or device=cuda: one GPU per local rank."""
+    """At most RANKS_PER_CPU local ranks per CPU; nccl or device=cuda: one GPU per local rank."""
     d = cfg.distributed
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if d.nproc_per_node > RANKS_PER_CPU * (cpus or 1):
+        raise LaunchError(
+            f"distributed.nproc_per_node={d.nproc_per_node} local ranks, but this machine lets "
+            f"this process use {cpus} CPUs (at most {RANKS_PER_CPU} ranks per CPU). Lower "
+            "nproc_per_node, or run on more nodes (+cluster=slurm cluster.nodes=N).")
     if d.backend != "nccl" and d.device != "cuda":
         return
     import torch

@@ -71,6 +71,7 @@ class TrainSlurmLauncher(SlurmLauncher):
             checked_jobs.refuse(f"{e} (sbatch and srun must be on PATH, even for a dry run)")
         if self.dry_run:
             print(slurm.show_script(executor, len(job_overrides)))
+            _forget_sweep_dir(str(self.config.hydra.sweep.dir))
             raise SystemExit(0)
         job_overrides, parent = checked_jobs.with_ids(self, job_overrides, experiment_id)
         job_params = [(o, "hydra.sweep.dir", initial_job_idx + i, f"job_id_for_{i}",
@@ -146,3 +147,22 @@ class TrainSlurmLauncher(SlurmLauncher):
                                       for k, v in params.items()})
         Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
         return executor
+
+
+def _forget_sweep_dir(sweep_dir: str) -> None:
+    """A dry run submits nothing, so it leaves no `multirun/<date>/<time>/` behind: Hydra's
+    sweeper made it for multirun.yaml alone. Removed only while empty but for that file, and
+    parents only below the working directory (never a directory that holds anything else)."""
+    from pathlib import Path
+
+    leaf, cwd = Path(sweep_dir).absolute(), Path.cwd()
+    if not leaf.is_dir() or {p.name for p in leaf.iterdir()} - {"multirun.yaml"}:
+        return
+    (leaf / "multirun.yaml").unlink(missing_ok=True)
+    for directory in [leaf, *leaf.parents]:
+        if directory != leaf and cwd not in directory.parents:
+            break
+        try:
+            directory.rmdir()
+        except OSError:
+            break

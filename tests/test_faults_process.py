@@ -1,0 +1,349 @@
+"""Process and signal faults, tried as a user would (issue 14): a killed or signalled launcher,
+a signalled process group with DataLoader workers, a killed rank, a closed terminal, a second
+job in a directory in use, command-line mistakes, and a dry run's leftovers.
+
+Slow tests run real 2-rank jobs, send real signals and read the real MLflow store back; the
+fast ones use real processes that import no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+
+from tests.conftest import LAUNCHER_VARS, REPO, history, run_train, runs_in, skip_or_fail
+from train import app, joblock
+from train.config import ConfigError
+
+# -- the job lock (fast: its holder is a real process that imports no torch) -------------------
+
+HOLDER = """
+import subprocess, sys
+from pathlib import Path
+from train import joblock
+joblock.take(Path(sys.argv[1]))
+if len(sys.argv) > 2:  # as the local launcher: its ranks hold the directory with it
+    rank = subprocess.Popen(["sleep", "60"])
+    joblock.add_ranks(Path(sys.argv[1]), [rank.pid])
+    print(rank.pid, flush=True)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture
+def holder(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen[str]]]:
+    """Start a process that holds a directory's lock until its stdin closes."""
+    started: list[subprocess.Popen[str]] = []
+
+    def start(directory: Path, *with_rank: str, **env: str) -> subprocess.Popen[str]:
+        proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(directory), *with_rank],
+                                text=True, env={**os.environ, "PYTHONPATH": str(REPO), **env},
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        started.append(proc)
+        assert proc.stdout is not None
+        if with_rank:
+            proc.rank_pid = int(proc.stdout.readline())  # type: ignore[attr-defined]
+        assert proc.stdout.readline() == "held\n"
+        return proc
+
+    yield start
+    for proc in started:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_directory_held_by_a_live_job_is_refused_in_one_line(
+        tmp_path: Path, holder: Callable[..., subprocess.Popen[str]]) -> None:
+    other = holder(tmp_path)
+    with pytest.raises(joblock.JobLockedError) as refused:
+        joblock.take(tmp_path)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert f"in use by another job: pid {other.pid} on " in message
+    assert f"kill {other.pid}" in message and str(tmp_path / joblock.LOCK_FILE) in message
+    assert json.loads((tmp_path / joblock.LOCK_FILE).read_text())["pid"] == other.pid
+
+
+def test_a_dead_holders_lock_is_taken_over_and_released(
+        tmp_path: Path, holder: Callable[..., subprocess.Popen[str]]) -> None:
+    other = holder(tmp_path)
+    other.kill()  # as `kill -9`: the lock file stays behind
+    other.wait()
+    assert (tmp_path / joblock.LOCK_FILE).exists()
+    with joblock.held(tmp_path):
+        assert json.loads((tmp_path / joblock.LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert not (tmp_path / joblock.LOCK_FILE).exists()
+    assert [p.name for p in tmp_path.iterdir()] == []  # no draft left either
+
+
+def test_ranks_that_outlive_their_killed_launcher_still_hold_the_directory(
+        tmp_path: Path, holder: Callable[..., subprocess.Popen[str]]) -> None:
+    """`kill -9 <launcher>`: its ranks write their stop checkpoint before they end."""
+    launcher = holder(tmp_path, "with a rank")
+    rank = psutil.Process(launcher.rank_pid)  # type: ignore[attr-defined]
+    launcher.kill()
+    launcher.wait()
+    with pytest.raises(joblock.JobLockedError, match=f"pid {launcher.pid} on "):
+        joblock.take(tmp_path)
+    rank.kill()
+    _wait_for(lambda: _ended(rank), 10, "the rank's end")
+    with joblock.held(tmp_path):
+        pass
+
+
+def test_a_requeued_slurm_job_takes_its_directory_back(
+        tmp_path: Path, holder: Callable[..., subprocess.Popen[str]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slurm requeues keep the job id; another job id is refused while its holder lives."""
+    holder(tmp_path, SLURM_JOB_ID="4242")
+    monkeypatch.setenv("SLURM_JOB_ID", "4243")
+    with pytest.raises(joblock.JobLockedError, match=r"\(Slurm job 4242\)"):
+        joblock.take(tmp_path)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    with joblock.held(tmp_path):
+        assert json.loads((tmp_path / joblock.LOCK_FILE).read_text())["pid"] == os.getpid()
+
+
+def test_ranks_after_the_first_do_not_take_the_lock(
+        tmp_path: Path, holder: Callable[..., subprocess.Popen[str]]) -> None:
+    holder(tmp_path)
+    with joblock.held(tmp_path, holds=False):  # rank 1 of a job whose rank 0 holds it
+        pass
+
+
+# -- DataLoader workers (fast: one forked worker) ---------------------------------------------
+
+def test_a_worker_outlives_the_groups_signals_but_not_its_ranks_terminate() -> None:
+    """TERM or HUP from elsewhere (Slurm, a shell's `kill -- -<pgid>`) leaves the worker to its
+    rank; the rank's own terminate() (DataLoader shutdown, exit) still ends it."""
+    import torch.utils.data
+
+    from train.stopping import ignore_in_worker
+
+    loader = torch.utils.data.DataLoader(list(range(1000)), batch_size=4, num_workers=1,
+                                         worker_init_fn=ignore_in_worker,
+                                         persistent_workers=True, multiprocessing_context="fork")
+    batches = iter(loader)
+    assert next(batches).tolist() == [0, 1, 2, 3]
+    [worker] = batches._workers  # type: ignore[attr-defined]
+    for name in ("TERM", "HUP", "INT", "USR2"):
+        subprocess.run(["kill", f"-{name}", str(worker.pid)], check=True)
+    # More batches than were prefetched: the worker made them after the signals.
+    assert [next(batches)[0].item() for _ in range(20)] == list(range(4, 84, 4))
+    assert worker.is_alive()
+    worker.terminate()
+    worker.join(10)
+    assert worker.exitcode == 0
+    del batches
+
+
+# -- command-line mistakes (fast: Hydra's compose API; the CLI itself in the slow test) --------
+
+def _composed(*overrides: str) -> Any:
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose(config_name="train", overrides=list(overrides))
+
+
+def test_an_unknown_key_added_with_plus_is_one_config_error() -> None:
+    with pytest.raises(ConfigError) as refused:
+        app._typed(_composed("+trainer.foo=1"))
+    assert str(refused.value) == ("trainer.foo: Key 'foo' not in 'TrainerConfig'. "
+                                  "`python -m train --help` lists every setting.")
+
+
+@pytest.mark.parametrize(("override", "expected"), [
+    ("trainer.nope=1", "Could not override 'trainer.nope': Key 'nope' not in 'TrainerConfig'."),
+    ("model=nosuch", "In 'train': Could not find 'model/nosuch' Available options in 'model': "
+                     "cnn, custom, mlp, resnet18, torchvision."),
+])
+def test_a_composition_error_is_one_line(override: str, expected: str) -> None:
+    with pytest.raises(HydraException) as failed:
+        _composed(override)
+    assert app.one_line(failed.value) == expected + " `python -m train --help` lists every setting."
+
+
+# -- real jobs, real signals (slow) -----------------------------------------------------------
+
+def _wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if found := condition():
+            return found
+        time.sleep(0.1)
+    raise AssertionError(f"{what} did not happen within {timeout:.0f} s")
+
+
+def _ended(p: psutil.Process) -> bool:
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE  # PID 1 reaps orphans lazily
+    except psutil.NoSuchProcess:
+        return True
+
+
+class Job:
+    """A 2-rank `python -m train` in its own process group (as a terminal or Slurm starts it),
+    with its launcher, ranks and DataLoader workers as psutil processes."""
+
+    def __init__(self, out_dir: Path, store: dict[str, str], *overrides: str) -> None:
+        self.out_dir, self.uri = out_dir, store["MLFLOW_TRACKING_URI"]
+        env = {k: v for k, v in os.environ.items()
+               if k not in LAUNCHER_VARS and not k.startswith("SLURM_")}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "train", "distributed.nproc_per_node=2", "trainer.epochs=200",
+             f"hydra.run.dir={out_dir}", *overrides], cwd=REPO, env={**env, **store},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        self.launcher = psutil.Process(self.proc.pid)
+        self.ranks = sorted(_wait_for(self._ranks, 60, "2 ranks"), key=lambda p: p.pid)
+        # Training is under way once the run exists: rank 0 creates it at the first step.
+        _wait_for(lambda: (out_dir / "mlflow_run.json").exists(), 120, "the run")
+        self.family = [self.launcher, *self.launcher.children(recursive=True)]
+
+    def _ranks(self) -> list[psutil.Process] | None:
+        ranks = [p for p in self.launcher.children() if "spawn_main" in " ".join(p.cmdline())]
+        return ranks if len(ranks) == 2 else None
+
+    def checkpoints(self) -> list[str]:
+        return sorted(p.name for p in (self.out_dir / "checkpoints").glob("step-*.pt"))
+
+    def end(self, timeout: float = 90) -> str:
+        """Wait for the launcher; every process of the job must be gone. Its stderr."""
+        try:
+            _, stderr = self.proc.communicate(timeout=timeout)
+            _wait_for(lambda: all(_ended(p) for p in self.family), 30, "every process's end")
+        finally:
+            for p in self.family:  # this test's own processes, should they have outlived it
+                if not _ended(p):
+                    p.kill()
+        return stderr
+
+    def run(self) -> Any:
+        [run] = runs_in(self.uri)
+        assert run.info.run_id == json.loads((self.out_dir / "mlflow_run.json").read_text())[
+            "run_id"]
+        return run
+
+    def assert_steps_once(self, run_id: str) -> list[int]:
+        """Every metric's steps, each once; returns train/step_loss's."""
+        for key in ("train/loss", "lr", "train/step_loss"):
+            steps = [s for s, _ in history(self.uri, run_id, key)]
+            assert steps == sorted(set(steps)), key
+        return [s for s, _ in history(self.uri, run_id, "train/step_loss")]
+
+
+@pytest.fixture(scope="module")
+def migrated_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty SQLite store with MLflow's schema in place, made once: migrating a new file
+    takes rank 0 many seconds, which each job here would wait for before its first step."""
+    from mlflow import MlflowClient
+
+    db = tmp_path_factory.mktemp("store") / "mlflow.db"
+    MlflowClient(tracking_uri=f"sqlite:///{db}").search_experiments(max_results=1)
+    return db
+
+
+@pytest.fixture
+def fresh_store(migrated_db: Path, tmp_path: Path) -> dict[str, str]:
+    """A store of this test's own (a copy of the migrated empty one)."""
+    db = tmp_path / "mlflow.db"
+    shutil.copyfile(migrated_db, db)
+    return {"MLFLOW_TRACKING_URI": f"sqlite:///{db}"}
+
+
+def _stopped_cleanly(job: Job, before: list[str], signal_name: str, code: int) -> None:
+    stderr = job.end()
+    assert job.proc.returncode == code, stderr
+    last = [line for line in stderr.splitlines() if line.strip()][-1]
+    assert last == (f"stopped by {signal_name} after saving a checkpoint in {job.out_dir}/"
+                    f"checkpoints; the same command with hydra.run.dir={job.out_dir} resumes it")
+    run = job.run()
+    assert run.info.status == "KILLED"
+    assert run.data.tags["stopped_by"] == signal_name
+    assert "error" not in run.data.tags
+    [*_, stop_checkpoint] = job.checkpoints()
+    assert stop_checkpoint not in before  # written after the signal
+    logged = job.assert_steps_once(run.info.run_id)
+    assert logged and int(stop_checkpoint[5:-3]) >= logged[-1]  # nothing trained after it
+
+
+@pytest.mark.slow
+def test_a_second_job_is_refused_and_hup_to_the_launcher_stops_its_ranks(
+        fresh_store: dict[str, str], tmp_path: Path) -> None:
+    """The same command in a directory in use is refused before it starts anything; a HUP
+    (a closed terminal) or TERM (`kill`) that only the launcher gets reaches its ranks as their
+    coordinated stop. (HUP to the whole group: the ranks also get it directly.)"""
+    job = Job(tmp_path / "job", fresh_store)
+    second = run_train("distributed.nproc_per_node=2", f"hydra.run.dir={job.out_dir}",
+                       env=fresh_store, timeout=60)
+    assert second.returncode == 2
+    assert second.stderr.strip().splitlines()[-1].startswith(
+        f"error: {job.out_dir} is in use by another job: pid {job.proc.pid} on ")
+    before = job.checkpoints()
+    job.launcher.send_signal(signal.SIGHUP)
+    _stopped_cleanly(job, before, "SIGHUP", 128 + signal.SIGHUP)
+    assert not (job.out_dir / joblock.LOCK_FILE).exists()
+
+
+@pytest.mark.slow
+def test_term_to_the_group_with_dataloader_workers_writes_the_stop_checkpoint(
+        fresh_store: dict[str, str], tmp_path: Path) -> None:
+    """As Slurm signals a job: every process of the group at once, workers included."""
+    job = Job(tmp_path / "job", fresh_store, "data.num_workers=1")
+    workers = [c for rank in job.ranks for c in rank.children()]
+    assert len(workers) >= 2, "each rank has its DataLoader worker"
+    before = job.checkpoints()
+    os.killpg(job.proc.pid, signal.SIGTERM)
+    _stopped_cleanly(job, before, "SIGTERM", 128 + signal.SIGTERM)
+
+
+@pytest.mark.slow
+def test_a_killed_rank_0_fails_the_run_with_its_death(fresh_store: dict[str, str],
+                                                      tmp_path: Path) -> None:
+    """Rank 0 alone talks to MLflow; SIGKILLed, it cannot end its run: the launcher does."""
+    job = Job(tmp_path / "job", fresh_store)
+    job.ranks[0].send_signal(signal.SIGKILL)
+    stderr = job.end()
+    assert job.proc.returncode == 1
+    assert "the training job failed; rank 0 was killed by SIGKILL" in stderr
+    run = job.run()
+    assert run.info.status == "FAILED"
+    assert run.data.tags["error"] == f"rank 0 (pid {job.ranks[0].pid}) killed by SIGKILL"
+    job.assert_steps_once(run.info.run_id)
+    assert not (job.out_dir / joblock.LOCK_FILE).exists()
+
+
+@pytest.mark.slow
+def test_command_line_mistakes_and_dry_runs_leave_nothing(tmp_path: Path) -> None:
+    """One line and exit code 2 for what the user typed wrong; a dry run leaves no empty
+    multirun/<date>/<time>/ in the directory it was started from."""
+    for overrides, start in ((["+trainer.foo=1"], "error: trainer.foo: Key 'foo' not in"),
+                             (["trainer.nope=1"], "error: Could not override 'trainer.nope'"),
+                             (["distributed.nproc_per_node=1000", "data.batch_size=1000"],
+                              "error: distributed.nproc_per_node=1000 local ranks, but ")):
+        result = run_train(*overrides, f"hydra.run.dir={tmp_path}/job", cwd=tmp_path,
+                           timeout=60)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and lines[-1].startswith(start), result.stderr
+        assert "Traceback" not in result.stderr
+    assert not any((tmp_path / "job").glob("*.pt")) and not list(tmp_path.glob("mlruns*"))
+    if subprocess.run(["which", "srun"], capture_output=True).returncode != 0:
+        skip_or_fail("a dry run needs srun and sbatch on PATH (the local cluster's packages)")
+    for sweep in ((), ("-m", "optim.lr=0.1,0.2")):
+        flags = [o for o in sweep if o == "-m"]
+        result = run_train(*flags, "+cluster=slurm", "cluster.dry_run=true",
+                           *[o for o in sweep if o != "-m"], cwd=tmp_path, timeout=60)
+        assert result.returncode == 0 and "#SBATCH" in result.stdout, result.stderr
+        assert not (tmp_path / "multirun").exists()
