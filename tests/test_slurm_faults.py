@@ -222,7 +222,7 @@ def test_a_tracking_outage_on_slurm_loses_no_epoch(
 
     server = ServerProcess(tmp_path / "server")
     server.start()
-    epochs = 8
+    epochs = 20
     proc = _train(tmp_path, {"MLFLOW_TRACKING_URI": server.url}, *TWO_NODES,
                   f"trainer.epochs={epochs}", "tracking.log_model=false")
     log = tmp_path / "sweep" / "0" / "train.log"
@@ -236,7 +236,10 @@ def test_a_tracking_outage_on_slurm_loses_no_epoch(
         down_at, before = time.monotonic(), epochs_ended()
         wait_until(lambda: time.monotonic() - down_at >= 60 or proc.poll() is not None, 90,
                    "a minute of outage")
-        assert proc.poll() is None and epochs_ended() > before  # trained on meanwhile
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"the command ended during the outage:\n{out}\n{err[-3000:]}")
+        assert epochs_ended() > before  # trained on meanwhile
         server.start()
         stdout, stderr = proc.communicate(timeout=400)
         assert proc.returncode == 0, stdout + stderr[-3000:]
