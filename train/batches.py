@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -133,10 +134,29 @@ def loader(dataset: torch.utils.data.Dataset, order: ShardOrder, workers: int,
            device: torch.device, collate: Callable[[Any], Any]) -> DataLoader:
     """Batches of `order` read by `workers` processes (kept for the whole job). The workers
     ignore stop signals: their rank stops them after its stop checkpoint."""
-    return DataLoader(dataset, batch_sampler=BatchSampler(order, order.batch_size, drop_last=False),
-                      collate_fn=collate, num_workers=workers, persistent_workers=workers > 0,
-                      pin_memory=devices.pin_memory(device), worker_init_fn=ignore_in_worker,
-                      multiprocessing_context=WORKER_START if workers > 0 else None)
+    return _WorkersBornDeaf(dataset, batch_sampler=BatchSampler(order, order.batch_size,
+                                                                drop_last=False),
+                            collate_fn=collate, num_workers=workers,
+                            persistent_workers=workers > 0, pin_memory=devices.pin_memory(device),
+                            worker_init_fn=ignore_in_worker,
+                            multiprocessing_context=WORKER_START if workers > 0 else None)
+
+
+class _WorkersBornDeaf(DataLoader):
+    """Workers forked with TERM blocked: a worker starts threads of its own before
+    `worker_init_fn` runs (seen under Slurm: 2 of its 5 threads), and a process-directed TERM
+    (Slurm's scancel signals every process of the step) went to one of those and killed the
+    worker before its rank could checkpoint. Forked with it blocked, every thread of the
+    worker has it blocked, and `ignore_in_worker` decides who may end the worker."""
+
+    def _get_iterator(self) -> Any:
+        if self.num_workers == 0:
+            return super()._get_iterator()
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            return super()._get_iterator()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 @dataclass

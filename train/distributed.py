@@ -5,8 +5,10 @@ Also the few collectives the loop needs, and how the first failing rank's error 
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -17,6 +19,11 @@ from train import devices
 from train.distenv import DistEnv
 
 _FAILURE_KEY = "train/first_failure"
+_ANSWERING_KEY = "train/answering/"
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe",
+              "timed out waiting", "connection refused", "socket timeout")
+"""What gloo/nccl say when a peer stopped answering: the survivor's own error says nothing of
+which peer that was."""
 
 
 # Device and backend choice live with the rest of what CUDA decides (train/devices.py).
@@ -82,6 +89,41 @@ def first_failure(wait_s: float = 2.0) -> str | None:
     except Exception:  # noqa: BLE001
         return None
     return None
+
+
+def failure_reason(env: DistEnv, exc: BaseException, node_of: Callable[[int], str],
+                   wait_s: float = 3.0) -> tuple[str, list[int]]:
+    """The job's root cause as this rank knows it, and the ranks that stopped answering.
+
+    A rank whose own error is a lost peer does not publish it: it says it still answers and
+    waits up to `wait_s` for the others, so the error names the rank (and node) that did not,
+    or the real error a living peer published. When rank 0 (hosting the store) is gone, it is
+    the one that stopped answering.
+    """
+    own = f"rank {env.rank} on {socket.gethostname()}: {type(exc).__name__}: {exc}"
+    if not dist.is_initialized() or not any(p in str(exc).lower() for p in _PEER_LOST):
+        publish_failure(env, exc)
+        return first_failure() or own, []
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"{_ANSWERING_KEY}{env.rank}", "1")
+        keys = [f"{_ANSWERING_KEY}{r}" for r in range(env.world_size)]
+        deadline = time.monotonic() + wait_s
+        while not store.check(keys) and time.monotonic() < deadline:
+            if store.check([_FAILURE_KEY]):  # a living peer's real error
+                return store.get(_FAILURE_KEY).decode(), []
+            time.sleep(0.1)
+        silent = [r for r, key in enumerate(keys) if not store.check([key])]
+    except Exception:  # noqa: BLE001 - the store lives in rank 0's process
+        silent = [0] if env.rank != 0 else []
+    if not silent:
+        publish_failure(env, exc)
+        return first_failure() or own, []
+    names = ", ".join(f"rank {r} on {node_of(r)}" for r in silent)
+    text = f"{names} stopped answering (its process or node died); rank {env.rank} saw: {exc}"
+    with contextlib.suppress(Exception):
+        dist.distributed_c10d._get_default_store().compare_set(_FAILURE_KEY, "", text)
+    return text, silent
 
 
 def barrier() -> None:

@@ -182,15 +182,23 @@ def run_rank(config: dict[str, Any], output_dir: str, command: str,
             return _train(cfg, config, env, out, command, device, backend, logger, stop)
     except Preempted as stopped:
         log.warning("rank %d: %s", env.rank, stopped)
+        if env.is_main and cfg.cluster is not None and stopped.signal_name == "SIGUSR2" and \
+                not slurm.will_requeue(stopped.signal_name, logger.restarts,
+                                       cfg.cluster.max_requeues):
+            newest = checkpoint.candidates(checkpoint.directory(out))
+            note = slurm.time_limit_note(newest[0] if newest else None, command)
+            log.error("%s", note)
+            logger.run.set_tags({"stop_reason": note})
         logger.finish(stopped_by=stopped.signal_name)
         if env.is_main and cfg.cluster is not None:
             slurm.requeue_after_stop(stopped.signal_name, logger.restarts,
                                      cfg.cluster.max_requeues)
         raise
     except BaseException as exc:
-        distributed.publish_failure(env, exc)
-        reason = distributed.first_failure() or f"rank {env.rank}: {type(exc).__name__}: {exc}"
+        reason, silent = distributed.failure_reason(env, exc, slurm.node_of_rank)
         logger.finish(error=reason)
+        if env.is_main and silent and cfg.cluster is not None:
+            slurm.end_job_after_lost_peer(reason)
         raise
     finally:
         distributed.shutdown()

@@ -1,20 +1,22 @@
-"""Slurm: the login-node checks, following submitted jobs, and, inside a job, its requeue.
+"""Slurm: the login-node checks and, inside a job, its requeue and its end after a lost peer.
 
 The submitting side is used by the Hydra launcher in hydra_plugins/train_launcher (what
 `+cluster=slurm` selects) and by the pre-flight (train/preflight.py); what runs inside a job is
 the ordinary training code (train/launch.py -> train/job.py), which reads its place in the job
 from SLURM_* through train/distenv.py and calls `requeue_after_stop` and `slurm_tags` here.
-Light on purpose: no torch or mlflow.
+Following submitted jobs and telling how they ended is train/slurm_follow.py's. Light on
+purpose: no torch or mlflow.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,10 +24,6 @@ from typing import Any
 from train.config import ClusterConfig, ConfigError, TrainConfig, ranks_per_node
 
 log = logging.getLogger("train")
-
-TERMINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-                   "PREEMPTED", "BOOT_FAIL", "DEADLINE")
-POLL_S = 2.0
 
 
 class SubmitError(RuntimeError):
@@ -77,9 +75,36 @@ def check_request(cfg: TrainConfig) -> int:
         problems.append("cluster.time_min must be at least 1.")
     if c.max_requeues < 0:
         problems.append("cluster.max_requeues cannot be negative.")
+    if c.time_min >= 1 and c.signal_delay_s >= c.time_min * 60:
+        problems.append(f"cluster.signal_delay_s={c.signal_delay_s} is not below the time limit "
+                        f"(cluster.time_min={c.time_min}, {c.time_min * 60} s): the stop signal "
+                        "would come at the start. Lower it or raise cluster.time_min.")
     if problems:
         raise ConfigError("Refusing to submit: " + " ".join(problems))
+    warn_time_limit(c)
     return job_world_size(c)
+
+
+def warn_time_limit(c: ClusterConfig) -> None:
+    """The stop signal (USR2 `signal_delay_s` before the limit) should leave the job most of
+    its time: warn when it would come in the first half."""
+    limit_s = c.time_min * 60
+    if 0 < limit_s - c.signal_delay_s < limit_s / 2:
+        print(f"warning: cluster.signal_delay_s={c.signal_delay_s} is not well below the time "
+              f"limit (cluster.time_min={c.time_min}): Slurm will ask the job to checkpoint and "
+              f"stop ~{limit_s - c.signal_delay_s} s after it starts. Lower "
+              "cluster.signal_delay_s or raise cluster.time_min.", file=sys.stderr, flush=True)
+
+
+def checked_setup(lines: Sequence[str]) -> list[str]:
+    """cluster.setup as lines that end the job, naming the line and its exit code, when one
+    fails (a missing venv, a failed `module load`): no rank starts in a broken environment.
+    Each line is kept whole (no `set -e`, which would also end the job inside sourced scripts
+    that tolerate their own failing commands)."""
+    import shlex
+
+    return [f"{line} || {{ rc=$?; echo \"error: cluster.setup line failed (exit $rc):\" "
+            f"{shlex.quote(line)} >&2; exit $rc; }}" for line in lines]
 
 
 def warn_local_store(uri: str) -> None:
@@ -99,85 +124,6 @@ def show_script(executor: Any, num_jobs: int) -> str:
 
     return _make_sbatch_string(command=slurm._submitit_command_str, folder=slurm.folder,
                                **parameters)
-
-
-def _log_paths(job: Any) -> tuple[Path, Path]:
-    task0 = job.task(0)
-    return task0.paths.stdout, task0.paths.stderr
-
-
-def announce(jobs: Sequence[Any], world_size: int, nodes: int) -> None:
-    first = jobs[0]
-    ids = first.job_id.split("_")[0] + (f"_[0-{len(jobs) - 1}]" if len(jobs) > 1 else "")
-    print(f"Submitted Slurm job {ids}: {len(jobs)} job(s), each {world_size} rank(s) on "
-          f"{nodes} node(s).", flush=True)
-    stdout, stderr = _log_paths(first)
-    print(f"  rank 0 logs: {stdout}\n               {stderr}", flush=True)
-    print(f"  all ranks:   {stdout.parent}/  (one .out/.err per rank)", flush=True)
-    print(f"  follow with: squeue -j {ids.split('_')[0]}; sacct -j {ids.split('_')[0]}",
-          flush=True)
-
-
-def follow(jobs: Sequence[Any]) -> list[str]:
-    """Print each job's state changes until every job has ended; returns the final states."""
-    last: dict[str, str] = {}
-    while True:
-        for job in jobs:
-            state = job.get_info(mode="force").get("State", "UNKNOWN").split()[0]
-            if state != last.get(job.job_id):
-                print(f"[{time.strftime('%H:%M:%S')}] job {job.job_id}: {state}", flush=True)
-                last[job.job_id] = state
-        if all(state in TERMINAL_STATES for state in last.values()):
-            return [last[job.job_id] for job in jobs]
-        time.sleep(POLL_S)
-
-
-def failing_log_tail(job: Any, lines: int = 40) -> str:
-    """The end of the first rank's log that shows an error (ranks in order)."""
-    fallback = ""
-    for rank in range(job.num_tasks):
-        path = job.task(rank).paths.stderr
-        if not path.exists():
-            continue
-        text = path.read_text(errors="replace").splitlines()
-        tail = f"--- {path} (last {lines} lines) ---\n" + "\n".join(text[-lines:])
-        if any("Error" in line or "Traceback" in line for line in text):
-            return tail
-        fallback = fallback or tail
-    return fallback or "(no rank log found)"
-
-
-def collect(jobs: Sequence[Any], states: Sequence[str]) -> tuple[list[Any], list[Any]]:
-    """Rank 0's return of every job that succeeded, and the jobs that failed.
-
-    A job fails when Slurm says so, or when one of its ranks raised: Hydra (inside each task)
-    turns the error into a FAILED JobReturn and the task ends normally, so Slurm can report
-    COMPLETED for a job whose ranks failed.
-    """
-    from hydra.core.utils import JobStatus
-
-    returns, failed = [], []
-    for job, state in zip(jobs, states, strict=True):
-        try:
-            if state != "COMPLETED":
-                raise RuntimeError(state)
-            ranks = job.results()
-            if any(r.status == JobStatus.FAILED for r in ranks):
-                raise RuntimeError("a rank failed")
-            returns.append(ranks[0])
-        except Exception:  # noqa: BLE001 - also submitit's FailedJobError and friends
-            failed.append(job)
-            if state == "COMPLETED":
-                print(f"[{time.strftime('%H:%M:%S')}] job {job.job_id}: FAILED (a rank raised; "
-                      "Slurm reports COMPLETED)", flush=True)
-    return returns, failed
-
-
-def report_failures(jobs: Sequence[Any], failed: Sequence[Any]) -> None:
-    for job in failed:
-        print(f"\njob {job.job_id} failed.\n{failing_log_tail(job)}", file=sys.stderr)
-    if failed:
-        print(f"\nerror: {len(failed)} of {len(jobs)} Slurm job(s) failed.", file=sys.stderr)
 
 
 # -- inside a job ----------------------------------------------------------------------------
@@ -229,3 +175,57 @@ def slurm_tags(hosts: list[str]) -> dict[str, str]:
     if "SLURM_ARRAY_TASK_ID" in os.environ:
         tags["slurm.array_task_id"] = os.environ["SLURM_ARRAY_TASK_ID"]
     return tags
+
+
+def will_requeue(signal_name: str, requeues_so_far: int, max_requeues: int) -> bool:
+    """Whether `requeue_after_stop` is going to requeue this job (decided before the run ends,
+    so the run can say what happens next)."""
+    return (signal_name == "SIGUSR2" and requeue_target() is not None
+            and requeues_so_far < max_requeues)
+
+
+def time_limit_note(checkpoint: Path | None, command: str) -> str:
+    """What a job stopped at its time limit and not requeued tells the user (terminal and run)."""
+    if checkpoint is None:
+        return "time limit reached before any checkpoint was saved; run the command again"
+    kept = [word for word in command.split() if not word.startswith("trainer.resume=")]
+    return (f"time limit reached, checkpoint {checkpoint} saved; resume with "
+            f"{' '.join(kept)} trainer.resume={checkpoint}")
+
+
+def node_of_rank(rank: int) -> str:
+    """The node a rank of this Slurm step runs on (srun's default block distribution: ranks
+    fill the first node, then the next); this host's name outside Slurm."""
+    nodelist, per_node = os.environ.get("SLURM_JOB_NODELIST"), _tasks_per_node()
+    if not nodelist or not per_node:
+        return socket.gethostname()
+    try:
+        names = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                               text=True, timeout=10).stdout.split()
+    except (OSError, subprocess.TimeoutExpired):
+        names = []
+    index = rank // per_node
+    return names[index] if index < len(names) else f"node #{index} of {nodelist}"
+
+
+def _tasks_per_node() -> int | None:
+    text = os.environ.get("SLURM_NTASKS_PER_NODE") or os.environ.get("SLURM_TASKS_PER_NODE", "")
+    digits = text.split("(")[0]  # "2(x2)": 2 on each of 2 nodes
+    return int(digits) if digits.isdigit() else None
+
+
+def end_job_after_lost_peer(reason: str) -> None:
+    """Rank 0, once a peer stopped answering and the run is marked FAILED: cancel this job.
+
+    Slurm cannot end a step on a node whose slurmd is gone: srun waits until the node is
+    declared down (minutes), and Slurm would then requeue the job by itself, resuming a run
+    the user was told had failed. The service decides instead: the job ends now, is not
+    requeued, and the terminal says how to resume.
+    """
+    job = requeue_target()
+    if job is None:
+        return
+    log.error("cancelling Slurm job %s (%s): it is not requeued; resume from its newest "
+              "checkpoint with the same command", job, reason)
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+        subprocess.run(["scancel", job], capture_output=True, timeout=30)

@@ -11,6 +11,7 @@ exits non-zero. Submission, arrays and the sbatch script itself stay submitit's.
 # sys.modules, where dataclasses cannot resolve string annotations.
 
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,7 +54,7 @@ class TrainSlurmLauncher(SlurmLauncher):
                initial_job_idx: int) -> Sequence[JobReturn]:
         import submitit
 
-        from train import slurm
+        from train import slurm, slurm_follow
 
         sweeper = str(self.config.hydra.sweeper.get("_target_", "BasicSweeper"))
         if not self.wait and "BasicSweeper" not in sweeper:
@@ -77,19 +78,41 @@ class TrainSlurmLauncher(SlurmLauncher):
                        self._singleton_state()) for i, o in enumerate(job_overrides)]
         jobs = executor.map_array(self, *zip(*job_params, strict=True))
         cluster = configs[0].cluster
-        slurm.announce(jobs, slurm.job_world_size(cluster), cluster.nodes)
+        slurm_follow.announce(jobs, slurm.job_world_size(cluster), cluster.nodes)
         if not self.wait:
-            if parent is not None:  # a sweep: its last job will end the parent run
-                from train.sweep import find_callback
-
-                find_callback(self.hydra_context).left_unwaited(len(jobs))
+            self._leave_unwaited(jobs, parent)
             # Completed as far as this process goes: Hydra's sweeper reads every return value.
             return [JobReturn(status=JobStatus.COMPLETED, _return_value=None) for _ in jobs]
-        returns, failed = slurm.collect(jobs, slurm.follow(jobs))
-        slurm.report_failures(jobs, failed)
-        if failed:
+        try:
+            outcomes = slurm_follow.collect(jobs, slurm_follow.follow(jobs))
+        except KeyboardInterrupt:
+            # The jobs go on without us: say so, and leave a sweep's parent run to them.
+            self._leave_unwaited(jobs, parent)
+            print(f"\n{slurm_follow.still_running(jobs)}", file=sys.stderr, flush=True)
+            raise SystemExit(130) from None
+        slurm_follow.report_finished(outcomes.returns)
+        slurm_follow.report_failures(jobs, outcomes.failed)
+        if outcomes.failed or outcomes.stopped:
             raise SystemExit(1)
-        return returns
+        return outcomes.returns
+
+    def __call__(self, *args: Any) -> JobReturn:
+        """One rank, inside the Slurm job. A rank that failed exits non-zero (Hydra would have
+        ended it with 0): srun's --kill-on-bad-exit then ends the step, instead of leaving the
+        peers of a dead rank to wait, and submitit logs the error instead of "Job completed
+        successfully". A stop (time limit, preemption) is no failure: exit 0."""
+        ret = super().__call__(*args)
+        error = ret._return_value
+        if ret.status == JobStatus.FAILED and isinstance(error, BaseException) and \
+                type(error).__name__ != "Preempted":
+            raise error
+        return ret
+
+    def _leave_unwaited(self, jobs: Sequence[Any], parent: str | None) -> None:
+        if parent is not None:  # a sweep: its last job will end the parent run
+            from train.sweep import find_callback
+
+            find_callback(self.hydra_context).left_unwaited(len(jobs))
 
     def _singleton_state(self) -> Any:
         from hydra.core.singleton import Singleton
@@ -97,10 +120,13 @@ class TrainSlurmLauncher(SlurmLauncher):
         return Singleton.get_state()
 
     def _executor(self, submitit: Any) -> Any:
-        """The executor the stock launcher would build, from the same parameters."""
+        """The executor the stock launcher would build, from the same parameters (with
+        cluster.setup's lines checked: train/slurm.py checked_setup)."""
         from pathlib import Path
 
         from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+
+        from train import slurm
 
         assert self.config is not None
         # Concrete, not `${now:...}`: a requeued job must find the same directory (and its
@@ -109,6 +135,7 @@ class TrainSlurmLauncher(SlurmLauncher):
             self.config.hydra.sweep.dir = str(self.config.hydra.sweep.dir)
         params = dict(self.params)
         params.pop("max_num_timeout")
+        params["setup"] = slurm.checked_setup(params.get("setup") or [])
         # One requeue budget: the job's own (cluster.max_requeues, counted in its checkpoints,
         # train/slurm.py requeue_after_stop). Each rank replaces submitit's USR2 handler with
         # its own as it starts, so submitit's count of timeouts is never spent; a second

@@ -276,7 +276,22 @@ class RunClient:
         for key in run.data.metrics:  # each epoch and step must appear once in each history
             steps = [m.step for m in self._mlflow.get_metric_history(run_id, key)]
             self.logged_until[key] = max(steps, default=-1)
+        self._keep_attempt(run)
         self._mlflow.update_run(run_id, status="RUNNING")
+
+    def _keep_attempt(self, run: Any) -> None:
+        """How the attempt before this one ended goes into the `attempts` tag (one line each);
+        its `error` is history now, not the state of the run."""
+        tags = run.data.tags
+        ended = run.info.status + (f" (stopped by {tags['stopped_by']})"
+                                   if run.info.status == "KILLED" and "stopped_by" in tags else "")
+        if "error" in tags:
+            ended += f": {tags['error'].strip().splitlines()[0][:300]}"
+        history = [*filter(None, tags.get("attempts", "").splitlines()),
+                   f"attempt {int(tags.get('restarts') or 0) + 1}: {ended}"]
+        self._mlflow.set_tag(self.run_id, "attempts", "\n".join(history)[-5000:])
+        if "error" in tags:
+            self._mlflow.delete_tag(self.run_id, "error")
 
     def _log_dataset(self, d: DatasetInput) -> None:
         """The data set as the run's input: name, digest, tensor schema and profile."""

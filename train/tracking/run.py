@@ -63,7 +63,7 @@ class NullRun:
     def log(self, record: Loggable) -> None: ...
     def begin_sending(self) -> None: ...
 
-    def flush(self, timeout_s: float | None = None) -> bool:
+    def flush(self, timeout_s: float | None = None, created_within_s: float = 0.0) -> bool:
         return True
 
     def finish(self, status: str = "FINISHED", error: str | None = None,
@@ -334,7 +334,9 @@ class MlflowRun(NullRun):
                             errors.describe(e), delay)
                 if self._given_up.wait(delay):
                     raise _GivenUp from None
-                delay = min(delay * 2, 30.0)
+                # At most a few seconds apart: a server back from an outage is reached within
+                # seconds of its return (a failing try to a server that is down costs nothing).
+                delay = min(delay * 2, 4.0)
 
     def _save_unsent(self, status: str, why: str) -> None:
         """Keep what MLflow did not take in a local file, with the command that delivers it."""
