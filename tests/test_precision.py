@@ -286,3 +286,12 @@ def test_sync_batchnorm_is_refused_without_cuda_before_any_rank(tmp_path: Path) 
         assert "distributed.sync_batchnorm=true needs" in line and "drop it" in line
         assert not (tmp_path / "mlflow.db").exists()
         assert not list((tmp_path / "job").glob("checkpoints"))
+    # torchrun and srun start the ranks themselves, with no pre-flight: each rank refuses alone,
+    # before it creates a run. (No collective is reached, so the port is never opened.)
+    ranked = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+              "MASTER_PORT": "29400", "MLFLOW_TRACKING_URI": uri}
+    result = run_train("distributed.sync_batchnorm=true", "distributed.device=cpu",
+                       f"hydra.run.dir={tmp_path}/ranked", env=ranked)
+    assert result.returncode == 2, result.stderr
+    assert "distributed.sync_batchnorm=true needs GPU tensors" in result.stderr
+    assert not (tmp_path / "mlflow.db").exists()

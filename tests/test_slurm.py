@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import REPO, history, run_train, runs_in, skip_or_fail
 from train import slurm
-from train.config import ClusterConfig, ConfigError, TrainConfig
+from train.config import ClusterConfig, ConfigError, DistributedConfig, TrainConfig
 
 T = TypeVar("T")
 
@@ -95,6 +95,18 @@ def test_the_request_is_checked_with_the_shared_ranks_per_node() -> None:
     cfg.cluster = ClusterConfig(gpus_per_node=2, tasks_per_node=1, time_min=0)
     with pytest.raises(ConfigError, match="a GPU job runs one rank per GPU.*time_min"):
         slurm.check_request(cfg)
+
+
+def test_cuda_only_options_on_nodes_without_gpus_are_refused_before_submitting() -> None:
+    """Issue 17: a job asked for no GPU cannot serve nccl, device=cuda or SyncBatchNorm; the
+    request is refused on the login node instead of failing in the job after hours queued."""
+    cfg = TrainConfig(cluster=ClusterConfig(gpus_per_node=0),
+                      distributed=DistributedConfig(sync_batchnorm=True, backend="nccl"))
+    with pytest.raises(ConfigError, match=r"distributed.backend=nccl "
+                       r"distributed.sync_batchnorm=true needs GPUs, but cluster.gpus_per_node=0"):
+        slurm.check_request(cfg)
+    cfg.cluster = ClusterConfig(gpus_per_node=1, tasks_per_node=1)
+    assert slurm.check_request(cfg) == 1
 
 
 # -- the local cluster ---------------------------------------------------------------------------

@@ -155,6 +155,10 @@ def run(cfg: DictConfig, output_dir: str, command: str,
     if external is not None:
         # torchrun / srun / submitit started every rank: each validates, then trains.
         validate(typed, external)
+        from train import devices
+
+        if problem := devices.refuse_without_cuda(typed.distributed):  # no pre-flight ran
+            raise config_lib.ConfigError(problem)
         from train.job import run_rank
 
         # The job's first rank holds its directory for all of its ranks (they share it).

@@ -8,6 +8,7 @@ is back. Steps the run already holds are not added twice; a run that never exist
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -39,4 +40,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    # What it writes (mlflow_run.json) is as private as the job's own files (train/__main__.py).
+    os.umask(0o027 if os.environ.get("TRAIN_GROUP_READABLE") == "1" else 0o077)
     main()

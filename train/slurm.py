@@ -71,6 +71,13 @@ def check_request(cfg: TrainConfig) -> int:
     if c.gpus_per_node > 0 and per_node != c.gpus_per_node:
         problems.append(f"cluster.tasks_per_node={per_node} but cluster.gpus_per_node="
                         f"{c.gpus_per_node}: a GPU job runs one rank per GPU.")
+    d = cfg.distributed  # what only CUDA serves, on nodes asked for no GPU (train/devices.py)
+    cuda_only = [o for o, on in (("distributed.backend=nccl", d.backend == "nccl"),
+                                 ("distributed.device=cuda", d.device == "cuda"),
+                                 ("distributed.sync_batchnorm=true", d.sync_batchnorm)) if on]
+    if c.gpus_per_node == 0 and cuda_only:
+        problems.append(f"{' '.join(cuda_only)} needs GPUs, but cluster.gpus_per_node=0: ask for "
+                        "them (cluster.gpus_per_node=N) or drop it.")
     if c.time_min < 1:
         problems.append("cluster.time_min must be at least 1.")
     if c.max_requeues < 0:
