@@ -51,7 +51,7 @@ def credentials(uri: str) -> tuple[str, str] | None:
     return (user, password) if user and password else None
 
 
-def _request(uri: str, path: str) -> tuple[urllib.request.Request, tuple[str, str] | None]:
+def login_request(uri: str, path: str) -> tuple[urllib.request.Request, tuple[str, str] | None]:
     """A GET of `path` on the server at `uri`, with the login MLflow's client would send."""
     base, _, _ = split_userinfo(uri)
     request = urllib.request.Request(base.rstrip("/") + path)
@@ -82,7 +82,7 @@ def check_credentials(uri: str, experiment: str | None = None,
 def _check_experiment(uri: str, experiment: str, user: str, timeout_s: float) -> None:
     """An experiment that exists must be readable by `user` (a missing one is created)."""
     query = urllib.parse.urlencode({"experiment_name": experiment})
-    request, _ = _request(uri, f"/api/2.0/mlflow/experiments/get-by-name?{query}")
+    request, _ = login_request(uri, f"/api/2.0/mlflow/experiments/get-by-name?{query}")
     try:
         with urllib.request.urlopen(request, timeout=timeout_s, context=ssl_context()):
             return
@@ -99,7 +99,7 @@ def _check_experiment(uri: str, experiment: str, user: str, timeout_s: float) ->
 
 
 def _whoami(uri: str, timeout_s: float) -> str | None:
-    request, login = _request(uri, WHOAMI)
+    request, login = login_request(uri, WHOAMI)
     try:
         with urllib.request.urlopen(request, timeout=timeout_s, context=ssl_context()):
             return login[0] if login else None

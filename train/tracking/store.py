@@ -82,19 +82,16 @@ def check_server_api(uri: str, experiment: str, timeout_s: float = 10.0) -> None
     """A server that answers /health must also answer MLflow's API: another web service on
     that port answers 404 to it, and a server with authentication 401/403 without the right
     credentials (MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD)."""
-    import base64
     import urllib.parse
 
+    # The login (URI, environment or ~/.mlflow/credentials) and the TLS verification that
+    # MLflow's client would use, as the login check sends them.
+    from train.tracking.auth import login_request, ssl_context
+
     query = urllib.parse.urlencode({"experiment_name": experiment})
-    request = urllib.request.Request(
-        f"{uri.rstrip('/')}/api/2.0/mlflow/experiments/get-by-name?{query}")
-    user, password = (os.environ.get("MLFLOW_TRACKING_USERNAME"),
-                      os.environ.get("MLFLOW_TRACKING_PASSWORD"))
-    if user and password:
-        token = base64.b64encode(f"{user}:{password}".encode()).decode()
-        request.add_header("Authorization", f"Basic {token}")
+    request, _ = login_request(uri, f"/api/2.0/mlflow/experiments/get-by-name?{query}")
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s):
+        with urllib.request.urlopen(request, timeout=timeout_s, context=ssl_context()):
             return
     except urllib.error.HTTPError as e:
         body = e.read(2000).decode(errors="replace")
