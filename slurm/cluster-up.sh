@@ -27,14 +27,16 @@ link_etc() {
   grep -qF "$MARKER" /etc/hosts || echo "127.0.0.1 ${NODES[*]} $MARKER" >> /etc/hosts
 }
 
-# Up = every daemon alive, both nodes answering (idle, or busy with jobs) and sacct working.
+# Up = every daemon alive, both nodes answering (idle, or busy with jobs), sacct working and
+# the config this script writes now.
 nodes_ready() {  # nodes_ready <states regex>: both nodes are in one of these states
   [ "$(timeout 10 sinfo -h -N -o %T 2>/dev/null | grep -cxE "$1")" -eq ${#NODES[@]} ]
 }
 cluster_ok() {
   local pair
   for pair in "${DAEMONS[@]}"; do daemon_pid "${pair%%:*}" "${pair#*:}" >/dev/null || return 1; done
-  nodes_ready 'idle|mixed|allocated|completing' && timeout 10 sacct -n >/dev/null 2>&1
+  nodes_ready 'idle|mixed|allocated|completing' && timeout 10 sacct -n >/dev/null 2>&1 &&
+    grep -q '^GresTypes=gpu' "$SLURM_CONF"  # else started by an older script: no fake GPUs
 }
 if [ -f "$SLURM_CONF" ] && cluster_ok; then
   link_etc

@@ -17,8 +17,10 @@ import pytest
 
 from tests.conftest import REPO, history, runs_in, skip_or_fail
 from tests.test_slurm import _wait_for_job, cluster, on_slurm, wait_until  # noqa: F401
+from train.config import ClusterConfig
 from train.devices import choose_gpu, gpu_for_rank, select_device, visible_gpus
 from train.distenv import DistEnvError
+from train.slurm import requeue_budget
 
 # -- the choice, no Slurm ---------------------------------------------------------------------
 
@@ -92,6 +94,11 @@ def _bound(*srun_options: str) -> dict[int, list[str]]:
 
 @on_slurm
 def test_slurm_gres_layouts_bind_one_gpu_per_rank_or_are_refused(cluster: None) -> None:  # noqa: F811
+    gres = subprocess.run(["sinfo", "-h", "-N", "-o", "%G"], capture_output=True, text=True,
+                          timeout=30).stdout.split()
+    if not gres or any(not g.startswith("gpu:") for g in gres):
+        skip_or_fail(f"the running cluster's nodes have no fake GPUs ({gres}): it was started by "
+                     "an older slurm/cluster-up.sh; `make cluster-down cluster-up` restarts it")
     # each task sees both GPUs of its node: rank = local rank's GPU, on each of two nodes
     seen = _bound("-N2", "--ntasks-per-node=2", "--gres=gpu:2")
     if any("CUDA_VISIBLE_DEVICES=(none)" in " ".join(words) for words in seen.values()):
@@ -117,6 +124,14 @@ def test_slurm_gres_layouts_bind_one_gpu_per_rank_or_are_refused(cluster: None) 
 
 
 # -- slurm/train.sbatch: USR2 before the time limit -> requeue -> the same run finishes ----------
+
+def test_a_plain_srun_job_has_the_default_requeue_budget() -> None:
+    """slurm/train.sbatch runs `srun python -m train` with no cluster group: its ranks requeue
+    after USR2 as often as `+cluster=slurm` jobs do by default; outside Slurm nothing does."""
+    assert requeue_budget(None, "slurm") == ClusterConfig().max_requeues == 3
+    assert requeue_budget(ClusterConfig(max_requeues=1), "submitit") == 1
+    assert requeue_budget(None, "torchrun") is None
+
 
 def _newest_checkpoint(out: Path) -> Path | None:
     found = sorted((out / "checkpoints").glob("step-*.pt"))
