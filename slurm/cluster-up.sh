@@ -199,7 +199,7 @@ AccountingStorageHost=localhost
 AccountingStoragePort=$DBD_PORT
 # the munge socket for the slurmdbd connection is read from HERE, not from AuthInfo
 AccountingStoragePass=$RUN/munge.sock
-# fake GPUs (files in $D/dev, see gres.conf): jobs may ask for --gres=gpu:N, --gpus-per-task
+# fake GPUs (device files in $D/dev, see gres.conf): jobs may ask for --gres=gpu:N, --gpus-per-task
 GresTypes=gpu
 NodeName=node1 NodeAddr=127.0.0.1 Port=$((CTLD_PORT + 1)) CPUs=4 RealMemory=8000 Gres=gpu:$GPUS_PER_NODE State=UNKNOWN
 NodeName=node2 NodeAddr=127.0.0.1 Port=$((CTLD_PORT + 2)) CPUs=4 RealMemory=8000 Gres=gpu:$GPUS_PER_NODE State=UNKNOWN
