@@ -9,6 +9,7 @@ ETC="$D/etc" RUN="$D/run" LOG="$D/log" STATE="$D/state"
 export SLURM_CONF="$ETC/slurm.conf"   # clients also find it via /etc/slurm/slurm.conf (a link)
 export PATH="$PATH:/usr/sbin:/sbin"   # the daemons live in /usr/sbin
 NODES=(node1 node2)
+GPUS_PER_NODE=4                             # fake GPUs (Slurm GRES on mknod device files), see cluster-up
 CTLD_PORT="${TRAIN_SLURM_PORT:-16817}"  # slurmctld; slurmd ports and slurmdbd follow it
 DBD_PORT=$((CTLD_PORT + 3))
 MARKER="# train-slurm local test cluster"  # tags the line we add to /etc/hosts

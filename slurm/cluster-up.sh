@@ -27,14 +27,16 @@ link_etc() {
   grep -qF "$MARKER" /etc/hosts || echo "127.0.0.1 ${NODES[*]} $MARKER" >> /etc/hosts
 }
 
-# Up = every daemon alive, both nodes answering (idle, or busy with jobs) and sacct working.
+# Up = every daemon alive, both nodes answering (idle, or busy with jobs), sacct working and
+# the config this script writes now.
 nodes_ready() {  # nodes_ready <states regex>: both nodes are in one of these states
   [ "$(timeout 10 sinfo -h -N -o %T 2>/dev/null | grep -cxE "$1")" -eq ${#NODES[@]} ]
 }
 cluster_ok() {
   local pair
   for pair in "${DAEMONS[@]}"; do daemon_pid "${pair%%:*}" "${pair#*:}" >/dev/null || return 1; done
-  nodes_ready 'idle|mixed|allocated|completing' && timeout 10 sacct -n >/dev/null 2>&1
+  nodes_ready 'idle|mixed|allocated|completing' && timeout 10 sacct -n >/dev/null 2>&1 &&
+    grep -q '^GresTypes=gpu' "$SLURM_CONF"  # else started by an older script: no fake GPUs
 }
 if [ -f "$SLURM_CONF" ] && cluster_ok; then
   link_etc
@@ -107,6 +109,20 @@ rm -rf "$D"
 mkdir -p "$ETC" "$RUN" "$LOG" "$STATE/ctld" "$D/mysql"
 [ -f $D.apt.log ] && mv $D.apt.log "$LOG/apt.log"
 for node in "${NODES[@]}"; do mkdir -p "$STATE/$node"; done
+# Fake GPUs: Slurm's gres/gpu plugin wants a character device per GPU but never opens it (no
+# cgroups here), so each node gets $GPUS_PER_NODE device nodes with NVIDIA's major number and no
+# driver behind them. Slurm then sets CUDA_VISIBLE_DEVICES per task as on a GPU node (tests of
+# train/devices.py's binding). A plain file is rejected ("not a valid character or block
+# device": the GPUs are then never handed out), so without mknod rights say so and go on.
+for node in "${NODES[@]}"; do
+  mkdir -p "$D/dev/$node"
+  for ((i = 0; i < GPUS_PER_NODE; i++)); do
+    mknod "$D/dev/$node/nvidia$i" c 195 "$i" 2>/dev/null || {
+      : > "$D/dev/$node/nvidia$i"; fake_gpus_warning=1; }
+  done
+done
+[ -n "${fake_gpus_warning:-}" ] &&
+  log "warning: mknod not allowed here: jobs get no CUDA_VISIBLE_DEVICES (GPU-binding tests fail)"
 started=$(date +%s.%N)
 
 # --- munge: its own key and socket ----------------------------------------------------------
@@ -183,10 +199,17 @@ AccountingStorageHost=localhost
 AccountingStoragePort=$DBD_PORT
 # the munge socket for the slurmdbd connection is read from HERE, not from AuthInfo
 AccountingStoragePass=$RUN/munge.sock
-NodeName=node1 NodeAddr=127.0.0.1 Port=$((CTLD_PORT + 1)) CPUs=4 RealMemory=8000 State=UNKNOWN
-NodeName=node2 NodeAddr=127.0.0.1 Port=$((CTLD_PORT + 2)) CPUs=4 RealMemory=8000 State=UNKNOWN
+# fake GPUs (device files in $D/dev, see gres.conf): jobs may ask for --gres=gpu:N, --gpus-per-task
+GresTypes=gpu
+NodeName=node1 NodeAddr=127.0.0.1 Port=$((CTLD_PORT + 1)) CPUs=4 RealMemory=8000 Gres=gpu:$GPUS_PER_NODE State=UNKNOWN
+NodeName=node2 NodeAddr=127.0.0.1 Port=$((CTLD_PORT + 2)) CPUs=4 RealMemory=8000 Gres=gpu:$GPUS_PER_NODE State=UNKNOWN
 PartitionName=debug Nodes=node1,node2 Default=YES MaxTime=INFINITE State=UP
 EOF
+# gres.conf sits next to slurm.conf; no NVML here, so the GPUs are listed by hand
+{ echo "AutoDetect=off"
+  for node in "${NODES[@]}"; do
+    echo "NodeName=$node Name=gpu File=$D/dev/$node/nvidia[0-$((GPUS_PER_NODE - 1))]"
+  done; } > "$ETC/gres.conf"
 # slurmdbd refuses a config that others can read (mode 600, owned by SlurmUser)
 (umask 077; cat > "$ETC/slurmdbd.conf" <<EOF
 AuthType=auth/munge

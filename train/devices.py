@@ -12,6 +12,9 @@ such an option would otherwise start every rank, create a run and then fail insi
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -19,21 +22,69 @@ from torch import nn
 from train.config import DistributedConfig
 from train.distenv import DistEnvError
 
+log = logging.getLogger(__name__)
+
 
 def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def select_device(requested: str, local_rank: int) -> torch.device:
-    """distributed.device for this rank: cpu, or the local rank's GPU (auto: a GPU if any)."""
+def select_device(requested: str, local_rank: int, local_world_size: int = 1) -> torch.device:
+    """distributed.device for this rank: cpu, or its GPU (auto: a GPU if any), as `gpu_for_rank`
+    binds it; logs which physical GPU that is."""
     if requested == "cpu" or (requested == "auto" and not cuda_available()):
         return torch.device("cpu")
     if not cuda_available():
         raise DistEnvError("distributed.device=cuda but no CUDA device is visible.")
-    if local_rank >= torch.cuda.device_count():
-        raise DistEnvError(f"Local rank {local_rank} has no GPU: only {torch.cuda.device_count()} "
-                          "visible. Start at most one rank per GPU.")
-    return torch.device("cuda", local_rank)
+    index, name, visible = gpu_for_rank(torch.cuda.device_count(), local_rank, local_world_size)
+    log.info("local rank %d of %d: cuda:%d = GPU %s (CUDA_VISIBLE_DEVICES=%s)", local_rank,
+             local_world_size, index, name, os.environ.get("CUDA_VISIBLE_DEVICES", "unset"))
+    if visible > max(1, local_world_size):
+        log.warning("%d GPUs visible for %d ranks on this node: %d stay idle", visible,
+                    local_world_size, visible - local_world_size)
+    return torch.device("cuda", index)
+
+
+def gpu_for_rank(count: int | None, local_rank: int, local_world_size: int,
+                 environ: Mapping[str, str] = os.environ) -> tuple[int, str, int]:
+    """(CUDA index, physical GPU, GPUs visible) for this rank, from CUDA_VISIBLE_DEVICES as
+    Slurm or the user set it; `count` is torch's device count (None: the variable's)."""
+    visible = visible_gpus(count, environ.get("CUDA_VISIBLE_DEVICES"))
+    index = choose_gpu(visible, local_rank, local_world_size)
+    return index, visible[index], len(visible)
+
+
+def visible_gpus(count: int | None, cuda_visible_devices: str | None) -> list[str]:
+    """The GPUs this process sees, in CUDA's order, by the names it was given them under:
+    CUDA_VISIBLE_DEVICES' entries (Slurm's physical indices, or UUIDs), else 0..count-1.
+    `count` (torch's device count; None: trust the variable) drops entries CUDA ignored."""
+    if cuda_visible_devices is None:
+        return [str(i) for i in range(count or 0)]
+    names = [name.strip() for name in cuda_visible_devices.split(",") if name.strip()]
+    return names if count is None else names[:count]
+
+
+def choose_gpu(visible: list[str], local_rank: int, local_world_size: int) -> int:
+    """The CUDA index of this rank's GPU, from what Slurm (or the user) made visible.
+
+    Each rank sees all the node's GPUs (`--gpus-per-node`/`--gres=gpu:N`, one task per GPU):
+    it takes the one at its local rank. It sees exactly one (`--gpus-per-task=1`,
+    `--gpu-bind=single:1`, a device cgroup): that one. Anything else would put two ranks on
+    one GPU or leave a rank without one, so it is refused in one line that says how to ask.
+    (More GPUs than ranks is allowed: the extra ones idle, as torchrun on a bigger machine.)
+    """
+    if len(visible) == 1:
+        return 0
+    if len(visible) >= local_world_size and local_rank < len(visible):
+        return local_rank
+    shown = ",".join(visible) if visible else "(none)"
+    raise DistEnvError(
+        f"GPU binding: local rank {local_rank} of {local_world_size} ranks on this node sees "
+        f"{len(visible)} GPUs (CUDA_VISIBLE_DEVICES={shown}), but a rank must see all the "
+        f"node's GPUs, one per rank, or exactly one. On Slurm ask for one GPU per task: "
+        f"--gpus-per-task=1, or --gpus-per-node={local_world_size} (--gres=gpu:"
+        f"{local_world_size}) with --ntasks-per-node={local_world_size} "
+        f"(cluster.gpus_per_node = cluster.tasks_per_node).")
 
 
 def select_backend(requested: str, device: torch.device) -> str:

@@ -170,7 +170,8 @@ def run_rank(config: dict[str, Any], output_dir: str, command: str,
     cfg: TrainConfig = to_typed(config)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)  # Hydra makes it; torchrun or a test may not
-    device = distributed.select_device(cfg.distributed.device, env.local_rank)
+    device = distributed.select_device(cfg.distributed.device, env.local_rank,
+                                         env.local_world_size)
     backend = distributed.select_backend(cfg.distributed.backend, device)
     distributed.init(env, backend, device, cfg.distributed.timeout_s)
     progress = Progress(env.is_main and sys.stderr.isatty(), cfg.trainer.epochs,
@@ -182,17 +183,16 @@ def run_rank(config: dict[str, Any], output_dir: str, command: str,
             return _train(cfg, config, env, out, command, device, backend, logger, stop)
     except Preempted as stopped:
         log.warning("rank %d: %s", env.rank, stopped)
-        if env.is_main and cfg.cluster is not None and stopped.signal_name == "SIGUSR2" and \
-                not slurm.will_requeue(stopped.signal_name, logger.restarts,
-                                       cfg.cluster.max_requeues):
+        budget = slurm.requeue_budget(cfg.cluster, env.launcher)
+        if env.is_main and budget is not None and stopped.signal_name == "SIGUSR2" and \
+                not slurm.will_requeue(stopped.signal_name, logger.restarts, budget):
             newest = checkpoint.candidates(checkpoint.directory(out))
             note = slurm.time_limit_note(newest[0] if newest else None, command)
             log.error("%s", note)
             logger.run.set_tags({"stop_reason": note})
         logger.finish(stopped_by=stopped.signal_name)
-        if env.is_main and cfg.cluster is not None:
-            slurm.requeue_after_stop(stopped.signal_name, logger.restarts,
-                                     cfg.cluster.max_requeues)
+        if env.is_main and budget is not None:
+            slurm.requeue_after_stop(stopped.signal_name, logger.restarts, budget)
         raise
     except BaseException as exc:
         reason, silent = distributed.failure_reason(env, exc, slurm.node_of_rank)

@@ -143,6 +143,15 @@ def requeue_target() -> str | None:
     return os.environ.get("SLURM_JOB_ID")
 
 
+def requeue_budget(cluster: ClusterConfig | None, launcher: str) -> int | None:
+    """How often this job may still requeue itself after USR2, in all: cluster.max_requeues
+    under `+cluster=slurm`; its default for `srun python -m train` in a batch script of one's
+    own (slurm/train.sbatch), which has no cluster group; None outside Slurm."""
+    if cluster is not None:
+        return cluster.max_requeues
+    return ClusterConfig().max_requeues if launcher == "slurm" else None
+
+
 def requeue_after_stop(signal_name: str, requeues_so_far: int, max_requeues: int) -> int | None:
     """After a stop and its checkpoint (rank 0): USR2, Slurm's warning before the time limit,
     makes the job requeue itself (`scontrol requeue`, same job id) unless `max_requeues` is
