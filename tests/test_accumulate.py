@@ -71,10 +71,11 @@ def test_two_ranks_accumulating_two_equal_four_ranks(store: dict[str, str],
 def test_accumulation_on_one_rank_equals_the_whole_batch_and_resumes_exactly(
         store: dict[str, str], tmp_path: Path) -> None:
     """K=3 of 32 and one batch of 96 on one rank: 1438 samples make 14 full steps and a last
-    one of 94 (32 + 32 + 30), still the mean over its samples. A copy resumed from a
+    one of 94 (32 + 32 + 30), still the mean over its samples; clipping acts on the step's
+    summed gradient (this clip of 0.1 changes the weights). A copy resumed from a
     mid-epoch checkpoint ends with the same weights; with another K it is refused."""
     uri = store["MLFLOW_TRACKING_URI"]
-    common = (*PLAIN, "data.batch_size=96", "trainer.epochs=2")
+    common = (*PLAIN, "data.batch_size=96", "trainer.epochs=2", "optim.grad_clip=0.1")
     k3 = tmp_path / "k3"
     result = run_train(*common, "trainer.accumulate_grad_batches=3", "tracking.run_name=k3",
                        "trainer.checkpoint_interval_min=0", "trainer.keep_checkpoints=20",
