@@ -85,6 +85,11 @@ class Batches:
         """Batches in a whole epoch (also after set_epoch with a start batch)."""
         return math.ceil(self.order.epoch_length() / self.order.batch_size)
 
+    def samples_in(self, start: int, stop: int) -> int:
+        """Samples in batches [start, stop) of a whole epoch: host arithmetic, no sync."""
+        length, size = self.order.epoch_length(), self.order.batch_size
+        return min(stop * size, length) - min(start * size, length)
+
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         """The epoch's order (the same as before a restart), from batch `start_batch` on: the
         batches before it are skipped without being read."""

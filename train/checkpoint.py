@@ -166,6 +166,11 @@ def _shaping(config: dict[str, Any]) -> dict[str, Any]:
     return picked
 
 
+def _accumulation(config: Any) -> Any:
+    trainer = config.get("trainer") if isinstance(config, dict) else None
+    return trainer.get("accumulate_grad_batches", 1) if isinstance(trainer, dict) else 1
+
+
 def mismatch(state: dict[str, Any], config: dict[str, Any], world_size: int) -> str | None:
     """Why this job (its composed `config`, on `world_size` ranks) cannot continue from a
     checkpoint's `state`; None if it can. A checkpoint taken at an epoch's end continues on any
@@ -187,6 +192,11 @@ def mismatch(state: dict[str, Any], config: dict[str, Any], world_size: int) -> 
             f"it was written mid-epoch by {written_by} ranks and this job has {world_size} (a "
             "mid-epoch checkpoint holds each rank's place in its shard; resume it with "
             f"{written_by} ranks, or from an epoch-end checkpoint on any number)")
+    theirs_k, ours_k = _accumulation(stored), _accumulation(config)
+    if state.get("batch_in_epoch") and theirs_k != ours_k:
+        differences.append(
+            f"it was written mid-epoch with trainer.accumulate_grad_batches={theirs_k} and this "
+            f"job has {ours_k} (its place in the epoch counts micro-batches of that size)")
     return "; ".join(differences) or None
 
 

@@ -129,6 +129,10 @@ class OptimConfig:
 class TrainerConfig:
     epochs: int = 10
     """Passes over the training set."""
+    accumulate_grad_batches: int = 1
+    """Micro-batches whose gradients are summed before each optimiser step. data.batch_size
+    stays the global batch of one optimiser step: each rank's micro-batch is
+    batch_size / (world size x this), and the intermediate micro-steps skip DDP's all-reduce."""
     seed: int = 0
     """Seed for weights and shuffling (each rank adds its rank)."""
     precision: str = "fp32"

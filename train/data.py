@@ -80,14 +80,16 @@ class ResidentBatches(Batches):
 
 def build(cfg: DataConfig, rank: int, world_size: int, local_world_size: int,
           device: torch.device, seed: int, channels_last: bool = False,
-          resident: bool | None = None) -> DataBundle:
-    """This rank's shards; `resident` (default: data.on_device on a GPU) keeps an in-memory
+          resident: bool | None = None, micro_batches: int = 1) -> DataBundle:
+    """This rank's shards, in batches of data.batch_size / (world size x `micro_batches`), the
+    micro-batch of trainer.accumulate_grad_batches (validation reads the same size: it fits
+    where training does); `resident` (default: data.on_device on a GPU) keeps an in-memory
     data set on `device` and batches it there."""
     if cfg.name in STREAMED:
         from train import streaming
 
         return streaming.build(cfg, rank, world_size, local_world_size, device, seed,
-                               channels_last)
+                               channels_last, micro_batches)
     data = DATASETS[cfg.name](cfg)
     parts = split(len(data.labels), cfg.val_fraction, cfg.split_seed)
     train_images = data.images[parts.train_idx].float().div_(data.scale)
@@ -105,7 +107,7 @@ def build(cfg: DataConfig, rank: int, world_size: int, local_world_size: int,
         parts = Split(parts.train_idx.to(device), parts.val_idx.to(device))
     workers = 0 if keep_on_device else (
         cfg.num_workers if cfg.num_workers is not None else default_num_workers(local_world_size))
-    per_rank = cfg.batch_size // world_size
+    per_rank = cfg.batch_size // (world_size * micro_batches)
 
     def batches(subset: _Subset, sampler: DistributedSampler | None, augment: bool) -> Batches:
         norm = {"mean": mean, "std": std, "scale": data.scale, "channels_last": channels_last,

@@ -123,12 +123,14 @@ def _train(cfg: TrainConfig, config: dict[str, Any], env: distenv.DistEnv, out: 
             **slurm.slurm_tags([r["host"] for r in ranks])}
     logger.start(config, ranks, env, backend, tags, OmegaConf.to_yaml(config),
                  _previous_run(cfg, out, resumed))
+    accumulate = cfg.trainer.accumulate_grad_batches
     bundle = data_lib.build(cfg.data, env.rank, env.world_size, env.local_world_size, device,
-                            cfg.trainer.seed, cfg.trainer.channels_last)
+                            cfg.trainer.seed, cfg.trainer.channels_last, micro_batches=accumulate)
     logger.log_data(bundle)
     torch.manual_seed(cfg.trainer.seed)  # identical initial weights on every rank
     spec = models.InputSpec.of(bundle.input_shape, bundle.num_classes)
-    state = train_state.build(cfg, spec, len(bundle.train), device)
+    steps_per_epoch = -(-len(bundle.train) // accumulate)  # optimiser steps: the schedule's
+    state = train_state.build(cfg, spec, steps_per_epoch, device)
     logger.throughput = flops.Throughput(state.module, bundle.channels, bundle.image_size, device,
                                          cfg.trainer.precision, cfg.trainer.peak_tflops,
                                          env.world_size)

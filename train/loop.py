@@ -113,14 +113,24 @@ def _report_scaler(state: TrainState, duties: Duties) -> None:
             "optim.grad_clip, or use bf16-mixed or fp32).")
 
 
-def _optimiser_step(cfg: TrainConfig, state: TrainState, images: torch.Tensor,
-                    labels: torch.Tensor, device: torch.device,
-                    criterion: Criterion) -> tuple[torch.Tensor, torch.Tensor]:
-    with autocast(device, cfg.trainer.precision):
-        logits = state.model(images)
-        loss = criterion(logits, labels, images)
-    state.optimizer.zero_grad(set_to_none=True)
-    state.scaler.scale(loss).backward()
+def _micro_step(cfg: TrainConfig, state: TrainState, images: torch.Tensor,
+                labels: torch.Tensor, device: torch.device, criterion: Criterion,
+                weight: float, sync: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward of one micro-batch, its loss weighted by its share of the optimiser
+    step's samples (1/trainer.accumulate_grad_batches when all are full), so that the summed
+    gradient is the mean over the step's samples. `sync=False`: under DDP's no_sync the
+    gradient only accumulates on this rank; the step's last micro-batch all-reduces the sum."""
+    with contextlib.nullcontext() if sync else state.model.no_sync():
+        with autocast(device, cfg.trainer.precision):
+            logits = state.model(images)
+            loss = criterion(logits, labels, images)
+        state.scaler.scale(loss if weight == 1 else loss * weight).backward()
+    return logits, loss
+
+
+def _optimiser_step(cfg: TrainConfig, state: TrainState) -> None:
+    """Once per optimiser step, after its micro-batches: unscale (fp16) and clip the summed
+    gradient, step, and advance the LR schedule and `state.step`."""
     if cfg.optim.grad_clip is not None:
         state.scaler.unscale_(state.optimizer)
         nn.utils.clip_grad_norm_(state.model.parameters(), cfg.optim.grad_clip)
@@ -128,11 +138,27 @@ def _optimiser_step(cfg: TrainConfig, state: TrainState, images: torch.Tensor,
     state.scaler.update()
     state.scheduler.step()
     state.step += 1
-    return logits, loss
+
+
+def _log_step(state: TrainState, duties: Duties, totals: metrics.Totals, step_loss: torch.Tensor,
+              step_time_s: float, batches_done: int, batches: int) -> None:
+    """A logging step, the only one that waits for the device: the step loss, fp16's scaler,
+    and a checkpoint (then a stop) if any rank asks for one."""
+    sync = metrics.sync_step(step_loss, step_time_s, duties.stop.received is not None,
+                             duties.checkpointer.interval_due())
+    _check_finite(sync.mean_loss, duties.rank, state.step, "train/step_loss (mean over ranks)")
+    duties.logger.step(state.step, sync)
+    _report_scaler(state, duties)
+    if (sync.stop_requested or sync.checkpoint_due) and batches_done < batches:
+        duties.checkpointer.save(state, totals, batches_done)  # the epoch end does anyway
+        if sync.stop_requested:
+            raise duties.stop.preempted()
 
 
 def train_epoch(cfg: TrainConfig, state: TrainState, batches: Batches, device: torch.device,
                 duties: Duties, criterion: Criterion) -> metrics.Totals:
+    """One epoch of optimiser steps, each over trainer.accumulate_grad_batches micro-batches
+    (the epoch's last over what is left: its gradient is still the mean over its samples)."""
     state.model.train()
     totals = criterion.totals(device)
     skip, state.batch_in_epoch = state.batch_in_epoch, 0
@@ -140,33 +166,36 @@ def train_epoch(cfg: TrainConfig, state: TrainState, batches: Batches, device: t
         totals.restore(state.partial_totals)
         state.partial_totals = None
     # The same order as before a restart, from the first batch not yet trained: the batches
-    # before it are not read (nor decoded, for streamed data).
+    # before it are not read (nor decoded, for streamed data). Checkpoints are taken between
+    # optimiser steps only, so `skip` starts a group of micro-batches.
     batches.set_epoch(state.epoch, start_batch=skip)
-    every = cfg.trainer.log_every_n_steps
+    every, k = cfg.trainer.log_every_n_steps, cfg.trainer.accumulate_grad_batches
+    count = len(batches)
     window_start, window_steps = time.perf_counter(), 0
+    step_loss = torch.zeros((), device=device)
     for index, (images, labels) in enumerate(duties.logger.progress(batches, state.epoch),
                                              start=skip):
-        logits, loss = _optimiser_step(cfg, state, images, labels, device, criterion)
+        first, end = index - index % k, min(index - index % k + k, count)
+        if index == first:
+            state.optimizer.zero_grad(set_to_none=True)
+        weight = labels.shape[0] / batches.samples_in(first, end)  # shapes: no sync
+        logits, loss = _micro_step(cfg, state, images, labels, device, criterion, weight,
+                                   sync=index + 1 == end)
         totals.add(logits, labels, loss)
+        share = loss.detach() if weight == 1 else loss.detach() * weight
+        step_loss = share if index == first else step_loss + share
+        if index + 1 < end:
+            continue
+        _optimiser_step(cfg, state)
         window_steps += 1
         if state.step == 1:
             duties.logger.first_step()
         if state.step == cfg.trainer.fail_at_step and duties.rank == cfg.trainer.fail_on_rank:
             raise FailureDrill(f"trainer.fail_on_rank={duties.rank}: failing on purpose at step "
                                f"{state.step}")
-        if state.step % every == 0:  # the only steps that wait for the device
-            sync = metrics.sync_step(loss, (time.perf_counter() - window_start) / window_steps,
-                                     duties.stop.received is not None,
-                                     duties.checkpointer.interval_due())
-            _check_finite(sync.mean_loss, duties.rank, state.step,
-                          "train/step_loss (mean over ranks)")
-            duties.logger.step(state.step, sync)
-            _report_scaler(state, duties)
-            wanted = sync.stop_requested or sync.checkpoint_due
-            if wanted and index + 1 < len(batches):  # the epoch end checkpoints anyway
-                duties.checkpointer.save(state, totals, index + 1)
-                if sync.stop_requested:
-                    raise duties.stop.preempted()
+        if state.step % every == 0:
+            _log_step(state, duties, totals, step_loss,
+                      (time.perf_counter() - window_start) / window_steps, end, count)
             window_start, window_steps = time.perf_counter(), 0
     return totals
 

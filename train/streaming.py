@@ -264,13 +264,15 @@ def custom_source(cfg: DataConfig, workers: int) -> Source:
 
 
 def build(cfg: DataConfig, rank: int, world_size: int, local_world_size: int,
-          device: torch.device, seed: int, channels_last: bool = False) -> batching.DataBundle:
+          device: torch.device, seed: int, channels_last: bool = False,
+          micro_batches: int = 1) -> batching.DataBundle:
     """This rank's streamed shards: DistributedSampler's for training, a strided slice of the
-    validation set (every sample on exactly one rank) for validation."""
+    validation set (every sample on exactly one rank) for validation; in micro-batches of
+    data.batch_size / (world size x `micro_batches`)."""
     workers = (cfg.num_workers if cfg.num_workers is not None
                else batching.default_num_workers(local_world_size, streamed=True))
     source = imagefolder_source(cfg) if cfg.name == "imagefolder" else custom_source(cfg, workers)
-    per_rank = cfg.batch_size // world_size
+    per_rank = cfg.batch_size // (world_size * micro_batches)
     sampler = DistributedSampler(source.train, num_replicas=world_size, rank=rank, shuffle=True,
                                  seed=seed, drop_last=False)
     shard = Rows(source.val, torch.arange(rank, len(source.val), world_size))  # type: ignore[arg-type]

@@ -105,10 +105,27 @@ def _tracking_and_ranks(cfg: TrainConfig, world_size: int, p: list[str]) -> None
              "trainer.peak_tflops must be positive or null.", p)
     _require(cfg.optim.grad_clip is None or cfg.optim.grad_clip > 0,
              "optim.grad_clip must be positive or null.", p)
-    if cfg.data.batch_size > 0 and world_size > 0:
-        suggestion = max(world_size, cfg.data.batch_size // world_size * world_size)
-        _require(cfg.data.batch_size % world_size == 0,
-                 f"data.batch_size={cfg.data.batch_size} is the GLOBAL batch and must split evenly "
-                 f"over the {world_size} ranks; use a multiple of {world_size}, e.g. "
-                 f"data.batch_size={suggestion}.",
-                 p)
+    _batch_split(cfg, world_size, p)
+
+
+def _batch_split(cfg: TrainConfig, world_size: int, p: list[str]) -> None:
+    """The global batch must split into whole micro-batches: world size x accumulation."""
+    k = cfg.trainer.accumulate_grad_batches
+    _require(k >= 1, f"trainer.accumulate_grad_batches must be 1 or more (got {k}).", p)
+    # DDP's no_sync (the accumulation's skipped all-reduces) fails inside the reducer with a
+    # static graph (torch 2.14: "expect_autograd_hooks_ INTERNAL ASSERT FAILED").
+    _require(k <= 1 or not cfg.distributed.static_graph,
+             "trainer.accumulate_grad_batches>1 cannot be combined with "
+             "distributed.static_graph=true (DDP's no_sync fails on a static graph); set "
+             "distributed.static_graph=false.", p)
+    if cfg.data.batch_size <= 0 or world_size <= 0 or k < 1:
+        return
+    unit = world_size * k
+    if cfg.data.batch_size % unit == 0:
+        return
+    suggestion = max(unit, round(cfg.data.batch_size / unit) * unit)
+    over = f"the {world_size} ranks" if k == 1 else (
+        f"{world_size} rank{'s' * (world_size > 1)} x {k} micro-batches "
+        f"(trainer.accumulate_grad_batches={k})")
+    p.append(f"data.batch_size={cfg.data.batch_size} is the GLOBAL batch and must split evenly "
+             f"over {over}; use a multiple of {unit}, e.g. data.batch_size={suggestion}.")
