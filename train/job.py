@@ -128,7 +128,8 @@ def _train(cfg: TrainConfig, config: dict[str, Any], env: distenv.DistEnv, out: 
     logger.log_data(bundle)
     torch.manual_seed(cfg.trainer.seed)  # identical initial weights on every rank
     spec = models.InputSpec.of(bundle.input_shape, bundle.num_classes)
-    state = train_state.build(cfg, spec, len(bundle.train), device)
+    state = train_state.build(cfg, spec, len(bundle.train), device, resumed is not None)
+    logger.log_model_params(state.module)
     logger.throughput = flops.Throughput(state.module, bundle.channels, bundle.image_size, device,
                                          cfg.trainer.precision, cfg.trainer.peak_tflops,
                                          env.world_size)
