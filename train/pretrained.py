@@ -35,7 +35,9 @@ PREFIXES = ("module.", "_orig_mod.")
 """Key prefixes of a state dict saved from DDP or torch.compile's wrapper."""
 WEIGHTS_NAME = re.compile(r"(\w+_Weights\.)?[A-Z][A-Z0-9_]*")
 SHOWN = 3
-"""Keys named in a message, per kind of problem."""
+"""Keys named in a refusal, per kind of problem."""
+REPORTED = 50
+"""Keys named in a non-strict load's report, per kind."""
 
 
 class WeightsError(ValueError):
@@ -168,14 +170,14 @@ class Match:
     adapted: list[str] = field(default_factory=list)
     """torchvision: the first convolution, summed over RGB for the data's channels."""
 
-    def misfit(self) -> str:
-        """The problems a strict load refuses, in a few words; '' if none."""
+    def misfit(self, shown: int = SHOWN) -> str:
+        """The problems a strict load refuses, naming `shown` keys of each kind; '' if none."""
         parts = []
         for what, keys in (("missing", self.missing), ("unexpected", self.unexpected),
                            ("of another shape", self.mismatched)):
             if keys:
-                more = ", ..." if len(keys) > SHOWN else ""
-                parts.append(f"{len(keys)} {what} ({', '.join(keys[:SHOWN])}{more})")
+                more = ", ..." if len(keys) > shown else ""
+                parts.append(f"{len(keys)} {what} ({', '.join(keys[:shown])}{more})")
         return "; ".join(parts)
 
 
@@ -246,5 +248,5 @@ def load(model: nn.Module, cfg: ModelConfig | CustomModelConfig, num_classes: in
     if found.adapted:
         log.info("first convolution %s: the pretrained RGB filters summed for %d input "
                  "channel(s)", found.adapted, own[found.adapted[0]].shape[1])
-    if problem := found.misfit():
+    if problem := found.misfit(shown=REPORTED):
         log.warning("model.weights_strict=false: not loaded from %s: %s", source.label, problem)
