@@ -230,19 +230,21 @@ def test_a_custom_models_reserved_keys_are_not_its_constructors(
 
 # -- end to end: a first run's model fine-tuned in a second --------------------------------------
 
-@pytest.mark.slow  # two in-process runs and a resumed one (~13 s)
+@pytest.mark.slow  # a run, a 2-rank run and a resumed one
 @pytest.mark.usefixtures("no_launcher_env")
 def test_a_runs_model_fine_tuned_with_frozen_layers(tmp_path: Path) -> None:
-    """Run 2 starts from run 1's model.pt with the first layer frozen: that layer ends equal to
-    the file, the rest trained on. Run 2 again, its weights file gone: the checkpoint is
-    resumed, model.weights not read."""
+    """Run 2 (two ranks) starts from run 1's model.pt with the first layer frozen: that layer
+    ends equal to the file, the rest trained on. Run 2 again, its weights file gone: the
+    checkpoint is resumed, model.weights not read."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     common = (*SMALL, f"tracking.uri={uri}", "tracking.log_model=false")
     run(composed(*common, "trainer.epochs=1"), str(tmp_path / "first"), "t")
     source = tmp_path / "first" / "model.pt"
     tuned = (*common, f"model.weights={source}", "model.freeze=[1]",
              "optim.param_groups=[{prefix:6,lr_scale:0.1}]", "tracking.run_name=tuned")
-    run(composed(*tuned, "trainer.epochs=1"), str(tmp_path / "second"), "t")
+    # On 2 ranks: DDP neither syncs nor waits for the frozen parameters.
+    run(composed(*tuned, "trainer.epochs=1", "distributed.nproc_per_node=2"),
+        str(tmp_path / "second"), "t")
     start, end = (torch.load(p, weights_only=True)
                   for p in (source, tmp_path / "second" / "model.pt"))
     for key in start:
