@@ -145,9 +145,10 @@ class CheckpointMismatch(ValueError):
     mid-epoch position on another world size); refused before any run is touched."""
 
 
-SHAPING = {"model": None, "data": ("name",), "optim": ("name",)}
-"""Config keys a checkpoint's tensors depend on (None: the whole section but MODEL_FREE)."""
-MODEL_FREE = ("dropout",)
+SHAPING = {"model": None, "data": ("name",), "optim": ("name", "param_groups")}
+"""Config keys a checkpoint's tensors depend on (None: the whole section but MODEL_FREE);
+model.freeze and optim.param_groups shape the optimiser's groups."""
+MODEL_FREE = ("dropout", "weights_strict")
 """Model keys that do not change the state dict's tensors."""
 DATA_SHAPE = ("channels", "image_size", "num_classes")
 """Data keys that shape the model where a data set takes them (synthetic, imagefolder)."""

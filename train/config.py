@@ -33,6 +33,18 @@ class ModelConfig:
     """mlp: hidden layers."""
     dropout: float = 0.0
     """Dropout before the classifier."""
+    weights: str | None = None
+    """Start from these weights (fine-tuning): a local state dict file (a previous run's
+    model.pt, a checkpoint step-<N>.pt, any torch.save'd state dict), read with
+    torch.load(weights_only=True); with model=torchvision also DEFAULT or a weights name
+    (IMAGENET1K_V1, ResNet18_Weights.IMAGENET1K_V1) from the local torch hub cache (never
+    downloaded). null = random weights. A resumed job takes its checkpoint's weights instead."""
+    weights_strict: bool = True
+    """Refuse weights whose keys or shapes differ from the model's; false = load what matches
+    and report the rest (e.g. a classifier head of another class count is left new)."""
+    freeze: list[str] = field(default_factory=list)
+    """Module-name prefixes (layer1, features.0, fc.weight) whose parameters are not trained:
+    requires_grad=False and left out of the optimiser."""
 
 
 @dataclass
@@ -46,6 +58,13 @@ class CustomModelConfig:
     """The other model.* keys (`+model.depth=4`): constructor arguments. num_classes,
     in_channels / channels and image_size are filled from the data where the constructor takes
     them and they are not set here."""
+    weights: str | None = None
+    """As ModelConfig.weights (`+model.weights=...`; a key reserved, not a constructor
+    argument)."""
+    weights_strict: bool = True
+    """As ModelConfig.weights_strict (reserved)."""
+    freeze: list[str] = field(default_factory=list)
+    """As ModelConfig.freeze (reserved)."""
 
 
 @dataclass
@@ -123,6 +142,11 @@ class OptimConfig:
     """cosine: final lr as a fraction of the peak."""
     grad_clip: float | None = None
     """Clip the global gradient norm to this value; null = no clipping."""
+    param_groups: list[dict[str, Any]] = field(default_factory=list)
+    """Parameters trained with their own settings, e.g. [{prefix: layer4, lr_scale: 0.1}]: per
+    group a module-name `prefix`, `lr_scale` (times optim.lr; the schedule scales every group
+    alike) and optionally `weight_decay`. The rest keep optim.lr and optim.weight_decay.
+    Prefixes must match trainable parameters and not overlap."""
 
 
 @dataclass

@@ -130,7 +130,8 @@ def _train(cfg: TrainConfig, config: dict[str, Any], env: distenv.DistEnv, out: 
     torch.manual_seed(cfg.trainer.seed)  # identical initial weights on every rank
     spec = models.InputSpec.of(bundle.input_shape, bundle.num_classes)
     steps_per_epoch = -(-len(bundle.train) // accumulate)  # optimiser steps: the schedule's
-    state = train_state.build(cfg, spec, steps_per_epoch, device)
+    state = train_state.build(cfg, spec, steps_per_epoch, device, resumed is not None)
+    logger.log_model_params(state.module)
     logger.throughput = flops.Throughput(state.module, bundle.channels, bundle.image_size, device,
                                          cfg.trainer.precision, cfg.trainer.peak_tflops,
                                          env.world_size)

@@ -102,7 +102,8 @@ def _torchvision(cfg: ModelConfig, spec: InputSpec) -> nn.Module:
     if cfg.name not in torchvision_builders():
         raise ValueError(f"model=torchvision model.name={cfg.name!r} is not a torchvision "
                          f"classification model; choose one of {torchvision_builders()}.")
-    # Random weights: pretrained ones would be a download, and compute nodes are often offline.
+    # Built for the data's classes with random weights; model.weights (train/pretrained.py)
+    # loads pretrained ones over it from the local cache, the classifier head left new.
     model = tvm.get_model(cfg.name, weights=None, num_classes=spec.num_classes)
     if spec.channels != 3:
         _adapt_first_conv(model, spec.channels)
@@ -133,6 +134,16 @@ def build(cfg: ModelConfig | CustomModelConfig, spec: InputSpec) -> nn.Module:
     if cfg.source == "torchvision":
         return _torchvision(cfg, spec)
     return MODELS[cfg.name](cfg, spec)
+
+
+def build_on_meta(cfg: ModelConfig | CustomModelConfig, spec: InputSpec) -> nn.Module:
+    """The model for its parameter names and shapes only: on the meta device (no memory, no
+    initialisation) where it can be built there, else on the CPU."""
+    try:
+        with torch.device("meta"):
+            return build(cfg, spec)
+    except Exception:  # noqa: BLE001 - what the meta device lacks (the user's code): for real
+        return build(cfg, spec)
 
 
 KEY = "model._target_"

@@ -7,18 +7,22 @@ import math
 import torch
 from torch import nn
 
+from train import finetune
 from train.config import OptimConfig
 
 
 def build_optimizer(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer:
-    params = [p for p in model.parameters() if p.requires_grad]
+    """Over the trainable parameters (model.freeze's are left out), in optim.param_groups'
+    groups (train/finetune.py) where there are any."""
+    groups = finetune.param_groups(model, cfg.param_groups, cfg.lr, cfg.weight_decay)
+    params = [p for g in groups for p in g["params"]]
     # On GPUs, the fused kernels: one launch for all parameters, and with fp16 the GradScaler
     # hands them its inf check instead of reading it back to the host every step.
-    fused = all(p.is_cuda for p in params) or None
+    fused = (bool(params) and all(p.is_cuda for p in params)) or None
     if cfg.name == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas),  # type: ignore[arg-type]
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas),  # type: ignore[arg-type]
                                  weight_decay=cfg.weight_decay, fused=fused)
-    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum,
                            nesterov=cfg.nesterov and cfg.momentum > 0,
                            weight_decay=cfg.weight_decay, fused=fused)
 

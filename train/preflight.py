@@ -45,8 +45,9 @@ def preflight(cfgs: Sequence[TrainConfig], on_slurm: bool = False, dry_run: bool
             validate(cfg, world_size)
             if dry_run:
                 continue
-            check_resume(cfg, world_size, output_dir if len(cfgs) == 1 else None)
+            resuming = check_resume(cfg, world_size, output_dir if len(cfgs) == 1 else None)
             check_model(cfg)
+            check_finetuning(cfg, resuming)
             check_data(cfg)
             if not on_slurm:
                 check_local_devices(cfg)
@@ -57,16 +58,17 @@ def preflight(cfgs: Sequence[TrainConfig], on_slurm: bool = False, dry_run: bool
         raise LaunchError(str(e)) from None
 
 
-def check_resume(cfg: TrainConfig, world_size: int, output_dir: str | None) -> None:
+def check_resume(cfg: TrainConfig, world_size: int, output_dir: str | None) -> bool:
     """trainer.resume names a checkpoint that exists, and the checkpoint to be resumed (that
     one, or this output directory's own) fits this job: the same model, data shape and
     optimiser, and the same world size if it was taken mid-epoch. No torch import when there
-    is no checkpoint to look at."""
+    is no checkpoint to look at. Returns whether the job will continue from a checkpoint (or
+    has finished already)."""
     from pathlib import Path
 
     resume = cfg.trainer.resume
     if resume == "never":
-        return
+        return False
     if resume != "auto" and not Path(resume).exists():
         raise ConfigError(f"trainer.resume={resume}: no such file or directory. Give a "
                           "checkpoint file or a checkpoints/ directory, or trainer.resume=auto "
@@ -76,17 +78,18 @@ def check_resume(cfg: TrainConfig, world_size: int, output_dir: str | None) -> N
     if folder is None or not (folder.is_file() or any(folder.glob("step-*.pt"))):
         if resume != "auto":
             raise ConfigError(f"trainer.resume={resume}: no checkpoint there (step-<N>.pt).")
-        return
+        return False
     from train import checkpoint, job
 
     if output_dir and job.finished_already(cfg, Path(output_dir)) is not None:
-        return  # the job itself says so, and changes nothing
+        return True  # the job itself says so, and changes nothing
     try:
         found = checkpoint.find(resume, Path(output_dir or "."))
         if found is not None:
             checkpoint.check_compatible(found, config_dict(cfg), world_size)
     except checkpoint.CheckpointMismatch as e:
         raise ConfigError(str(e)) from None
+    return found is not None
 
 
 def config_dict(cfg: TrainConfig) -> dict:
@@ -95,7 +98,9 @@ def config_dict(cfg: TrainConfig) -> dict:
 
     as_dict = asdict(cfg)
     if isinstance(cfg.model, CustomModelConfig):
-        as_dict["model"] = {"_target_": cfg.model.target, **cfg.model.kwargs}
+        m = cfg.model
+        as_dict["model"] = {"_target_": m.target, **m.kwargs, "weights": m.weights,
+                            "weights_strict": m.weights_strict, "freeze": m.freeze}
     return as_dict
 
 
@@ -127,6 +132,43 @@ def check_model(cfg: TrainConfig,
             models.check_loss(cfg.trainer.loss, known[1] if known else None)
     except usercode.UserCodeError as e:
         raise ConfigError(str(e)) from None
+
+
+def check_finetuning(cfg: TrainConfig, resuming: bool) -> None:
+    """model.weights found, read (weights only) and, strict, fitting the model; model.freeze
+    and optim.param_groups prefixes matching its parameters. The model is built on the meta
+    device, where the data's shape is known without reading the data (elsewhere the job checks
+    at its start). A job that continues a checkpoint takes its weights: model.weights unread."""
+    m = cfg.model
+    if not (m.weights or m.freeze or cfg.optim.param_groups):
+        return  # no torch import
+    from train import finetune, models, pretrained, usercode
+
+    try:
+        source = None if resuming else pretrained.resolve(m)
+        weights = pretrained.read(source.path, source.label) if source else None
+        if (known := known_input(cfg.data) or _image_folder_input(cfg.data)) is None:
+            return
+        spec = models.InputSpec.of(*known)
+        model = models.build_on_meta(m, spec)
+        if source is not None and weights is not None:
+            pretrained.fit(model, source, weights, m.weights_strict, spec.num_classes)
+        finetune.check(model, m.freeze, cfg.optim.param_groups)
+    except (pretrained.WeightsError, finetune.FinetuneError, usercode.UserCodeError) as e:
+        raise ConfigError(str(e)) from None
+
+
+def _image_folder_input(data: DataConfig) -> tuple[tuple[int, ...], int] | None:
+    """data=imagefolder: RGB crops of data.image_size, its class folders (a directory scan)."""
+    if data.name != "imagefolder":
+        return None
+    from train import imagefolder
+
+    try:
+        classes = len(imagefolder.find(data.root).train.classes)
+    except (imagefolder.LayoutError, OSError):
+        return None  # check_data says what is wrong with it
+    return (3, data.image_size, data.image_size), classes
 
 
 DEFAULT_LOSS = TrainerConfig().loss

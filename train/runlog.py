@@ -103,6 +103,17 @@ class RunLogger:
         if not self.restarts:  # recorded by the first start
             self.run.log(bundle.dataset_record(f"{self.cfg.data.name}-train"))
 
+    def log_model_params(self, model: Any) -> None:
+        """Parameters trained and frozen (model.freeze), and the weights' source (tag
+        `weights_source`: a path or a torchvision weights name, never the contents)."""
+        from train import finetune, pretrained
+
+        counts = finetune.counts(model)
+        self.run.log_params({k: str(v) for k, v in counts.items()})
+        if weights := pretrained.label(self.cfg.model):
+            self.run.set_tags({"weights_source": weights})
+        log.info("model: %s", ", ".join(f"{k}={v}" for k, v in counts.items()))
+
     def progress(self, batches: Iterable[T], epoch: int) -> Iterator[T]:
         return self.bar.over(batches, epoch, len(batches))  # type: ignore[arg-type]
 

@@ -96,4 +96,22 @@ def typed_model(model: Any) -> ModelConfig | CustomModelConfig:
     if not isinstance(target, str) or not target.strip():
         raise ConfigError(f"model._target_={target!r} must be the dotted path of your model "
                           "class, e.g. model._target_=mypkg.models.Net.")
-    return CustomModelConfig(target=target, kwargs=model)
+    return CustomModelConfig(target=target, **_reserved(model), kwargs=model)
+
+
+RESERVED = {"weights": "a file path, a weights name or null", "weights_strict": "true or false",
+            "freeze": "a list of module-name prefixes"}
+"""model=custom keys the service takes (pretrained weights, freezing), not the constructor."""
+
+
+def _reserved(model: dict[str, Any]) -> dict[str, Any]:
+    """Pop RESERVED from a custom model's keys, their types checked (no schema does it)."""
+    taken = {key: model.pop(key) for key in RESERVED if key in model}
+    ok = {"weights": lambda v: v is None or isinstance(v, str),
+          "weights_strict": lambda v: isinstance(v, bool),
+          "freeze": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)}
+    for key, value in taken.items():
+        if not ok[key](value):
+            raise ConfigError(f"model.{key}={value!r} must be {RESERVED[key]} (a key the "
+                              "service takes, not your model's constructor).")
+    return taken

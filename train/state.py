@@ -3,14 +3,17 @@ training stands. Built the same way on every rank; checkpoints save and restore 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from train import devices, models, optim
+from train import devices, finetune, models, optim, pretrained
 from train.config import TrainConfig
+
+log = logging.getLogger("train")
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -68,10 +71,19 @@ class TrainState:
 
 
 def build(cfg: TrainConfig, spec: models.InputSpec, steps_per_epoch: int,
-          device: torch.device) -> TrainState:
+          device: torch.device, resuming: bool = False) -> TrainState:
     """The model on `device` in DDP, with its optimiser, schedule and scaler. Seed the RNG
-    first: every rank must start from the same weights."""
-    module = devices.sync_batchnorm(models.build(cfg.model, spec), cfg.distributed.sync_batchnorm)
+    first: every rank must start from the same weights. model.weights are loaded unless
+    `resuming` (the checkpoint's weights win); model.freeze's parameters are frozen before
+    DDP and the optimiser see them."""
+    module = models.build(cfg.model, spec)
+    if resuming and cfg.model.weights:
+        log.info("model.weights=%s not loaded: the checkpoint's weights are resumed",
+                 cfg.model.weights)
+    elif cfg.model.weights:
+        pretrained.load(module, cfg.model, spec.num_classes)
+    finetune.freeze(module, cfg.model.freeze)
+    module = devices.sync_batchnorm(module, cfg.distributed.sync_batchnorm)
     module = module.to(device)
     if cfg.trainer.channels_last:
         module = module.to(memory_format=torch.channels_last)

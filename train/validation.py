@@ -50,6 +50,9 @@ def _model_and_data(cfg: TrainConfig, p: list[str]) -> None:
                  f"model.name={cfg.model.name!r} is not a model; choose one of "
                  f"{[*MODEL_NAMES, 'torchvision']} (for a torchvision.models builder: "
                  f"model=torchvision model.name={cfg.model.name}).", p)
+    from train.finetune import group_problems  # no torch: prefixes as written
+
+    p += group_problems(cfg.optim.param_groups, cfg.model.freeze)
     datasets = [*DATASET_NAMES, *STREAMED_DATASET_NAMES]
     _require(cfg.data.name in datasets,
              f"data={cfg.data.name!r} is not a data set; choose one of {datasets}.", p)
