@@ -133,7 +133,9 @@ def output_dir(ret: Any) -> Path:
 def time_limit_stop(rank0: Any) -> str | None:
     """The note of a job that stopped at its time limit (USR2) and was not requeued."""
     error = getattr(rank0, "_return_value", None)
-    if type(error).__name__ != "Preempted" or "SIGUSR2" not in str(error):
+    # Preempted from a rank; JobStoppedError from a per-node task (cluster.ranks=per_node).
+    if type(error).__name__ not in ("Preempted", "JobStoppedError") or \
+            "SIGUSR2" not in str(error):
         return None
     out = output_dir(rank0)
     newest = sorted((out / "checkpoints").glob("step-*.pt"),
