@@ -3,6 +3,7 @@ cluster.srun_args), on the real local 2-node cluster (issue 13)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -10,8 +11,74 @@ import pytest
 
 from tests.conftest import history, runs_in
 from tests.test_slurm import cluster, on_slurm, slurm_job  # noqa: F401 - cluster is a fixture
+from train import distenv, slurm
+from train.config import ClusterConfig, slurm_cpus_per_task, slurm_tasks_per_node
+from train.distenv import TORCHRUN_VARS
 
 PER_NODE = ("cluster.ranks=per_node", "cluster.nodes=2", "cluster.tasks_per_node=2")
+
+
+# -- no cluster needed -------------------------------------------------------------------------
+
+def _node_task_env(procid: int, tasks: int = 2, nodes: int = 2) -> dict[str, str]:
+    """What srun gives the task of node `procid` in a 2-node job with one task per node."""
+    return {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_PROCID": str(procid),
+            "SLURM_LOCALID": "0", "SLURM_NODEID": str(procid), "SLURM_STEP_NUM_TASKS": str(tasks),
+            "SLURM_NTASKS": str(tasks), "SLURM_STEP_NUM_NODES": str(nodes),
+            "SLURM_JOB_NUM_NODES": str(nodes), "SLURM_JOB_NODELIST": "node[1-2]",
+            "SLURM_STEP_NODELIST": "node[1-2]", "SLURM_TASKS_PER_NODE": "1(x2)",
+            "SLURM_STEP_TASKS_PER_NODE": "1(x2)"}
+
+
+def test_the_second_node_task_starts_ranks_2_and_3_of_4(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in [k for k in os.environ if k.startswith("SLURM_") or k in TORCHRUN_VARS]:
+        monkeypatch.delenv(key)
+    for key, value in _node_task_env(1).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")  # set by the call: undone after the test
+    node = distenv.slurm_node_task(2)
+    assert (node.node_rank, node.world_size, node.master_addr) == (1, 4, "node1")
+    envs = [node.env(local) for local in range(2)]
+    assert [(e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]) for e in envs] \
+        == [("2", "0", "4", "2"), ("3", "1", "4", "2")]
+    assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"] == str(node.master_port)
+    # The first node's task computes the same master (seeded by the job id).
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    assert distenv.slurm_node_task(2).master_port == node.master_port
+
+
+def test_a_node_task_refuses_a_half_set_or_per_rank_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in [k for k in os.environ if k.startswith("SLURM_") or k in TORCHRUN_VARS]:
+        monkeypatch.delenv(key)
+    with pytest.raises(distenv.DistEnvError, match="only inside a Slurm job step"):
+        distenv.slurm_node_task(2)
+    for key, value in _node_task_env(0, tasks=4).items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(distenv.DistEnvError, match="one Slurm task per node, but this step has "
+                       "4 task"):
+        distenv.slurm_node_task(2)
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    with pytest.raises(distenv.DistEnvError, match="MASTER_PORT set in the node's task"):
+        distenv.slurm_node_task(2)
+
+
+@pytest.mark.parametrize(("overrides", "tasks", "cpus"), [
+    ({}, 1, 1),
+    ({"tasks_per_node": 2, "cpus_per_task": 3}, 2, 3),
+    ({"ranks": "per_node", "tasks_per_node": 2, "cpus_per_task": 3}, 1, 6),
+    ({"ranks": "per_node", "gpus_per_node": 4, "cpus_per_task": 8}, 1, 32),
+])
+def test_what_slurm_is_asked_for_per_node_and_task(overrides: dict, tasks: int,
+                                                   cpus: int) -> None:
+    request = ClusterConfig(**overrides)
+    assert (slurm_tasks_per_node(request), slurm_cpus_per_task(request)) == (tasks, cpus)
+    assert slurm.srun_args(["--container-image=x", "--kill-on-bad-exit=1"]) == [
+        "--kill-on-bad-exit=1", "--container-image=x"]
+
+
+# -- the local cluster ---------------------------------------------------------------------------
 
 
 @pytest.mark.slurm
@@ -95,7 +162,9 @@ def test_a_failing_rank_on_one_node_ends_the_per_node_job(
                        "trainer.fail_at_step=2", env=store, timeout=300)
     assert result.returncode == 1, result.stdout + result.stderr
     assert ": FAILED" in result.stdout
-    assert "rank 3 failed first" in result.stderr and "FailureDrill" in result.stderr
+    # The run's root cause, as the terminal's last word (node1's ranks only saw a closed
+    # connection; node2's task exited non-zero and srun ended node1's).
+    assert "rank 3 on node2: FailureDrill" in result.stderr.strip().splitlines()[-3]
     [run] = runs_in(store["MLFLOW_TRACKING_URI"])
     assert run.info.status == "FAILED"
     assert run.data.tags["error"].startswith("rank 3 on node2")

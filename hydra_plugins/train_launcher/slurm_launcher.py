@@ -83,7 +83,8 @@ class TrainSlurmLauncher(SlurmLauncher):
                        self._singleton_state()) for i, o in enumerate(job_overrides)]
         jobs = executor.map_array(self, *zip(*job_params, strict=True))
         cluster = configs[0].cluster
-        slurm_follow.announce(jobs, slurm.job_world_size(cluster), cluster.nodes)
+        slurm_follow.announce(jobs, slurm.job_world_size(cluster), cluster.nodes,
+                              per_node=cluster.ranks == "per_node")
         if not self.wait:
             self._leave_unwaited(jobs, parent)
             # Completed as far as this process goes: Hydra's sweeper reads every return value.
