@@ -4,13 +4,20 @@ cluster.srun_args), on the real local 2-node cluster (issue 13)."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import history, runs_in
-from tests.test_slurm import cluster, on_slurm, slurm_job  # noqa: F401 - cluster is a fixture
+from tests.test_slurm import (  # noqa: F401 - cluster is a fixture
+    cluster,
+    on_slurm,
+    slurm_job,
+    wait_until,
+)
+from tests.test_slurm_faults import _job_id, _read_until, _train
 from train import distenv, slurm
 from train.config import ClusterConfig, slurm_cpus_per_task, slurm_tasks_per_node
 from train.distenv import TORCHRUN_VARS
@@ -168,3 +175,25 @@ def test_a_failing_rank_on_one_node_ends_the_per_node_job(
     [run] = runs_in(store["MLFLOW_TRACKING_URI"])
     assert run.info.status == "FAILED"
     assert run.data.tags["error"].startswith("rank 3 on node2")
+
+
+@on_slurm
+def test_the_time_limit_signal_reaches_every_node_s_ranks(
+        cluster: None, store: dict[str, str], tmp_path: Path) -> None:  # noqa: F811
+    """USR2 (Slurm's warning before the time limit, sent here with scancel) reaches each node's
+    task, which passes it on to its ranks: one checkpoint, the run KILLED, and with no requeue
+    left (max_requeues=0) the terminal says how to resume."""
+    proc = _train(tmp_path, store, *PER_NODE, "cluster.max_requeues=0", "trainer.epochs=200",
+                  "trainer.checkpoint_every=0", "trainer.log_every_n_steps=1",
+                  "tracking.log_model=false")
+    job = _job_id(_read_until(proc, ": RUNNING", 180))
+    log = tmp_path / "sweep" / "0" / "train.log"
+    wait_until(lambda: log.exists() and "epoch 1/200" in log.read_text(), 240, "an epoch")
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1, stdout + stderr
+    assert "time limit reached, checkpoint" in stdout and "trainer.resume=" in stdout
+    [run] = runs_in(store["MLFLOW_TRACKING_URI"])
+    assert run.info.status == "KILLED", run.data.tags.get("error")
+    assert run.data.tags["stopped_by"] == "SIGUSR2" and "error" not in run.data.tags
+    assert list((tmp_path / "sweep" / "0" / "checkpoints").glob("step-*.pt"))

@@ -53,9 +53,15 @@ class JobStoppedError(RuntimeError):
             f"stopped by {signal_name} after saving a checkpoint in {output_dir}/checkpoints; "
             f"the same command with hydra.run.dir={output_dir} resumes it")
         self.signal_name = signal_name
+        self.output_dir = output_dir
         number = getattr(signal.Signals, signal_name, None)
         self.exit_code = 128 + int(number) if number is not None else 1
         """As a shell reports a process ended by that signal."""
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        # Pickled back to the login node in a per-node Slurm task's result (cluster.ranks=
+        # per_node): the default would call __init__ with the message alone.
+        return JobStoppedError, (self.signal_name, self.output_dir)
 
 
 @dataclass(frozen=True)
