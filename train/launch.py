@@ -6,7 +6,8 @@ process has. That is why torch's `elastic_launch` does not start them: it needs 
 first, which put the first training step 0.6-3.6 s later in each of 11 paired runs, and it
 reports only the first rank it sees exit (docs/benchmarks.md, "Local launcher"). What it does
 well is done here too: ranks end with their launcher, and the first failing rank's traceback
-is the error.
+is the error. A Slurm node's one task (cluster.ranks=per_node) starts its node's ranks here as
+well, for the same reasons and so that a per-node job stops, fails and reports as a local one.
 """
 
 from __future__ import annotations
