@@ -151,6 +151,8 @@ def run(cfg: DictConfig, output_dir: str, command: str,
     config, typed = _typed(cfg)
     from train.preflight import preflight, validate
 
+    if typed.cluster is not None and typed.cluster.ranks == "per_node":
+        return objective(typed, _run_node_task(typed, config, output_dir, command))
     external = distenv.external_world_size()
     if external is not None:
         # torchrun / srun / submitit started every rank: each validates, then trains.
@@ -173,6 +175,27 @@ def run(cfg: DictConfig, output_dir: str, command: str,
         if nproc == 1:
             return objective(typed, run_in_process(config, output_dir, command))
         return objective(typed, start_local_ranks(config, output_dir, command, nproc))
+
+
+def _run_node_task(typed: TrainConfig, config: dict, output_dir: str,
+                   command: str) -> dict[str, float]:
+    """The one Slurm task of a node (cluster.ranks=per_node): start and supervise this node's
+    ranks with the local launcher, as torchrun would; a failing rank makes this task exit
+    non-zero, and srun's --kill-on-bad-exit then ends the other nodes' tasks."""
+    from train import devices
+    from train.config import ranks_per_node
+    from train.launch import start_local_ranks
+    from train.preflight import validate
+
+    assert typed.cluster is not None
+    per_node = ranks_per_node(typed.cluster)
+    node = distenv.slurm_node_task(per_node)
+    validate(typed, node.world_size)  # as every rank of a per-task job does
+    if problem := devices.refuse_without_cuda(typed.distributed):
+        raise config_lib.ConfigError(problem)
+    # The first node's task holds the job's directory for every rank (they share it).
+    with joblock.held(Path(output_dir), holds=node.node_rank == 0):
+        return start_local_ranks(config, output_dir, command, per_node, node)
 
 
 def objective(cfg: TrainConfig, final: dict[str, float]) -> float | None:

@@ -263,8 +263,18 @@ class ClusterConfig:
     """GPUs per node (one rank each by default)."""
     tasks_per_node: int | None = None
     """Ranks per node; null = gpus_per_node (1 on CPU partitions)."""
+    ranks: str = "per_task"
+    """How the ranks start: "per_task", one Slurm task per rank (srun starts them all); or
+    "per_node", one Slurm task per node that starts its node's ranks itself (torchrun style:
+    one srun task per node, as container and MPI-less sites often want)."""
+    python: str | None = None
+    """The command that runs python on the nodes (submitit's `python`), e.g. `apptainer exec
+    --nv /images/train.sif python`; null = this interpreter."""
+    srun_args: list[str] = field(default_factory=list)
+    """Extra srun options for the line that starts the job's tasks, e.g. pyxis's
+    --container-image=...; --kill-on-bad-exit=1 is always added."""
     cpus_per_task: int = 1
-    """CPUs per rank."""
+    """CPUs per rank (with ranks=per_node the node's task gets cpus_per_task x its ranks)."""
     mem_gb: int | None = None
     """Memory per node in GB; null = the partition default."""
     time_min: int = 60
@@ -331,6 +341,19 @@ def ranks_per_node(cluster: ClusterConfig) -> int:
     if cluster.tasks_per_node is not None:
         return cluster.tasks_per_node
     return max(1, cluster.gpus_per_node)
+
+
+def slurm_tasks_per_node(cluster: ClusterConfig) -> int:
+    """What Slurm is asked for per node (`--ntasks-per-node`): one task per rank, or one task
+    that starts the node's ranks (ranks=per_node)."""
+    return 1 if cluster.ranks == "per_node" else ranks_per_node(cluster)
+
+
+def slurm_cpus_per_task(cluster: ClusterConfig) -> int:
+    """`--cpus-per-task`: cluster.cpus_per_task stays per rank, so a per-node task gets the
+    CPUs of all the ranks it starts."""
+    per_node = cluster.ranks == "per_node"
+    return cluster.cpus_per_task * (ranks_per_node(cluster) if per_node else 1)
 
 
 def handed_overrides(experiment_id: str, parent_run_id: str | None) -> list[str]:

@@ -8,7 +8,9 @@ launchers and refuses a half-set environment:
 - a Slurm job step (`srun`, or submitit, which runs its tasks through srun): submitit's
   JobEnvironment reads SLURM_* and TorchDistributedEnvironment derives MASTER_ADDR (first node)
   and MASTER_PORT (seeded by the job id), which are then exported torchrun-style;
-- nothing: a plain `python -m train`, which the local launcher turns into N ranks.
+- nothing: a plain `python -m train`, which the local launcher turns into N ranks;
+- a Slurm job step with one task per node (`cluster.ranks=per_node`): that task is a local
+  launcher for its node's ranks (`slurm_node_task`), which then see torchrun-style variables.
 """
 
 from __future__ import annotations
@@ -20,6 +22,11 @@ from dataclasses import dataclass
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                  "MASTER_PORT")
+
+
+LAUNCHER_VAR = "TRAIN_LAUNCHER"
+"""Set by the local launcher for its ranks when it is a Slurm node's task: the run's
+`launcher` tag then says so instead of "torchrun"."""
 
 
 class DistEnvError(RuntimeError):
@@ -48,6 +55,68 @@ def torchrun_env(rank: int, local_rank: int, world_size: int, local_world_size: 
     return {"RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size),
             "LOCAL_WORLD_SIZE": str(local_world_size), "MASTER_ADDR": master_addr,
             "MASTER_PORT": str(master_port)}
+
+
+@dataclass(frozen=True)
+class NodeRanks:
+    """One node's share of a job, as the local launcher starts it: `per_node` ranks, global
+    rank = node_rank x per_node + local rank."""
+
+    node_rank: int
+    nodes: int
+    per_node: int
+    master_addr: str
+    master_port: int
+    launcher: str = "torchrun"
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.per_node
+
+    def rank(self, local_rank: int) -> int:
+        return self.node_rank * self.per_node + local_rank
+
+    def env(self, local_rank: int) -> dict[str, str]:
+        """The variables of one of this node's ranks."""
+        env = torchrun_env(self.rank(local_rank), local_rank, self.world_size, self.per_node,
+                           self.master_addr, self.master_port)
+        return {**env, LAUNCHER_VAR: self.launcher}
+
+
+def this_machine(nproc: int) -> NodeRanks:
+    """A job of `nproc` ranks on this machine alone (a plain `python -m train`)."""
+    return NodeRanks(0, 1, nproc, "127.0.0.1", free_port())
+
+
+def slurm_node_task(per_node: int, environ: Mapping[str, str] = os.environ) -> NodeRanks:
+    """Inside the one Slurm task of a node (cluster.ranks=per_node): this node's place in the
+    job. The master is the first node and the port is seeded by the job id, as submitit does
+    for one task per rank. Refuses a step that is not one task per node, and torchrun-style
+    variables already set (a half-set environment: this task sets them for its ranks)."""
+    present = [v for v in TORCHRUN_VARS if v in environ]
+    if present:
+        raise DistEnvError(
+            f"cluster.ranks=per_node: {', '.join(present)} set in the node's task, which sets "
+            "them for the ranks it starts. Unset them (cluster.setup, the container's "
+            "environment), or use cluster.ranks=per_task.")
+    if not in_slurm_step(environ):
+        raise DistEnvError("cluster.ranks=per_node runs only inside a Slurm job step "
+                           "(`python -m train +cluster=slurm cluster.ranks=per_node`).")
+    tasks = int(environ.get("SLURM_STEP_NUM_TASKS", environ.get("SLURM_NTASKS", "0")))
+    nodes = int(environ.get("SLURM_STEP_NUM_NODES", environ.get("SLURM_JOB_NUM_NODES", "0")))
+    if tasks != nodes:
+        raise DistEnvError(
+            f"cluster.ranks=per_node needs one Slurm task per node, but this step has {tasks} "
+            f"task(s) on {nodes} node(s): submit with `+cluster=slurm cluster.ranks=per_node`, "
+            "which asks for one (or use cluster.ranks=per_task).")
+    os.environ.setdefault("SUBMITIT_EXECUTOR", "slurm")
+    from submitit.helpers import TorchDistributedEnvironment
+
+    job = TorchDistributedEnvironment()  # reads SLURM_*; exports nothing
+    launcher = "submitit per node" if "SUBMITIT_FOLDER" in environ else "slurm per node"
+    return NodeRanks(node_rank=job.rank, nodes=nodes, per_node=per_node,
+                     master_addr=job.master_addr, master_port=job.master_port,
+                     launcher=launcher)
 
 
 def in_slurm_step(environ: Mapping[str, str] = os.environ) -> bool:
@@ -82,7 +151,7 @@ def detect() -> DistEnv:
         launcher = "submitit" if "SUBMITIT_FOLDER" in os.environ else "slurm"
         present = list(TORCHRUN_VARS)
     else:
-        launcher = "torchrun"
+        launcher = os.environ.get(LAUNCHER_VAR, "torchrun")
     missing = [v for v in TORCHRUN_VARS if v not in os.environ]
     if missing:
         raise DistEnvError(

@@ -6,7 +6,8 @@ process has. That is why torch's `elastic_launch` does not start them: it needs 
 first, which put the first training step 0.6-3.6 s later in each of 11 paired runs, and it
 reports only the first rank it sees exit (docs/benchmarks.md, "Local launcher"). What it does
 well is done here too: ranks end with their launcher, and the first failing rank's traceback
-is the error.
+is the error. A Slurm node's one task (cluster.ranks=per_node) starts its node's ranks here as
+well, for the same reasons and so that a per-node job stops, fails and reports as a local one.
 """
 
 from __future__ import annotations
@@ -53,9 +54,15 @@ class JobStoppedError(RuntimeError):
             f"stopped by {signal_name} after saving a checkpoint in {output_dir}/checkpoints; "
             f"the same command with hydra.run.dir={output_dir} resumes it")
         self.signal_name = signal_name
+        self.output_dir = output_dir
         number = getattr(signal.Signals, signal_name, None)
         self.exit_code = 128 + int(number) if number is not None else 1
         """As a shell reports a process ended by that signal."""
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        # Pickled back to the login node in a per-node Slurm task's result (cluster.ranks=
+        # per_node): the default would call __init__ with the message alone.
+        return JobStoppedError, (self.signal_name, self.output_dir)
 
 
 @dataclass(frozen=True)
@@ -95,21 +102,23 @@ def run_in_process(config: dict[str, Any], output_dir: str, command: str) -> dic
                 os.environ[key] = value
 
 
-def start_local_ranks(config: dict[str, Any], output_dir: str, command: str,
-                      nproc: int) -> dict[str, float]:
-    """Start `nproc` ranks on this machine and supervise them until all end; rank 0's final
-    metrics. A rank that fails makes the others fail at their next collective (their
-    connections to it close); any still running GRACE_S later is stopped. The root cause
-    (root_cause) is the JobFailedError's message. TERM, HUP, INT or USR2 here reach the ranks:
-    their coordinated stop (a checkpoint, the run KILLED), then JobStoppedError."""
+def start_local_ranks(config: dict[str, Any], output_dir: str, command: str, nproc: int,
+                      node: distenv.NodeRanks | None = None) -> dict[str, float]:
+    """Start `nproc` ranks on this machine and supervise them until all end; their final
+    metrics (rank 0's where it runs here). A rank that fails makes the others fail at their
+    next collective (their connections to it close); any still running GRACE_S later is
+    stopped. The root cause (root_cause) is the JobFailedError's message. TERM, HUP, INT or
+    USR2 here reach the ranks: their coordinated stop (a checkpoint, the run KILLED), then
+    JobStoppedError. `node`: this machine's share of a multi-node job (a Slurm node's one
+    task, cluster.ranks=per_node); None = the whole job is here."""
+    node = node or distenv.this_machine(nproc)
     ctx = mp.get_context("spawn")  # a fresh interpreter: no state of this process carried over
     _start_resource_tracker()
     outcomes: mp.Queue = ctx.Queue()
-    port = distenv.free_port()
-    procs = [ctx.Process(target=_rank_entry, name=f"rank {rank}", args=(
-        config, output_dir, command, os.getpid(),
-        distenv.torchrun_env(rank, rank, nproc, nproc, "127.0.0.1", port), outcomes))
-        for rank in range(nproc)]
+    ranks = [node.rank(local) for local in range(nproc)]
+    procs = [ctx.Process(target=_rank_entry, name=f"rank {ranks[local]}", args=(
+        config, output_dir, command, os.getpid(), node.env(local), outcomes))
+        for local in range(nproc)]
     started = time.time()
     with stopping.PassOn(procs) as forwarding:
         for p in procs:
@@ -118,9 +127,9 @@ def start_local_ranks(config: dict[str, Any], output_dir: str, command: str,
         try:
             _supervise(procs)
         finally:
-            stopped = _stop(procs)
+            stopped = {ranks[local] for local in _stop(procs)}
     results = _drain(outcomes)
-    exits = {rank: p.exitcode for rank, p in enumerate(procs)}
+    exits = {ranks[local]: p.exitcode for local, p in enumerate(procs)}
     done = {o.rank for o in results if o.kind in ("result", "stopped")}
     for rank, code in exits.items():
         if code != 0 and rank in done:
@@ -130,10 +139,12 @@ def start_local_ranks(config: dict[str, Any], output_dir: str, command: str,
         stops = {o.rank: o.payload for o in results if o.kind == "stopped"}
         if stops:  # rank 0's signal names the stop (the others may only know of a request)
             raise JobStoppedError(stops.get(0) or next(iter(stops.values())), output_dir)
-        return next((o.payload for o in results if o.kind == "result" and o.rank == 0), {})
+        # The same on every rank: rank 0's, or on another node its first rank's.
+        return next((o.payload for o in sorted(results, key=lambda o: o.rank)
+                     if o.kind == "result"), {})
     stopped |= forwarding.signalled_ranks(exits)
     _end_abandoned_run(output_dir, started, exits, results, stopped,
-                       {rank: p.pid for rank, p in enumerate(procs)})
+                       {ranks[local]: p.pid for local, p in enumerate(procs)})
     raise JobFailedError(f"the training job failed; {root_cause(exits, results, stopped)}")
 
 
@@ -162,7 +173,7 @@ def _end_abandoned_run(output_dir: str, started: float, exits: dict[int, int | N
     if killed:
         rank, number = killed[0]
         cause = f"rank {rank} (pid {pids[rank]}) killed by {_signal_name(number)}"
-    elif 0 not in reported:  # hung and stopped here, or gone without a word: say why
+    elif 0 in exits and 0 not in reported:  # hung and stopped, or gone without a word
         lines = root_cause(exits, results, stopped).strip().splitlines()
         cause = lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
     else:
@@ -223,7 +234,8 @@ def _supervise(procs: list[mp.Process]) -> None:
 
 
 def _stop(procs: list[mp.Process]) -> set[int]:
-    """SIGTERM to the ranks still running, SIGKILL 5 s later; returns the ranks stopped."""
+    """SIGTERM to the ranks still running, SIGKILL 5 s later; returns their indices in
+    `procs` (local ranks)."""
     stopped = {rank for rank, p in enumerate(procs) if p.is_alive()}
     for rank in stopped:
         procs[rank].terminate()

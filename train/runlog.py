@@ -80,6 +80,9 @@ class RunLogger:
         self.restarts = previous[1] + 1 if previous else 0
         all_tags = {"world_size": str(env.world_size), "launcher": env.launcher,
                     "backend": backend, "hostnames": hosts, "devices": devices,
+                    # Each rank's host, in rank order: where a multi-node job put its ranks.
+                    # (MLflow keeps tag values up to 8,000 characters: thousands of ranks cut.)
+                    "rank_hostnames": ",".join(r["host"] for r in ranks)[:4000],
                     "torch_version": str(torch.__version__), "git_commit": git_commit(),
                     "restarts": str(self.restarts), **tags}
         self.run.start(all_tags, run_name=self.cfg.tracking.run_name,

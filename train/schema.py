@@ -22,6 +22,8 @@ from train.config import (
     ModelConfig,
     TrainConfig,
     ranks_per_node,
+    slurm_cpus_per_task,
+    slurm_tasks_per_node,
 )
 
 
@@ -35,6 +37,9 @@ def register_schema() -> None:
     store.store(name="model_schema", node=ModelConfig)
     # ${ranks_per_node:${cluster}} in conf/cluster/slurm.yaml: the same rule as everywhere.
     OmegaConf.register_new_resolver("ranks_per_node", ranks_per_node, replace=True)
+    # What Slurm is asked for per node and task (one task per rank, or per node).
+    OmegaConf.register_new_resolver("slurm_tasks_per_node", slurm_tasks_per_node, replace=True)
+    OmegaConf.register_new_resolver("slurm_cpus_per_task", slurm_cpus_per_task, replace=True)
     # ${first_set:a,b}: a unless it is null.
     OmegaConf.register_new_resolver("first_set", lambda a, b: b if a is None else a,
                                     replace=True)

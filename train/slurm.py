@@ -78,6 +78,12 @@ def check_request(cfg: TrainConfig) -> int:
     if c.gpus_per_node == 0 and cuda_only:
         problems.append(f"{' '.join(cuda_only)} needs GPUs, but cluster.gpus_per_node=0: ask for "
                         "them (cluster.gpus_per_node=N) or drop it.")
+    if c.ranks not in RANK_LAYOUTS:
+        problems.append(f"cluster.ranks={c.ranks!r}; choose one of {list(RANK_LAYOUTS)} (one "
+                        "Slurm task per rank, or one per node that starts the node's ranks).")
+    if c.python is not None and not c.python.strip():
+        problems.append("cluster.python is empty: give the command that runs python on the "
+                        "nodes (e.g. 'apptainer exec --nv /images/train.sif python') or null.")
     if c.time_min < 1:
         problems.append("cluster.time_min must be at least 1.")
     if c.max_requeues < 0:
@@ -90,6 +96,17 @@ def check_request(cfg: TrainConfig) -> int:
         raise ConfigError("Refusing to submit: " + " ".join(problems))
     warn_time_limit(c)
     return job_world_size(c)
+
+
+RANK_LAYOUTS = ("per_task", "per_node")
+"""cluster.ranks: one Slurm task per rank, or one per node that starts its ranks."""
+KILL_ON_BAD_EXIT = "--kill-on-bad-exit=1"
+
+
+def srun_args(extra: Sequence[str]) -> list[str]:
+    """The srun options of the job's step: --kill-on-bad-exit=1 always (one failing task ends
+    the step at once instead of leaving the others to time out), then cluster.srun_args."""
+    return [KILL_ON_BAD_EXIT, *(a for a in extra if a != KILL_ON_BAD_EXIT)]
 
 
 def warn_time_limit(c: ClusterConfig) -> None:
@@ -212,7 +229,10 @@ def time_limit_note(checkpoint: Path | None, command: str) -> str:
 def node_of_rank(rank: int) -> str:
     """The node a rank of this Slurm step runs on (srun's default block distribution: ranks
     fill the first node, then the next); this host's name outside Slurm."""
-    nodelist, per_node = os.environ.get("SLURM_JOB_NODELIST"), _tasks_per_node()
+    # LOCAL_WORLD_SIZE: ranks per node, also where one task per node starts them (per_node).
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    per_node = int(local) if local.isdigit() else _tasks_per_node()
+    nodelist = os.environ.get("SLURM_JOB_NODELIST")
     if not nodelist or not per_node:
         return socket.gethostname()
     try:

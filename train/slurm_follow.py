@@ -35,14 +35,16 @@ def _log_paths(job: Any) -> tuple[Path, Path]:
     return task0.paths.stdout, task0.paths.stderr
 
 
-def announce(jobs: Sequence[Any], world_size: int, nodes: int) -> None:
+def announce(jobs: Sequence[Any], world_size: int, nodes: int, per_node: bool = False) -> None:
     first = jobs[0]
     ids = first.job_id.split("_")[0] + (f"_[0-{len(jobs) - 1}]" if len(jobs) > 1 else "")
     print(f"Submitted Slurm job {ids}: {len(jobs)} job(s), each {world_size} rank(s) on "
           f"{nodes} node(s).", flush=True)
     stdout, stderr = _log_paths(first)
     print(f"  rank 0 logs: {stdout}\n               {stderr}", flush=True)
-    print(f"  all ranks:   {stdout.parent}/  (one .out/.err per rank)", flush=True)
+    # cluster.ranks=per_node: a node's ranks share its task's files.
+    each = "node, for all of its ranks" if per_node else "rank"
+    print(f"  all ranks:   {stdout.parent}/  (one .out/.err per {each})", flush=True)
     print(f"  follow with: squeue -j {ids.split('_')[0]}; sacct -j {ids.split('_')[0]}",
           flush=True)
 
@@ -133,7 +135,9 @@ def output_dir(ret: Any) -> Path:
 def time_limit_stop(rank0: Any) -> str | None:
     """The note of a job that stopped at its time limit (USR2) and was not requeued."""
     error = getattr(rank0, "_return_value", None)
-    if type(error).__name__ != "Preempted" or "SIGUSR2" not in str(error):
+    # Preempted from a rank; JobStoppedError from a per-node task (cluster.ranks=per_node).
+    if type(error).__name__ not in ("Preempted", "JobStoppedError") or \
+            "SIGUSR2" not in str(error):
         return None
     out = output_dir(rank0)
     newest = sorted((out / "checkpoints").glob("step-*.pt"),

@@ -33,7 +33,11 @@ class TrainSlurmQueueConf(SlurmQueueConf):
     wait: bool = True
     """Follow the jobs until they end; False returns right after submission."""
     srun_args: list[str] = field(default_factory=list)
-    """Extra arguments for the srun line that starts the ranks."""
+    """Extra arguments for the srun line that starts the tasks (--kill-on-bad-exit=1 is always
+    put first)."""
+    python: str | None = None
+    """The command that runs python on the nodes (submitit's SlurmExecutor `python`), e.g. a
+    container's `apptainer exec --nv image.sif python`; None = this interpreter."""
     setup: list[str] = field(default_factory=list)
     """As submitit's (shell lines before srun), but never None: merging `${cluster.setup}`
     onto a None list would resolve it while conf/cluster/slurm.yaml is merged, before
@@ -48,6 +52,7 @@ class TrainSlurmLauncher(SlurmLauncher):
     def __init__(self, **params: Any) -> None:
         self.dry_run = bool(params.pop("dry_run", False))
         self.wait = bool(params.pop("wait", True))
+        self.python = params.pop("python", None)
         super().__init__(**params)
 
     def launch(self, job_overrides: Sequence[Sequence[str]],
@@ -78,7 +83,8 @@ class TrainSlurmLauncher(SlurmLauncher):
                        self._singleton_state()) for i, o in enumerate(job_overrides)]
         jobs = executor.map_array(self, *zip(*job_params, strict=True))
         cluster = configs[0].cluster
-        slurm_follow.announce(jobs, slurm.job_world_size(cluster), cluster.nodes)
+        slurm_follow.announce(jobs, slurm.job_world_size(cluster), cluster.nodes,
+                              per_node=cluster.ranks == "per_node")
         if not self.wait:
             self._leave_unwaited(jobs, parent)
             # Completed as far as this process goes: Hydra's sweeper reads every return value.
@@ -103,8 +109,9 @@ class TrainSlurmLauncher(SlurmLauncher):
         successfully". A stop (time limit, preemption) is no failure: exit 0."""
         ret = super().__call__(*args)
         error = ret._return_value
+        # A rank's stop (Preempted), or a per-node task's whose ranks stopped (JobStoppedError).
         if ret.status == JobStatus.FAILED and isinstance(error, BaseException) and \
-                type(error).__name__ != "Preempted":
+                type(error).__name__ not in ("Preempted", "JobStoppedError"):
             raise error
         return ret
 
@@ -136,12 +143,14 @@ class TrainSlurmLauncher(SlurmLauncher):
         params = dict(self.params)
         params.pop("max_num_timeout")
         params["setup"] = slurm.checked_setup(params.get("setup") or [])
+        params["srun_args"] = slurm.srun_args(params.get("srun_args") or [])
         # One requeue budget: the job's own (cluster.max_requeues, counted in its checkpoints,
         # train/slurm.py requeue_after_stop). Each rank replaces submitit's USR2 handler with
         # its own as it starts, so submitit's count of timeouts is never spent; a second
         # budget would only mislead (hydra.launcher.max_num_timeout is ignored).
         executor = submitit.AutoExecutor(cluster=self._EXECUTOR, folder=params.pop(
-            "submitit_folder"), slurm_max_num_timeout=0)
+            "submitit_folder"), slurm_max_num_timeout=0,
+            **({"slurm_python": self.python} if self.python else {}))
         base = set(OmegaConf.structured(BaseQueueConf).keys())
         executor.update_parameters(**{k if k in base else f"slurm_{k}": v
                                       for k, v in params.items()})

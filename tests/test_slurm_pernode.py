@@ -1,0 +1,199 @@
+"""One Slurm task per node (cluster.ranks=per_node) and containers (cluster.python,
+cluster.srun_args), on the real local 2-node cluster (issue 13)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import history, runs_in
+from tests.test_slurm import (  # noqa: F401 - cluster is a fixture
+    cluster,
+    on_slurm,
+    slurm_job,
+    wait_until,
+)
+from tests.test_slurm_faults import _job_id, _read_until, _train
+from train import distenv, slurm
+from train.config import ClusterConfig, slurm_cpus_per_task, slurm_tasks_per_node
+from train.distenv import TORCHRUN_VARS
+
+PER_NODE = ("cluster.ranks=per_node", "cluster.nodes=2", "cluster.tasks_per_node=2")
+
+
+# -- no cluster needed -------------------------------------------------------------------------
+
+def _node_task_env(procid: int, tasks: int = 2, nodes: int = 2) -> dict[str, str]:
+    """What srun gives the task of node `procid` in a 2-node job with one task per node."""
+    return {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_PROCID": str(procid),
+            "SLURM_LOCALID": "0", "SLURM_NODEID": str(procid), "SLURM_STEP_NUM_TASKS": str(tasks),
+            "SLURM_NTASKS": str(tasks), "SLURM_STEP_NUM_NODES": str(nodes),
+            "SLURM_JOB_NUM_NODES": str(nodes), "SLURM_JOB_NODELIST": "node[1-2]",
+            "SLURM_STEP_NODELIST": "node[1-2]", "SLURM_TASKS_PER_NODE": "1(x2)",
+            "SLURM_STEP_TASKS_PER_NODE": "1(x2)"}
+
+
+def test_the_second_node_task_starts_ranks_2_and_3_of_4(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in [k for k in os.environ if k.startswith("SLURM_") or k in TORCHRUN_VARS]:
+        monkeypatch.delenv(key)
+    for key, value in _node_task_env(1).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")  # set by the call: undone after the test
+    node = distenv.slurm_node_task(2)
+    assert (node.node_rank, node.world_size, node.master_addr) == (1, 4, "node1")
+    envs = [node.env(local) for local in range(2)]
+    assert [(e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]) for e in envs] \
+        == [("2", "0", "4", "2"), ("3", "1", "4", "2")]
+    assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"] == str(node.master_port)
+    # The first node's task computes the same master (seeded by the job id).
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    assert distenv.slurm_node_task(2).master_port == node.master_port
+
+
+def test_a_node_task_refuses_a_half_set_or_per_rank_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in [k for k in os.environ if k.startswith("SLURM_") or k in TORCHRUN_VARS]:
+        monkeypatch.delenv(key)
+    with pytest.raises(distenv.DistEnvError, match="only inside a Slurm job step"):
+        distenv.slurm_node_task(2)
+    for key, value in _node_task_env(0, tasks=4).items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(distenv.DistEnvError, match="one Slurm task per node, but this step has "
+                       "4 task"):
+        distenv.slurm_node_task(2)
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    with pytest.raises(distenv.DistEnvError, match="MASTER_PORT set in the node's task"):
+        distenv.slurm_node_task(2)
+
+
+@pytest.mark.parametrize(("overrides", "tasks", "cpus"), [
+    ({}, 1, 1),
+    ({"tasks_per_node": 2, "cpus_per_task": 3}, 2, 3),
+    ({"ranks": "per_node", "tasks_per_node": 2, "cpus_per_task": 3}, 1, 6),
+    ({"ranks": "per_node", "gpus_per_node": 4, "cpus_per_task": 8}, 1, 32),
+])
+def test_what_slurm_is_asked_for_per_node_and_task(overrides: dict, tasks: int,
+                                                   cpus: int) -> None:
+    request = ClusterConfig(**overrides)
+    assert (slurm_tasks_per_node(request), slurm_cpus_per_task(request)) == (tasks, cpus)
+    assert slurm.srun_args(["--container-image=x", "--kill-on-bad-exit=1"]) == [
+        "--kill-on-bad-exit=1", "--container-image=x"]
+
+
+# -- the local cluster ---------------------------------------------------------------------------
+
+
+@pytest.mark.slurm
+def test_dry_run_shows_the_container_python_and_srun_args(
+        cluster: None, tmp_path: Path) -> None:  # noqa: F811
+    apptainer = slurm_job(tmp_path, "cluster.dry_run=true", *PER_NODE, "cluster.cpus_per_task=3",
+                          "cluster.python='apptainer exec --nv /images/train.sif python'")
+    assert apptainer.returncode == 0, apptainer.stderr
+    script = apptainer.stdout
+    # One task per node, with the CPUs of the node's two ranks.
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --cpus-per-task=6"):
+        assert line in script
+    [srun] = [line for line in script.splitlines() if line.startswith("srun ")]
+    assert "--kill-on-bad-exit=1 apptainer exec --nv /images/train.sif python -u -m " \
+        "submitit.core._submit" in srun
+    pyxis = slurm_job(tmp_path, "cluster.dry_run=true", "cluster.tasks_per_node=2",
+                      "cluster.python=python", "cluster.srun_args=['--container-image="
+                      "/images/train.sqsh','--container-mounts=/scratch:/scratch']")
+    assert pyxis.returncode == 0, pyxis.stderr
+    [srun] = [line for line in pyxis.stdout.splitlines() if line.startswith("srun ")]
+    assert "--kill-on-bad-exit=1 --container-image=/images/train.sqsh " \
+        "--container-mounts=/scratch:/scratch python -u -m submitit.core._submit" in srun
+    assert "#SBATCH --ntasks-per-node=2" in pyxis.stdout  # per_task: one task per rank
+
+
+@on_slurm
+@pytest.mark.parametrize(("override", "expected"), [
+    ("cluster.ranks=per_gpu", "cluster.ranks='per_gpu'; choose one of ['per_task', 'per_node']"),
+    ("cluster.python='apptainer exec\ta.sif python'",
+     "cluster.python='apptainer exec\\ta.sif python' holds a control character"),
+    ("cluster.srun_args=['--container-image=a\nb']", "cluster.srun_args[0]="),
+    ("cluster.python=' '", "cluster.python is empty"),
+])
+def test_bad_layout_or_container_input_is_refused_before_submitting(
+        cluster: None, store: dict[str, str], tmp_path: Path,  # noqa: F811
+        override: str, expected: str) -> None:
+    result = slurm_job(tmp_path, override, env=store, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    [line] = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert expected in line
+    assert "Submitted" not in result.stdout
+    assert runs_in(store["MLFLOW_TRACKING_URI"]) == []
+
+
+def _python_wrapper(tmp_path: Path) -> tuple[Path, Path]:
+    """A stand-in for a container's python: notes the host it ran on, then runs this venv's."""
+    used = tmp_path / "wrapper.used"
+    wrapper = tmp_path / "container-python"
+    wrapper.write_text(f'#!/bin/sh\necho "$(hostname) $SLURM_PROCID" >> {used}\n'
+                       f'exec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper, used
+
+
+@on_slurm
+def test_one_task_per_node_through_a_container_python_makes_one_run(
+        cluster: None, store: dict[str, str], tmp_path: Path) -> None:  # noqa: F811
+    """2 nodes x 2 ranks, each node's one task started through cluster.python, which starts
+    its two ranks itself: one run of 4 ranks, ranks 0-1 on node1 and 2-3 on node2."""
+    wrapper, used = _python_wrapper(tmp_path)
+    result = slurm_job(tmp_path, *PER_NODE, f"cluster.python={wrapper}", "trainer.epochs=1",
+                       "data.batch_size=64", "tracking.log_model=false", env=store)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert ": COMPLETED" in result.stdout
+    assert sorted(used.read_text().splitlines()) == ["node1 0", "node2 1"]  # one task per node
+    uri = store["MLFLOW_TRACKING_URI"]
+    [run] = runs_in(uri)
+    tags = run.data.tags
+    assert run.info.status == "FINISHED"
+    assert tags["world_size"] == "4" and tags["launcher"] == "submitit per node"
+    assert tags["rank_hostnames"] == "node1,node1,node2,node2"
+    assert tags["slurm.nodes"] == "node1,node2"
+    assert history(uri, run.info.run_id, "train/samples") == [(0, 1440.0)]
+    assert history(uri, run.info.run_id, "val/samples") == [(0, 359.0)]
+
+
+@on_slurm
+def test_a_failing_rank_on_one_node_ends_the_per_node_job(
+        cluster: None, store: dict[str, str], tmp_path: Path) -> None:  # noqa: F811
+    result = slurm_job(tmp_path, *PER_NODE, "trainer.epochs=50", "trainer.fail_on_rank=3",
+                       "trainer.fail_at_step=2", env=store, timeout=300)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert ": FAILED" in result.stdout
+    # The run's root cause, as the terminal's last word (node1's ranks only saw a closed
+    # connection; node2's task exited non-zero and srun ended node1's).
+    assert "rank 3 on node2: FailureDrill" in result.stderr.strip().splitlines()[-3]
+    [run] = runs_in(store["MLFLOW_TRACKING_URI"])
+    assert run.info.status == "FAILED"
+    assert run.data.tags["error"].startswith("rank 3 on node2")
+
+
+@on_slurm
+def test_the_time_limit_signal_reaches_every_node_s_ranks(
+        cluster: None, store: dict[str, str], tmp_path: Path) -> None:  # noqa: F811
+    """USR2 (Slurm's warning before the time limit, sent here with scancel) reaches each node's
+    task, which passes it on to its ranks: one checkpoint, the run KILLED, and with no requeue
+    left (max_requeues=0) the terminal says how to resume."""
+    proc = _train(tmp_path, store, *PER_NODE, "cluster.max_requeues=0", "trainer.epochs=200",
+                  "trainer.checkpoint_every=0", "trainer.log_every_n_steps=1",
+                  "tracking.log_model=false")
+    job = _job_id(_read_until(proc, ": RUNNING", 180))
+    log = tmp_path / "sweep" / "0" / "train.log"
+    wait_until(lambda: log.exists() and "epoch 1/200" in log.read_text(), 240, "an epoch")
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1, stdout + stderr
+    assert "time limit reached, checkpoint" in stdout and "trainer.resume=" in stdout
+    [run] = runs_in(store["MLFLOW_TRACKING_URI"])
+    assert run.info.status == "KILLED", run.data.tags.get("error")
+    assert run.data.tags["stopped_by"] == "SIGUSR2" and "error" not in run.data.tags
+    assert list((tmp_path / "sweep" / "0" / "checkpoints").glob("step-*.pt"))
