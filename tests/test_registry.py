@@ -5,6 +5,7 @@ nor the user's model package can be imported; a sweep's best job only; refusals.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 from mlflow import MlflowClient
 
 from tests.conftest import run_train, runs_in
+from tests.servers import LOGIN_VARS, tracking_server
 from tests.test_custom_model import USER_PATH
 
 NET = ("model=custom", "model._target_=userpkg.models.TinyConvNet")
@@ -49,13 +51,14 @@ assert not [m for m in sys.modules if m.partition(".")[0] in PROJECT]
 
 
 def load_elsewhere(uri: str, model_uri: str, example: np.ndarray, tmp_path: Path,
-                   allow_pickle: bool = False) -> subprocess.CompletedProcess[str]:
+                   allow_pickle: bool = False, env: dict[str, str] | None = None,
+                   ) -> subprocess.CompletedProcess[str]:
     """Load `model_uri` in a fresh interpreter (-I: no PYTHONPATH, no cwd on the path) that
     cannot import this project, by default with pickle deserialisation refused; its output on
     `example` is in tmp_path/out.npy."""
     np.save(tmp_path / "example.npy", example)
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
-           "MLFLOW_ALLOW_PICKLE_DESERIALIZATION": str(allow_pickle).lower()}
+           "MLFLOW_ALLOW_PICKLE_DESERIALIZATION": str(allow_pickle).lower(), **(env or {})}
     return subprocess.run([sys.executable, "-I", "-c", LOADER, uri, model_uri,
                            str(tmp_path / "example.npy"), str(tmp_path / "out.npy")],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
@@ -128,3 +131,81 @@ def yaml_metadata(model_dir: Path) -> dict:
     import yaml
 
     return yaml.safe_load((model_dir / "MLmodel").read_text())["metadata"]
+
+
+@pytest.mark.slow
+def test_a_model_torch_export_cannot_trace_is_not_registered_and_the_run_finishes(
+        store: dict[str, str], tmp_path: Path) -> None:
+    """The user's model reads a value back to the host in forward: torch.export cannot trace
+    it. The run ends FINISHED with the model logged pickled; the registration fails in one line
+    and a tag."""
+    uri = store["MLFLOW_TRACKING_URI"]
+    result = run_train("model=custom", "model._target_=userpkg.models.ChecksOnTheHost",
+                       "trainer.epochs=1", "tracking.register_model=host-checks",
+                       f"hydra.run.dir={tmp_path}/job", env={**store, "PYTHONPATH": USER_PATH})
+    assert result.returncode == 0, result.stderr[-3000:]
+    [run] = runs_in(uri)
+    assert run.info.status == "FINISHED"
+    assert "registered_model" not in run.data.tags
+    error = run.data.tags["registered_model_error"]
+    assert "pickled, not a torch.export program" in error and "data-dependent" in error
+    [line] = [x for x in result.stderr.splitlines() if "was NOT registered" in x]
+    assert "'host-checks'" in line
+    assert "def forward" not in result.stderr  # torch.export's partial graph is not printed
+    assert versions(uri, "host-checks") == []
+    # The pickled model needs the user's package: where it cannot be imported, loading fails -
+    # what the exported program of a registered model avoids.
+    loaded = load_elsewhere(uri, f"runs:/{run.info.run_id}/model",
+                            np.zeros((2, 1, 8, 8), np.float32), tmp_path, allow_pickle=True)
+    assert loaded.returncode != 0 and "No module named 'userpkg'" in loaded.stderr
+
+
+@pytest.mark.slow
+def test_a_sweep_behind_a_server_registers_only_its_best_job(tmp_path: Path) -> None:
+    """Two jobs through a tracking server with logins: the better one becomes version 1 (its
+    objective read back from MLflow), the other registers nothing; the version loads, through
+    the server, where this project cannot be imported."""
+    with tracking_server(tmp_path / "server") as url:
+        result = run_train("-m", "optim.lr=0.1,0.0005", "trainer.epochs=1",
+                           "tracking.register_model=best-digits",
+                           "tracking.register_best_of_sweep=true",
+                           f"hydra.sweep.dir={tmp_path}/sweep",
+                           env={"MLFLOW_TRACKING_URI": url}, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs = runs_in(url)
+        [parent] = [r for r in runs if r.data.tags.get("sweep") == "true"]
+        children = [r for r in runs
+                    if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+        assert len(children) == 2
+        best = max(children, key=lambda c: c.data.metrics["val/accuracy"])
+        [version] = versions(url, "best-digits")
+        assert version.run_id == best.info.run_id
+        assert parent.data.tags["registered_model"] == "best-digits/1"
+        assert parent.data.tags["registered_run_id"] == best.info.run_id
+        assert {c.info.run_id: c.data.tags.get("registered_model") for c in children} == {
+            c.info.run_id: "best-digits/1" if c is best else None for c in children}
+        assert "registered as best-digits/1" in result.stdout
+
+        login = {k: os.environ[k] for k in LOGIN_VARS}
+        loaded = load_elsewhere(url, "models:/best-digits/1", np.zeros((3, 1, 8, 8), np.float32),
+                                tmp_path, env=login)
+        assert loaded.returncode == 0, loaded.stderr[-3000:]
+        assert np.load(tmp_path / "out.npy").shape == (3, 10)
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    (("tracking.register_model=m", "tracking.log_model=false"),
+     "tracking.register_model needs tracking.log_model=true"),
+    (("tracking.register_model=team/model",), "holds / (a models:/<name>/<version> URI"),
+    (("tracking.register_model=..",), "would be read as a path"),
+    (("tracking.register_model='a\tb'",), "tracking.register_model='a\\tb' holds a control"),
+    (("tracking.register_best_of_sweep=true",),
+     "tracking.register_best_of_sweep=true needs tracking.register_model=<name>"),
+])
+def test_bad_registry_settings_are_refused_before_anything_starts(
+        store: dict[str, str], overrides: tuple[str, ...], expected: str) -> None:
+    out = run_train(*overrides, "trainer.epochs=1", env=store, timeout=120)
+    assert out.returncode == 2, out.stderr
+    [line] = [x for x in out.stderr.splitlines() if x.strip()]
+    assert expected in line
+    assert runs_in(store["MLFLOW_TRACKING_URI"]) == []

@@ -9,6 +9,8 @@ launchers hand its id to every job as the override `tracking.parent_run_id=...`.
 job the callback summarises the children on the parent and ends it; a sweep whose Slurm jobs
 were left unwaited (`cluster.wait=false`) is ended by its last job instead
 (`end_parent_if_last`, called on rank 0 after the job's own run ended).
+With tracking.register_best_of_sweep the end also registers the best finished job's model
+(`register_best`); its jobs registered nothing themselves (train/runlog.py).
 
 Every MLflow request goes through train/tracking/client.py.
 """

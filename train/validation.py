@@ -130,8 +130,8 @@ def model_name_problem(name: str) -> str | None:
         return f"has {len(name)} characters (at most {MAX_MODEL_NAME})"
     if bad := sorted({c for c in name if c in "/:?"}):
         return f"holds {' '.join(bad)} (a models:/<name>/<version> URI could not name it)"
-    if posixpath.normpath(name) != name or name.startswith("."):
-        return "would be read as a path (a leading dot or ./..)"
+    if posixpath.normpath(name) != name or name == "." or name.startswith(".."):
+        return "would be read as a path (. or ..)"
     return None
 
 

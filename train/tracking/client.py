@@ -7,6 +7,8 @@
   sweep's parent run (train/sweep.py).
 - `RunClient` makes the requests of one run: rank 0's sender thread (train/tracking/run.py) and
   the upload of an unsent file (train/tracking/unsent.py) apply typed records through it.
+- `register_model`: a finished run's logged model as a registered version (a sweep's best job);
+  the model itself and the registry's requests are train/tracking/registry.py's.
 """
 
 from __future__ import annotations
