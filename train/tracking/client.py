@@ -262,8 +262,10 @@ class RunClient:
             case Model():
                 registry.log_model(self.uri, str(self.run_id), record)
             case RegisterModel():
-                self.send_rows(Batch(tags=list(registry.register(
-                    self.uri, self._mlflow, str(self.run_id), record.name).items())))
+                if record.outcome is None:
+                    record.outcome = registry.register(self.uri, self._mlflow, str(self.run_id),
+                                                       record.name)
+                self.send_rows(Batch(tags=list(record.outcome.items())))
             case EndRun():
                 if record.error is not None:
                     self.send_rows(Batch(tags=[("error", record.error[-5000:])]))

@@ -83,6 +83,9 @@ class RegisterModel:
 
     KIND: ClassVar[str] = "register"
     name: str
+    outcome: dict[str, str] | None = None
+    """The run's tags saying how it went, once tried: a retry (the tags' request failed) sends
+    them again without registering a second version."""
 
 
 # -- the run's own records ---------------------------------------------------------------------
