@@ -209,3 +209,33 @@ def test_bad_registry_settings_are_refused_before_anything_starts(
     [line] = [x for x in out.stderr.splitlines() if x.strip()]
     assert expected in line
     assert runs_in(store["MLFLOW_TRACKING_URI"]) == []
+
+
+def test_the_model_card_says_how_images_become_inputs() -> None:
+    """An image folder: scale, ImageNet's normalisation and the resizing, as a caller needs
+    them; the user's Dataset: its inputs as they come."""
+    from types import SimpleNamespace
+
+    from train.config import DataConfig
+    from train.modelcard import describe
+    from train.tracking.registry import description, version_tags
+
+    val = SimpleNamespace(scale=255.0, mean=torch.tensor([0.485, 0.456, 0.406]).view(1, -1, 1, 1),
+                          std=torch.tensor([0.229, 0.224, 0.225]).view(1, -1, 1, 1))
+    folder = DataConfig(name="imagefolder", image_size=64)
+    card = describe(val, folder, (3, 64, 64), ["cat", "dog"])
+    assert card["preprocessing"]["resize"] == "Resize(short side 73) + CenterCrop(64)"
+    tags = version_tags(card)
+    assert tags["preprocessing.mean"] == "[0.485, 0.456, 0.406]"
+    assert tags["preprocessing.scale"] == "255.0" and tags["input.shape"] == "[-1, 3, 64, 64]"
+    assert json.loads(tags["class_names"]) == ["cat", "dog"]
+    assert "Resize(short side 73)" in description(card, "run1")
+
+    folder.eval_transforms = [{"_target_": "torchvision.transforms.v2.Resize", "size": 64}]
+    assert describe(val, folder, (3, 64, 64), ["a"])["preprocessing"]["resize"] == \
+        "Resize(size=64)"
+    custom = DataConfig(name="custom", train={"_target_": "mypkg.data.Spectra"})
+    card = describe(SimpleNamespace(scale=None), custom, (2, 100), ["x", "y", "z"])
+    assert "mypkg.data.Spectra returns them" in card["preprocessing"]["pixels"]
+    assert card["input"]["layout"] == "N + sample" and card["output"]["shape"] == [-1, 3]
+    assert "preprocessing.mean" not in version_tags(card)
