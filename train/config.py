@@ -236,6 +236,13 @@ class TrackingConfig:
     """MLflow run name; null = MLflow's generated name."""
     log_model: bool = True
     """Also log the model with mlflow.pytorch.log_model (the weights are always stored)."""
+    register_model: str | None = None
+    """Register the job's final model as a new version of this registered model in MLflow's
+    Model Registry (needs log_model=true); the run's logged model is then a torch.export program
+    that loads without this project (README "Model registry"). null = no registration."""
+    register_best_of_sweep: bool = False
+    """With register_model, in a sweep: register only the best job (trainer.objective,
+    trainer.objective_direction) when the sweep ends, instead of every job."""
     system_metrics: bool = False
     """Log CPU, memory and GPU use of every node at every epoch end (system/<node>/...)."""
     batch_interval_s: float = 5.0

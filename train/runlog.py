@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from train import flops, system_stats
+from train import flops, modelcard, system_stats
 from train.config import TrainConfig
 from train.data import DataBundle
 from train.distenv import DistEnv
@@ -67,6 +67,8 @@ class RunLogger:
         self._flushed = True
         self.output_dir = ""
         """The job's output directory, for messages (set by train/job.py)."""
+        self.model_card: dict[str, Any] | None = None
+        """What the logged model expects and returns (train/modelcard.py), once the data exists."""
 
     def start(self, config: Mapping[str, Any], ranks: list[dict[str, str]], env: DistEnv,
               backend: str, tags: Mapping[str, str], config_yaml: str,
@@ -105,6 +107,8 @@ class RunLogger:
                  bundle.num_classes)
         if not self.restarts:  # recorded by the first start
             self.run.log(bundle.dataset_record(f"{self.cfg.data.name}-train"))
+        self.model_card = modelcard.describe(bundle.val, self.cfg.data, bundle.input_shape,
+                                             bundle.class_names)
 
     def log_model_params(self, model: Any) -> None:
         """Parameters trained and frozen (model.freeze), and the weights' source (tag
@@ -165,13 +169,21 @@ class RunLogger:
 
     def log_outputs(self, files: Mapping[str, Path], table: dict[str, list] | None,
                     model: Any, example: Any) -> None:
-        """The job's final files (artifact path -> file), the per-class table and the model."""
+        """The job's final files (artifact path -> file), the per-class table and the model
+        (and its registration: tracking.register_model)."""
         for artifact_path, path in files.items():
             self.run.log(records.ArtifactFile(str(path), artifact_path or None))
         if table is not None:
             self.run.log(records.Table(table, "per_class_accuracy.json"))
-        if self.cfg.tracking.log_model:
-            self.run.log(records.Model(model, example))
+        tracking = self.cfg.tracking
+        if tracking.log_model:
+            card = self.model_card and {**self.model_card, "input": {
+                **self.model_card["input"], "dtype": str(example.dtype)}}
+            self.run.log(records.Model(model, example, card, export=bool(tracking.register_model)))
+        # A sweep's jobs with register_best_of_sweep leave it to the sweep's end (train/sweep.py).
+        if tracking.register_model and not (tracking.register_best_of_sweep
+                                            and tracking.parent_run_id):
+            self.run.log(records.RegisterModel(tracking.register_model))
 
     def summary(self, peak_rss_mb: list[float]) -> dict[str, Any]:
         """summary.json: what scripts (and `make bench`) read back."""

@@ -2,8 +2,9 @@
 
 `cluster.*` strings end up as `#SBATCH` lines and in the job script submitit writes (a newline
 in cluster.job_name started a new script line: a shell command ran and the later #SBATCH lines
-were silently dropped); the experiment and run names reach MLflow, the UI and file names. One
-pre-flight check (train/preflight.py's validate), before anything is submitted or started.
+were silently dropped); the experiment, run and registered model names reach MLflow, the UI
+and file names. One pre-flight check (train/preflight.py's validate), before anything is
+submitted or started.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def _strings(value: Any, name: str) -> Iterator[tuple[str, str]]:
 def control_character_problems(cfg: TrainConfig) -> list[str]:
     """One message per value holding a control character (empty: all clean)."""
     checked: list[tuple[str, Any]] = [("tracking.experiment", cfg.tracking.experiment),
-                                      ("tracking.run_name", cfg.tracking.run_name)]
+                                      ("tracking.run_name", cfg.tracking.run_name),
+                                      ("tracking.register_model", cfg.tracking.register_model)]
     if cfg.cluster is not None:
         checked += [(f"cluster.{f.name}", getattr(cfg.cluster, f.name))
                     for f in dataclasses.fields(cfg.cluster)]

@@ -9,6 +9,8 @@ launchers hand its id to every job as the override `tracking.parent_run_id=...`.
 job the callback summarises the children on the parent and ends it; a sweep whose Slurm jobs
 were left unwaited (`cluster.wait=false`) is ended by its last job instead
 (`end_parent_if_last`, called on rank 0 after the job's own run ended).
+With tracking.register_best_of_sweep the end also registers the best finished job's model
+(`register_best`); its jobs registered nothing themselves (train/runlog.py).
 
 Every MLflow request goes through train/tracking/client.py.
 """
@@ -75,9 +77,34 @@ def end_parent_run(cfg: TrackingConfig, parent_run_id: str, objective: str,
         summary.update(best_run_id=best.run_id, best_value=best.metrics[objective])
         metrics[f"best/{objective}"] = best.metrics[objective]
         tags["best_run_id"] = best.run_id
+    if cfg.register_model and cfg.register_best_of_sweep:
+        tags.update(register_best(uri, cfg.register_model, children, objective, direction))
+        summary["registered"] = tags.get("registered_model")
     client.log_values(uri, parent_run_id, metrics=metrics, tags=tags)
     client.end_run(uri, parent_run_id, "FAILED" if failed or not children else "FINISHED")
     return summary
+
+
+def register_best(uri: str, name: str, children: list[Any], objective: str,
+                  direction: str) -> dict[str, str]:
+    """tracking.register_best_of_sweep: the finished job with the best objective becomes a new
+    version of `name` (its jobs did not register themselves). Returns the parent's tags: the
+    version (registered_model), or why none (registered_model_error). Never raises."""
+    from train.tracking import client
+
+    scored = [c for c in children if c.status == "FINISHED" and objective in c.metrics]
+    if not scored:
+        log.error("Model registry: no finished job of the sweep has %s: nothing registered as %r",
+                  objective, name)
+        return {"registered_model_error": f"no finished job has {objective}"}
+    pick = max if direction == "maximize" else min
+    best = pick(scored, key=lambda c: c.metrics[objective])
+    outcome = client.register_model(uri, best.run_id, name)
+    try:  # the job's own run says so too, as a job that registered itself would
+        client.log_values(uri, best.run_id, tags=outcome)
+    except Exception as e:  # noqa: BLE001 - the parent holds the outcome anyway
+        log.warning("could not tag run %s with its registration: %s", best.run_id, e)
+    return {**outcome, "registered_run_id": best.run_id}
 
 
 def end_parent_if_last(cfg: TrackingConfig, objective: str, direction: str) -> None:
@@ -167,3 +194,6 @@ class ParentRunCallback(Callback):
         print(f"Sweep parent run {parent}: {summary['children']} job(s), {summary['failed']} "
               f"failed; best {objective} = {summary.get('best_value')} "
               f"(run {summary.get('best_run_id')})", flush=True)
+        if summary.get("registered"):
+            print(f"Sweep's best job registered as {summary['registered']}: "
+                  f"mlflow.pytorch.load_model('models:/{summary['registered']}')", flush=True)

@@ -5,7 +5,7 @@ every rank of an externally launched job (torchrun, srun), which has no pre-flig
 
 from __future__ import annotations
 
-from train.config import ConfigError, CustomModelConfig, TrainConfig
+from train.config import ConfigError, CustomModelConfig, TrackingConfig, TrainConfig
 
 # The registries in train/models.py and train/data.py are keyed by exactly these names; they are
 # repeated here so that validation (and --help) need not import torch.
@@ -24,6 +24,10 @@ MAX_NAME = 250
 run names over 250, at the first request, after the job has started."""
 
 
+MAX_MODEL_NAME = 256
+"""MLflow stores a registered model's name in a column of 256 characters."""
+
+
 def _require(ok: bool, message: str, problems: list[str]) -> None:
     if not ok:
         problems.append(message)
@@ -35,6 +39,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     _model_and_data(cfg, p)
     _training(cfg, p)
     _tracking_and_ranks(cfg, world_size, p)
+    _registry(cfg.tracking, p)
     from train.safe_text import control_character_problems  # reaches a job script
 
     p += control_character_problems(cfg)
@@ -132,3 +137,35 @@ def _batch_split(cfg: TrainConfig, world_size: int, p: list[str]) -> None:
         f"(trainer.accumulate_grad_batches={k})")
     p.append(f"data.batch_size={cfg.data.batch_size} is the GLOBAL batch and must split evenly "
              f"over {over}; use a multiple of {unit}, e.g. data.batch_size={suggestion}.")
+
+
+def model_name_problem(name: str) -> str | None:
+    """What MLflow's Model Registry (or a models:/<name>/<version> URI) would refuse in a
+    registered model's name, else None. MLflow checks it only at registration, after training."""
+    import posixpath
+
+    if not name.strip():
+        return "is empty"
+    if len(name) > MAX_MODEL_NAME:
+        return f"has {len(name)} characters (at most {MAX_MODEL_NAME})"
+    if bad := sorted({c for c in name if c in "/:?"}):
+        return f"holds {' '.join(bad)} (a models:/<name>/<version> URI could not name it)"
+    if posixpath.normpath(name) != name or name == "." or name.startswith(".."):
+        return "would be read as a path (. or ..)"
+    return None
+
+
+def _registry(t: TrackingConfig, p: list[str]) -> None:
+    if t.register_model is None:
+        _require(not t.register_best_of_sweep, "tracking.register_best_of_sweep=true needs "
+                 "tracking.register_model=<name>: the registered model the sweep's best job "
+                 "becomes a version of.", p)
+        return
+    problem = model_name_problem(t.register_model)
+    _require(problem is None, f"tracking.register_model={t.register_model!r} {problem}: give "
+             "a registered model name without / : or ?, e.g. tracking.register_model="
+             "digits-cnn.", p)
+    _require(t.log_model, "tracking.register_model needs tracking.log_model=true: the "
+             "registered version is the run's logged model.", p)
+    _require(t.enabled, "tracking.register_model needs tracking.enabled=true: the Model "
+             "Registry is MLflow's.", p)

@@ -1,10 +1,11 @@
 """Tracking: the only package that imports mlflow (lazily: `import train.tracking` imports
-neither mlflow nor torch). One-way imports: store <- records <- client <- run; unsent uses
-records and client; errors stands alone.
+neither mlflow nor torch). One-way imports: store <- records <- registry <- client <- run;
+unsent uses records and client; errors stands alone.
 
 - store.py    where runs are recorded (URIs, the embedded store, reachability)
 - records.py  typed records and the rows waiting to be batched
 - errors.py   which failed requests a retry can fix (transient) and which not (permanent)
+- registry.py the logged model (pickled or torch.export) and Model Registry versions
 - client.py   every MLflow request
 - unsent.py   the file for what MLflow never accepted, and its upload
 - run.py      rank 0's MlflowRun (a background sender thread) and NullRun, the do-nothing one

@@ -7,12 +7,13 @@
   sweep's parent run (train/sweep.py).
 - `RunClient` makes the requests of one run: rank 0's sender thread (train/tracking/run.py) and
   the upload of an unsent file (train/tracking/unsent.py) apply typed records through it.
+- `register_model`: a finished run's logged model as a registered version (a sweep's best job);
+  the model itself and the registry's requests are train/tracking/registry.py's.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import time
 from collections.abc import Iterable, Mapping
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from train.config import TrackingConfig
+from train.tracking import registry
 from train.tracking.errors import describe, is_permanent
 from train.tracking.records import (
     ArtifactFile,
@@ -29,6 +31,7 @@ from train.tracking.records import (
     EndRun,
     Model,
     Record,
+    RegisterModel,
     ResumeRun,
     Table,
     Text,
@@ -195,6 +198,16 @@ def end_run(uri: str, run_id: str, status: str) -> None:
     _mlflow_client(uri).set_terminated(run_id, status)
 
 
+def register_model(uri: str, run_id: str, name: str) -> dict[str, str]:
+    """A finished run's logged model as a new version of `name` (a sweep's best job); the tags
+    that say how it went (train/tracking/registry.py). Never raises."""
+    try:
+        mlflow_client = _mlflow_client(uri)
+    except Exception as e:  # noqa: BLE001 - as registry.register: an outcome, not an exception
+        return {registry.ERROR_TAG: describe(e)}
+    return registry.register(uri, mlflow_client, run_id, name)
+
+
 # -- one run -------------------------------------------------------------------------------------
 
 class RunClient:
@@ -247,7 +260,12 @@ class RunClient:
             case DatasetInput():
                 self._log_dataset(record)
             case Model():
-                self._log_model(record)
+                registry.log_model(self.uri, str(self.run_id), record)
+            case RegisterModel():
+                if record.outcome is None:
+                    record.outcome = registry.register(self.uri, self._mlflow, str(self.run_id),
+                                                       record.name)
+                self.send_rows(Batch(tags=list(record.outcome.items())))
             case EndRun():
                 if record.error is not None:
                     self.send_rows(Batch(tags=[("error", record.error[-5000:])]))
@@ -311,30 +329,3 @@ class RunClient:
         context = InputTag(key="mlflow.data.context", value=d.context)
         self._mlflow.log_inputs(self.run_id,
                                 datasets=[MlflowDatasetInput(dataset, tags=[context])])
-
-    def _log_model(self, record: Model) -> None:
-        """An MLflow model that loads back with mlflow.pytorch.load_model. Pickle format: the
-        default torch.export format fixes the batch size of the example."""
-        import mlflow
-        import mlflow.pytorch
-        import torch
-
-        # The fluent API wants a tracking URI and an active run; set_tracking_uri also sets
-        # MLFLOW_TRACKING_URI, which is put back so that nothing after this job sees it.
-        before = os.environ.get("MLFLOW_TRACKING_URI")
-        mlflow.set_tracking_uri(self.uri)
-        mlflow.start_run(run_id=self.run_id)
-        # Its warning about pickle is for models from strangers; this one is our own.
-        logging.getLogger("mlflow.pytorch").setLevel(logging.ERROR)
-        try:
-            mlflow.pytorch.log_model(
-                record.model, name="model", serialization_format="pickle",
-                input_example=record.input_example,
-                # explicit: inferring requirements imports the model in a subprocess (slow)
-                pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"])
-        finally:
-            mlflow.end_run()  # no active run left behind; EndRun sets the real status next
-            if before is None:
-                os.environ.pop("MLFLOW_TRACKING_URI", None)
-            else:
-                os.environ["MLFLOW_TRACKING_URI"] = before

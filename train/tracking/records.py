@@ -3,9 +3,10 @@
 Metric, param and tag rows wait in `Rows` until the sender thread takes them, as many as one
 MLflow request may carry, so that everything logged within `tracking.batch_interval_s` travels
 in one request. Everything else is a record, sent in the order it was made: the ones callers
-log (`ArtifactFile`, `Text`, `Table`, `DatasetInput`, `Model`) and the run's own (`CreateRun`,
-`ResumeRun`, `EndRun`). Every record but `Model` holds JSON data only, so it can wait in the
-unsent file (train/tracking/unsent.py) when the store is gone. No mlflow or torch import here.
+log (`ArtifactFile`, `Text`, `Table`, `DatasetInput`, `Model`, `RegisterModel`) and the run's own
+(`CreateRun`, `ResumeRun`, `EndRun`). Every record but `Model` holds JSON data only, so it can
+wait in the unsent file (train/tracking/unsent.py) when the store is gone; `RegisterModel` is not
+kept there either (it registers the `Model`, which cannot wait). No mlflow or torch import here.
 """
 
 from __future__ import annotations
@@ -69,6 +70,22 @@ class Model:
     KIND: ClassVar[str] = "model"
     model: Any
     input_example: Any
+    card: dict[str, Any] | None = None
+    """train/modelcard.py's description: the logged model's metadata and signature."""
+    export: bool = False
+    """Logged as a torch.export program (loads without the model's Python code), as a model to
+    be registered must be; else the pickled module."""
+
+
+@dataclass
+class RegisterModel:
+    """The run's logged model as a new version of registered model `name` (after `Model`)."""
+
+    KIND: ClassVar[str] = "register"
+    name: str
+    outcome: dict[str, str] | None = None
+    """The run's tags saying how it went, once tried: a retry (the tags' request failed) sends
+    them again without registering a second version."""
 
 
 # -- the run's own records ---------------------------------------------------------------------
@@ -97,7 +114,7 @@ class EndRun:
     error: str | None = None  # recorded as the `error` tag
 
 
-Loggable = ArtifactFile | Text | Table | DatasetInput | Model
+Loggable = ArtifactFile | Text | Table | DatasetInput | Model | RegisterModel
 """What a caller may pass to a run's log()."""
 Record = Loggable | CreateRun | ResumeRun | EndRun
 SAVABLE: dict[str, type[Any]] = {cls.KIND: cls for cls in (
