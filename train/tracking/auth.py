@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 
 from train.redact import redact, split_userinfo
-from train.tracking.store import TrackingError
+from train.tracking.errors import TrackingError
 
 CREDENTIALS_FILE = Path("~/.mlflow/credentials")
 WHOAMI = "/api/2.0/mlflow/users/current"

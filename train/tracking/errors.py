@@ -3,6 +3,11 @@ module level: `is_permanent` imports it only to recognise MLflow's exceptions)."
 
 from __future__ import annotations
 
+
+class TrackingError(RuntimeError):
+    """The tracking store cannot be used; the message says why and what to do."""
+
+
 PERMANENT_CODES = frozenset({
     "INVALID_PARAMETER_VALUE", "ENDPOINT_NOT_FOUND", "RESOURCE_DOES_NOT_EXIST", "NOT_FOUND",
     "PERMISSION_DENIED", "UNAUTHENTICATED", "CUSTOMER_UNAUTHORIZED", "BAD_REQUEST",

@@ -12,14 +12,13 @@ import urllib.request
 from pathlib import Path
 
 from train.config import TrackingConfig
+from train.redact import redact, split_userinfo
+from train.tracking.auth import login_request, ssl_context  # HTTPS verified as MLflow's client does
+from train.tracking.errors import TrackingError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EMBEDDED_STORE_DIR = REPO_ROOT / "mlruns"
 """The embedded store: mlruns/mlflow.db (runs, params, metrics) and mlruns/artifacts/."""
-
-
-class TrackingError(RuntimeError):
-    """The tracking store cannot be used; the message says why and what to do."""
 
 
 def embedded_uri() -> str:
@@ -52,8 +51,6 @@ def is_local_path_uri(uri: str) -> bool:
 def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
     """Refuse an unusable tracking URI before any rank starts."""
     if uri.startswith(("http://", "https://")):
-        from train.redact import redact, split_userinfo
-        from train.tracking.auth import ssl_context  # HTTPS verified as MLflow's client does
 
         health, uri = split_userinfo(uri)[0].rstrip("/") + "/health", redact(uri)
         try:
@@ -86,7 +83,6 @@ def check_server_api(uri: str, experiment: str, timeout_s: float = 10.0) -> None
 
     # The login (URI, environment or ~/.mlflow/credentials) and the TLS verification that
     # MLflow's client would use, as the login check sends them.
-    from train.tracking.auth import login_request, ssl_context
 
     query = urllib.parse.urlencode({"experiment_name": experiment})
     request, _ = login_request(uri, f"/api/2.0/mlflow/experiments/get-by-name?{query}")
