@@ -1,6 +1,6 @@
 """Tracking: the only package that imports mlflow (lazily: `import train.tracking` imports
-neither mlflow nor torch). One-way imports: store <- records <- registry <- client <- run;
-unsent uses records and client; errors stands alone.
+neither mlflow nor torch). One-way imports: errors <- auth <- store; records <- registry <-
+client <- unsent <- backend <- run.
 
 - store.py    where runs are recorded (URIs, the embedded store, reachability)
 - records.py  typed records and the rows waiting to be batched
@@ -8,17 +8,13 @@ unsent uses records and client; errors stands alone.
 - registry.py the logged model (pickled or torch.export) and Model Registry versions
 - client.py   every MLflow request
 - unsent.py   the file for what MLflow never accepted, and its upload
-- run.py      rank 0's MlflowRun (a background sender thread) and NullRun, the do-nothing one
+- backend.py  NullRun, the one do-nothing backend; the job's run file
+- run.py      rank 0's MlflowRun (a background sender thread)
 """
 
 from train.tracking import records
-from train.tracking.run import (
-    MlflowRun,
-    NullRun,
-    TrackingIncomplete,
-    open_run,
-    recorded_run_id,
-)
+from train.tracking.backend import NullRun, TrackingIncomplete, recorded_run_id
+from train.tracking.run import MlflowRun, open_run
 from train.tracking.store import (
     EMBEDDED_STORE_DIR,
     REPO_ROOT,

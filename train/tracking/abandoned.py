@@ -13,7 +13,7 @@ import json
 import logging
 from pathlib import Path
 
-from train.tracking.run import RUN_FILE
+from train.tracking.backend import RUN_FILE
 
 log = logging.getLogger("train")
 

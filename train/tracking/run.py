@@ -21,6 +21,7 @@ from pathlib import Path
 
 from train.config import TrackingConfig
 from train.tracking import client, errors, unsent
+from train.tracking.backend import RUN_FILE, NullRun
 from train.tracking.records import (
     CreateRun,
     EndRun,
@@ -33,51 +34,8 @@ from train.tracking.store import resolve_uri
 
 log = logging.getLogger(__name__)
 
-RUN_FILE = unsent.RUN_FILE
-"""In the job's output directory: the run it logs to (a restart of the job continues it)."""
-
-
-def recorded_run_id(output_dir: Path) -> str | None:
-    """The run an earlier start of this job (same output directory) created, if any."""
-    try:
-        return str(json.loads((output_dir / RUN_FILE).read_text())["run_id"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-class NullRun:
-    """The ONE do-nothing backend: every rank but 0, and tracking.enabled=false."""
-
-    run_id: str | None = None
-    experiment_id: str | None = None
-    uri: str = ""
-    cpu_seconds: float = 0.0
-    failure: str | None = None
-    unsent_path: Path | None = None
-
-    def start(self, tags: Mapping[str, str], run_name: str | None = None,
-              resume_run_id: str | None = None) -> None: ...
-    def log_params(self, params: Mapping[str, str]) -> None: ...
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
-    def set_tags(self, tags: Mapping[str, str]) -> None: ...
-    def log(self, record: Loggable) -> None: ...
-    def begin_sending(self) -> None: ...
-
-    def flush(self, timeout_s: float | None = None, created_within_s: float = 0.0) -> bool:
-        return True
-
-    def finish(self, status: str = "FINISHED", error: str | None = None,
-               timeout_s: float | None = None) -> bool:
-        return True
-
-
 class _GivenUp(Exception):
     """The run ended without MLflow; what was left went to the unsent file."""
-
-
-class TrackingIncomplete(RuntimeError):
-    """The job's work is done but the store does not hold all of it; the message says where the
-    rest is and how to deliver it."""
 
 
 class MlflowRun(NullRun):
@@ -281,26 +239,11 @@ class MlflowRun(NullRun):
         if self._client is None:
             self._client = client.RunClient(self.uri)
         if isinstance(record, ResumeRun):
-            self._deliver_leftovers(record.run_id)
+            unsent.deliver_leftovers(self.output_dir, record.run_id, self.uri)
         self._client.apply(record)
         (self.output_dir / RUN_FILE).write_text(json.dumps(
             {"run_id": self.run_id, "experiment_id": self.experiment_id,
              "tracking_uri": self.uri}))
-
-    def _deliver_leftovers(self, run_id: str) -> None:
-        """An earlier start of this job left an unsent file for this run (it was stopped while
-        the store was away): deliver it before the run continues, so that nothing waits for
-        someone to remember the upload. One that cannot be delivered stays for the user."""
-        for path in sorted(self.output_dir.glob("mlflow_unsent*.jsonl")):
-            try:
-                header = unsent.load(path)[0]
-                if header["run_id"] != run_id or header["tracking_uri"] != self.uri:
-                    continue
-                unsent.upload(path)
-                log.info("delivered %s, left by an earlier start of this job", path)
-            except Exception as e:  # noqa: BLE001 - the file stays; the run goes on
-                log.warning("could not deliver %s (%s); it stays for `python -m train.outbox "
-                            "upload %s`", path, errors.describe(e), path)
 
     def _run_client(self) -> client.RunClient:
         assert self._client is not None, "a record before the run's start()"
@@ -342,20 +285,10 @@ class MlflowRun(NullRun):
         """Keep what MLflow did not take in a local file, with the command that delivers it."""
         with self._changed:
             waiting = [r for r in [self._in_flight, *self._pending] if r is not None]
-        rows = self.rows.everything()
-        if self._client is not None:  # what a resumed run already holds is not kept twice
-            until = self._client.logged_until
-            rows.metrics = [m for m in rows.metrics if m[3] > until.get(m[0], -1)]
-        path = unsent.free_path(self.output_dir)
         header = {"run_id": self.run_id, "tracking_uri": self.uri, "status": status}
-        lost = unsent.save(path, header, rows, waiting)
-        self.unsent_path = path
-        log.error("MLflow did not take this run's last updates (%s): %d metric values, %d "
-                  "params, %d tags and %d other requests are in %s%s. Deliver them (and end the "
-                  "run %s) once the store is fixed:\n  python -m train.outbox upload %s",
-                  why, len(rows.metrics), len(rows.params), len(rows.tags),
-                  len(waiting) - len(lost), path,
-                  f" (not kept: {', '.join(lost)})" if lost else "", status, path)
+        self.unsent_path = unsent.save_rest(
+            self.output_dir, header, self.rows.everything(), waiting,
+            self._client.logged_until if self._client is not None else None, why)
 
 
 def open_run(cfg: TrackingConfig, output_dir: Path, is_main: bool) -> NullRun:

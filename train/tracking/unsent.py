@@ -13,6 +13,7 @@ No mlflow import here: `upload` makes its requests through train/tracking/client
 from __future__ import annotations
 
 import json
+import logging
 import os
 import stat
 import types
@@ -21,7 +22,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
-from train.tracking import client
+from train.tracking import client, errors
 from train.tracking.records import (
     SAVABLE,
     ArtifactFile,
@@ -37,6 +38,8 @@ from train.tracking.records import (
 UNSENT_FILE = "mlflow_unsent.jsonl"
 RUN_FILE = "mlflow_run.json"
 """The job's run (train/tracking/run.py writes it; an upload that creates the run too)."""
+
+log = logging.getLogger(__name__)
 
 
 def free_path(output_dir: Path) -> Path:
@@ -237,3 +240,38 @@ def upload(path: Path, tracking_uri: str | None = None) -> str:
         {"run_id": run.run_id, "experiment_id": run.experiment_id, "tracking_uri": uri}))
     path.rename(path.with_suffix(".uploaded"))
     return str(run.run_id)
+
+
+def deliver_leftovers(output_dir: Path, run_id: str, uri: str) -> None:
+    """An earlier start of this job left an unsent file for this run (it was stopped while the
+    store was away): deliver it before the run continues, so that nothing waits for someone to
+    remember the upload. One that cannot be delivered stays for the user."""
+    for path in sorted(output_dir.glob("mlflow_unsent*.jsonl")):
+        try:
+            header = load(path)[0]
+            if header["run_id"] != run_id or header["tracking_uri"] != uri:
+                continue
+            upload(path)
+            log.info("delivered %s, left by an earlier start of this job", path)
+        except Exception as e:  # noqa: BLE001 - the file stays; the run goes on
+            log.warning("could not deliver %s (%s); it stays for `python -m train.outbox "
+                        "upload %s`", path, errors.describe(e), path)
+
+
+def save_rest(output_dir: Path, header: dict[str, Any], rows: Batch, waiting: list[Record],
+              logged_until: dict[str, int] | None, why: str) -> Path:
+    """What MLflow did not take when a run ended, kept in a new unsent file (never over an
+    earlier one), and the one error line saying where it is and how to deliver it.
+    `logged_until`: the last step of each metric the run already holds (a resumed run), not
+    kept twice."""
+    if logged_until is not None:
+        rows.metrics = [m for m in rows.metrics if m[3] > logged_until.get(m[0], -1)]
+    path = free_path(output_dir)
+    lost = save(path, header, rows, waiting)
+    log.error("MLflow did not take this run's last updates (%s): %d metric values, %d params, "
+              "%d tags and %d other requests are in %s%s. Deliver them (and end the run %s) "
+              "once the store is fixed:\n  python -m train.outbox upload %s",
+              why, len(rows.metrics), len(rows.params), len(rows.tags),
+              len(waiting) - len(lost), path,
+              f" (not kept: {', '.join(lost)})" if lost else "", header["status"], path)
+    return path
