@@ -46,6 +46,17 @@ def run_train(*overrides: str, env: dict[str, str] | None = None, timeout: float
                           capture_output=True, text=True, timeout=timeout)
 
 
+def assert_refused(out: subprocess.CompletedProcess[str], expected: str,
+                   store: dict[str, str]) -> None:
+    """Refused as a user must see it: exit 2, one `error:` line saying `expected`, no
+    traceback, and no MLflow run created."""
+    assert out.returncode == 2, out.stdout + out.stderr
+    [line] = [x for x in out.stderr.splitlines() if x.startswith("error:")]
+    assert expected in line, out.stderr
+    assert "Traceback" not in out.stderr
+    assert runs_in(store["MLFLOW_TRACKING_URI"]) == []
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_tracking_uri(monkeypatch: pytest.MonkeyPatch) -> None:
     """mlflow.set_tracking_uri() also sets MLFLOW_TRACKING_URI in os.environ: without this, one
