@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,6 +47,23 @@ def run_train(*overrides: str, env: dict[str, str] | None = None, timeout: float
     full_env.update(env or {})
     return subprocess.run([sys.executable, *module, *overrides], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def kill_job_after_checkpoints(out_dir: Path, env: dict[str, str], checkpoints: int,
+                               *overrides: str, timeout: float = 180) -> None:
+    """Start `python -m train <overrides>` in `out_dir` and SIGKILL it - launcher, ranks and
+    their DataLoader workers, as a node failure would - once `checkpoints` checkpoints exist."""
+    proc = subprocess.Popen([sys.executable, "-m", "train", f"hydra.run.dir={out_dir}",
+                             *overrides], cwd=REPO, env={**os.environ, **env},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout
+    while len(list((out_dir / "checkpoints").glob("step-*.pt"))) < checkpoints:
+        assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint came"
+        time.sleep(0.1)
+    family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    for p in family:
+        p.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
 
 
 def assert_refused(out: subprocess.CompletedProcess[str], expected: str,

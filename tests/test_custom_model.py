@@ -17,8 +17,7 @@ import torch
 import yaml
 from hydra import compose, initialize_config_dir
 
-from tests.conftest import REPO, history, run_train, runs_in
-from tests.test_resume import _kill_job_after
+from tests.conftest import REPO, history, kill_job_after_checkpoints, run_train, runs_in
 from tests.test_slurm import cluster, on_slurm, slurm_job  # noqa: F401 - the fixture
 from train import loop, models, preflight
 from train.config import ConfigError, CustomModelConfig
@@ -192,7 +191,8 @@ def test_user_model_trains_resumes_and_loads_back(store: dict[str, str], tmp_pat
     the logged model loads where the user's package is importable, and only there."""
     env = {**store, "PYTHONPATH": USER_PATH}
     out_dir = tmp_path / "job"
-    _kill_job_after(out_dir, env, 2, *CUSTOM, "trainer.epochs=4")
+    kill_job_after_checkpoints(out_dir, env, 2, "distributed.nproc_per_node=2", *CUSTOM,
+                               "trainer.epochs=4")
     result = run_train("distributed.nproc_per_node=2", *CUSTOM, "trainer.epochs=4",
                        f"hydra.run.dir={out_dir}", env=env)
     assert result.returncode == 0, result.stderr

@@ -22,19 +22,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
-from tests.conftest import REPO, history, run_train, runs_in
+from tests.conftest import history, kill_job_after_checkpoints, run_train, runs_in
 
 EPOCHS = 2
 STEPS_PER_EPOCH = 23  # 1438 digits, 2 ranks, 32 per rank
@@ -161,26 +155,12 @@ def test_channels_last_gives_the_same_gradients_in_process() -> None:
         assert torch.allclose(plain, last, rtol=1e-4, atol=1e-6)
 
 
-def _kill_after_first_checkpoint(uri: str, out: Path, *overrides: str) -> None:
-    """Start a 2-rank job and SIGKILL it (launcher and ranks) once it wrote a checkpoint."""
-    proc = subprocess.Popen([sys.executable, "-m", "train", *JOB, f"hydra.run.dir={out}",
-                             *overrides], cwd=REPO, env={**os.environ, "MLFLOW_TRACKING_URI": uri},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300  # compiling on 2 busy cores
-    while not list((out / "checkpoints").glob("step-*.pt")):
-        assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint came"
-        time.sleep(0.1)
-    family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    for p in family:
-        p.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
-
-
 @pytest.mark.slow
 def test_a_compiled_job_killed_resumes_and_its_checkpoints_serve_eager_jobs(
         uri: str, tmp_path: Path, fp32_eager: dict[str, list[float]]) -> None:
     out = tmp_path / "compiled"
-    _kill_after_first_checkpoint(uri, out, "trainer.compile=true")
+    kill_job_after_checkpoints(out, {"MLFLOW_TRACKING_URI": uri}, 1, *JOB, "trainer.compile=true",
+                               timeout=300)  # compiling on 2 busy cores
     resumed = _job(uri, out, "trainer.compile=true")
     assert "resumed from" in resumed.stderr and "continuing MLflow run" in resumed.stderr
     [run] = [r for r in runs_in(uri) if r.info.run_id == resumed.run_id]

@@ -3,37 +3,16 @@
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
-from tests.conftest import REPO, history, run_train, runs_in
+from tests.conftest import history, kill_job_after_checkpoints, run_train, runs_in
 
 pytestmark = pytest.mark.slow
 
 STEPS_PER_EPOCH = 23  # 1438 samples, 2 ranks, 32 per rank
-
-
-def _kill_job_after(out_dir: Path, store: dict[str, str], checkpoints: int, *args: str) -> None:
-    """Start a 2-rank job and SIGKILL it (launcher and ranks) once `checkpoints` exist."""
-    proc = subprocess.Popen([sys.executable, "-m", "train", "distributed.nproc_per_node=2",
-                             f"hydra.run.dir={out_dir}", *args], cwd=REPO,
-                            env={**os.environ, **store}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while len(list((out_dir / "checkpoints").glob("step-*.pt"))) < checkpoints:
-        assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint came"
-        time.sleep(0.2)
-    family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    for p in family:
-        p.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
 
 
 def _assert_once(uri: str, run_id: str, epochs: int, every: int) -> None:
@@ -45,7 +24,8 @@ def _assert_once(uri: str, run_id: str, epochs: int, every: int) -> None:
 
 def test_a_killed_job_resumes_into_the_same_run(store: dict[str, str], tmp_path: Path) -> None:
     out_dir = tmp_path / "job"
-    _kill_job_after(out_dir, store, 2, "trainer.epochs=6")
+    kill_job_after_checkpoints(out_dir, store, 2, "distributed.nproc_per_node=2",
+                               "trainer.epochs=6")
     uri = store["MLFLOW_TRACKING_URI"]
     [killed] = runs_in(uri)
     assert killed.info.status == "RUNNING"  # nobody could end it

@@ -6,19 +6,13 @@ the same run; bad input refused before anything starts."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 from mlflow import MlflowClient
 
-from tests.conftest import REPO, history, run_train, runs_in
+from tests.conftest import REPO, history, kill_job_after_checkpoints, run_train, runs_in
 from tests.images import class_names, write_image_folder
 from tests.test_slurm import cluster, on_slurm, slurm_job  # noqa: F401 - the cluster fixture
 
@@ -100,22 +94,6 @@ def test_a_custom_dataset_from_pythonpath_on_two_local_ranks(store: dict[str, st
     assert history(uri, run_id, "train/samples") == [(0, 120.0), (1, 120.0)]
 
 
-def _kill_after(out_dir: Path, env: dict[str, str], checkpoints: int, *args: str) -> None:
-    """Start a 2-rank job; SIGKILL it (launcher, ranks, workers) once `checkpoints` exist."""
-    proc = subprocess.Popen([sys.executable, "-m", "train", "distributed.nproc_per_node=2",
-                             f"hydra.run.dir={out_dir}", *args], cwd=REPO,
-                            env={**os.environ, **env}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 180
-    while len(list((out_dir / "checkpoints").glob("step-*.pt"))) < checkpoints:
-        assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint came"
-        time.sleep(0.1)
-    family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    for p in family:
-        p.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
-
-
 def test_a_killed_streaming_job_resumes_mid_epoch_into_the_same_run(
         folders: dict[str, Path], store: dict[str, str], tmp_path: Path) -> None:
     """128 training images, 8 steps an epoch; a checkpoint at every logging step (2 steps):
@@ -124,7 +102,7 @@ def test_a_killed_streaming_job_resumes_mid_epoch_into_the_same_run(
     args = ("data=imagefolder", f"data.root={folders['flat']}", *SMALL, "data.batch_size=16",
             "trainer.epochs=3", "trainer.log_every_n_steps=2",
             "trainer.checkpoint_interval_min=0.0001", "trainer.keep_checkpoints=10")
-    _kill_after(out_dir, store, 3, *args)
+    kill_job_after_checkpoints(out_dir, store, 3, "distributed.nproc_per_node=2", *args)
     [killed] = runs_in(uri)
     result = run_train("distributed.nproc_per_node=2", *args, f"hydra.run.dir={out_dir}",
                        env=store)
