@@ -24,7 +24,7 @@ from pathlib import Path
 
 import psutil
 
-from tests.conftest import REPO
+from tests.conftest import REPO, history, runs_in
 from train import server_auth
 from train.distenv import free_port
 
@@ -158,3 +158,34 @@ def tracking_server(root: Path, host: str = "127.0.0.1",
         yield server.url
     finally:
         server.stop()
+
+
+# Logged once per epoch with step = epoch (0-based).
+EPOCH_METRICS = ("train/loss", "train/accuracy", "train/samples", "train/samples_per_sec",
+                 "val/loss", "val/accuracy", "val/samples", "lr", "epoch_time_s")
+
+
+def jobs_at_once(url: str, experiment: str, out_dir: Path, jobs: int = 8) -> list:
+    """`jobs` 2-epoch jobs started together against the server at `url`, all started before any
+    has created `experiment` (they race to create it); each must succeed and land complete:
+    one FINISHED run per job, every epoch metric at steps 0 and 1 exactly once. Returns the
+    runs."""
+    env = {**os.environ, "MLFLOW_TRACKING_URI": url}
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "train", "trainer.epochs=2", "model=mlp",
+         "tracking.log_model=false", "trainer.checkpoint_every=0",
+         f"tracking.experiment={experiment}", f"tracking.run_name=job{i}",
+         f"hydra.run.dir={out_dir}/job{i}"],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for i in range(jobs)]
+    errors = [p.communicate(timeout=500)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0] * jobs, "\n".join(e[-2000:] for e in errors)
+    runs = runs_in(url, experiment)
+    assert sorted(r.info.run_name for r in runs) == [f"job{i}" for i in range(jobs)]
+    for run in runs:
+        assert run.info.status == "FINISHED", run.info.run_name
+        for key in EPOCH_METRICS:  # every epoch exactly once, none lost or doubled
+            steps = [s for s, _ in history(url, run.info.run_id, key)]
+            assert steps == [0, 1], (run.info.run_name, key, steps)
+        assert run.data.params["tracking.experiment"] == experiment
+    return runs

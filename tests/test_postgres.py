@@ -7,15 +7,14 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, history, runs_in, skip_or_fail
-from tests.servers import ServerProcess
+from tests.conftest import skip_or_fail
+from tests.servers import ServerProcess, jobs_at_once
 from train.distenv import free_port
 
 pytestmark = pytest.mark.slow
@@ -61,7 +60,6 @@ def postgres() -> Iterator[str]:
 
 
 def test_eight_jobs_log_at_once_to_a_postgresql_store(postgres: str, tmp_path: Path) -> None:
-    jobs = 8
     server = ServerProcess(tmp_path / "server", store_env={"MLFLOW_BACKEND_STORE_URI": postgres,
                                                            "PGPASSWORD": DB_PASSWORD})
     server.start(timeout=180)
@@ -69,22 +67,6 @@ def test_eight_jobs_log_at_once_to_a_postgresql_store(postgres: str, tmp_path: P
         assert DB_PASSWORD not in subprocess.run(["ps", "-eo", "args"], capture_output=True,
                                                  text=True).stdout
         assert DB_PASSWORD not in server.tail(100_000)
-        env = {**os.environ, "MLFLOW_TRACKING_URI": server.url}
-        procs = [subprocess.Popen(
-            [sys.executable, "-m", "train", "trainer.epochs=2", "model=mlp",
-             "tracking.log_model=false", "trainer.checkpoint_every=0",
-             "tracking.experiment=pg", f"tracking.run_name=job{i}",
-             f"hydra.run.dir={tmp_path}/job{i}"],
-            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            for i in range(jobs)]
-        errors = [p.communicate(timeout=500)[1] for p in procs]
-        assert [p.returncode for p in procs] == [0] * jobs, "\n".join(e[-2000:] for e in errors)
-        runs = runs_in(server.url, "pg")
-        assert sorted(r.info.run_name for r in runs) == [f"job{i}" for i in range(jobs)]
-        for run in runs:
-            assert run.info.status == "FINISHED", run.info.run_name
-            for key in ("train/loss", "val/accuracy", "lr"):  # every epoch once
-                assert [s for s, _ in history(server.url, run.info.run_id, key)] == [0, 1]
-            assert run.data.params["tracking.experiment"] == "pg"
+        jobs_at_once(server.url, "pg", tmp_path)
     finally:
         server.stop()
