@@ -7,8 +7,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import psutil
 import pytest
@@ -47,6 +48,29 @@ def run_train(*overrides: str, env: dict[str, str] | None = None, timeout: float
     full_env.update(env or {})
     return subprocess.run([sys.executable, *module, *overrides], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+T = TypeVar("T")
+
+
+def wait_until(check: Callable[[], T], timeout: float, what: str, every: float = 0.2,
+               job: subprocess.Popen[str] | None = None) -> T:
+    """`check()` once it is truthy, polled every `every` seconds; fails after `timeout`, or at
+    once when `job` (the process that should bring it about) has ended."""
+    deadline = time.monotonic() + timeout
+    while not (value := check()):
+        assert job is None or job.poll() is None, f"{what}: the job ended first"
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
+        time.sleep(every)
+    return value
+
+
+def process_ended(p: psutil.Process) -> bool:
+    """Gone, or a zombie (PID 1 reaps orphans lazily)."""
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def kill_job_after_checkpoints(out_dir: Path, env: dict[str, str], checkpoints: int,

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
@@ -29,16 +29,6 @@ from train import server_auth
 from train.distenv import free_port
 
 LOGIN_VARS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
-
-
-def wait_until(condition: Callable[[], bool], what: str, timeout: float = 120,
-               job: subprocess.Popen[str] | None = None) -> None:
-    """Poll `condition` until it holds; fail after `timeout` s, or at once if `job` ended."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert job is None or job.poll() is None, f"the job ended before {what}"
-        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
-        time.sleep(0.2)
 
 
 class ServerProcess:

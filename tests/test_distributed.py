@@ -7,17 +7,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import psutil
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.conftest import REPO, history, runs_in
+from tests.conftest import REPO, history, process_ended, runs_in, wait_until
 from train import distenv
 
 TORCHRUN_KEYS = distenv.TORCHRUN_VARS
@@ -121,16 +118,6 @@ def test_validation_is_exact_for_any_world_size() -> None:
         assert loss == pytest.approx(loss1, rel=1e-6)
 
 
-def _wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Poll `condition` until it returns something true; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if found := condition():
-            return found
-        time.sleep(0.1)
-    raise AssertionError(f"{what} did not happen within {timeout:.0f} s")
-
-
 def _rank_processes(parent: psutil.Process, count: int) -> list[psutil.Process] | None:
     ranks = [p for p in parent.children() if "spawn_main" in " ".join(p.cmdline())]
     return ranks if len(ranks) >= count else None
@@ -144,9 +131,9 @@ def test_a_killed_rank_ends_the_whole_job_and_fails_the_run(store: dict[str, str
         [sys.executable, "-m", "train", "distributed.nproc_per_node=2", "trainer.epochs=200",
          f"hydra.run.dir={out_dir}"], cwd=REPO, env={**os.environ, **store},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    ranks = _wait_for(lambda: _rank_processes(psutil.Process(proc.pid), 2), 60, "2 ranks")
+    ranks = wait_until(lambda: _rank_processes(psutil.Process(proc.pid), 2), 60, "2 ranks")
     # Training is under way (and the run exists) once epoch 1's checkpoint is written.
-    _wait_for(lambda: any((out_dir / "checkpoints").glob("*")), 120, "the first checkpoint")
+    wait_until(lambda: any((out_dir / "checkpoints").glob("*")), 120, "the first checkpoint")
     victim = max(ranks, key=lambda p: p.pid)  # started second: rank 1
     victim.send_signal(signal.SIGKILL)
     _, stderr = proc.communicate(timeout=90)  # promptly, not after a collective timeout
@@ -160,13 +147,6 @@ def test_a_killed_rank_ends_the_whole_job_and_fails_the_run(store: dict[str, str
     assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
-def _ended(p: psutil.Process) -> bool:
-    try:
-        return p.status() == psutil.STATUS_ZOMBIE  # PID 1 reaps orphans lazily
-    except psutil.NoSuchProcess:
-        return True
-
-
 @pytest.mark.slow
 def test_killing_the_launcher_stops_its_ranks_and_the_run(store: dict[str, str],
                                                          tmp_path: Path) -> None:
@@ -177,15 +157,15 @@ def test_killing_the_launcher_stops_its_ranks_and_the_run(store: dict[str, str],
         [sys.executable, "-m", "train", "distributed.nproc_per_node=2", "trainer.epochs=200",
          f"hydra.run.dir={out_dir}"], cwd=REPO, env={**os.environ, **store},
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    ranks = _wait_for(lambda: _rank_processes(psutil.Process(proc.pid), 2), 60, "2 ranks")
+    ranks = wait_until(lambda: _rank_processes(psutil.Process(proc.pid), 2), 60, "2 ranks")
     try:
-        _wait_for(lambda: any((out_dir / "checkpoints").glob("*")), 120, "the first checkpoint")
+        wait_until(lambda: any((out_dir / "checkpoints").glob("*")), 120, "the first checkpoint")
         proc.kill()
         proc.wait(timeout=10)
-        _wait_for(lambda: all(_ended(p) for p in ranks), 30, "the ranks' end")
+        wait_until(lambda: all(process_ended(p) for p in ranks), 30, "the ranks' end")
     finally:
         for p in ranks:  # this test's own processes, should they have outlived it
-            if not _ended(p):
+            if not process_ended(p):
                 p.kill()
     [run] = runs_in(store["MLFLOW_TRACKING_URI"])
     assert run.info.status == "KILLED" and run.data.tags["stopped_by"] == "SIGTERM"

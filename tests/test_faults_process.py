@@ -14,7 +14,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,16 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 
-from tests.conftest import LAUNCHER_VARS, REPO, history, run_train, runs_in, skip_or_fail
+from tests.conftest import (
+    LAUNCHER_VARS,
+    REPO,
+    history,
+    process_ended,
+    run_train,
+    runs_in,
+    skip_or_fail,
+    wait_until,
+)
 from train import app, joblock
 from train.config import ConfigError
 
@@ -100,7 +108,7 @@ def test_ranks_that_outlive_their_killed_launcher_still_hold_the_directory(
     with pytest.raises(joblock.JobLockedError, match=f"pid {launcher.pid} on "):
         joblock.take(tmp_path)
     rank.kill()
-    _wait_for(lambda: _ended(rank), 10, "the rank's end")
+    wait_until(lambda: process_ended(rank), 10, "the rank's end")
     with joblock.held(tmp_path):
         pass
 
@@ -178,22 +186,6 @@ def test_a_composition_error_is_one_line(override: str, expected: str) -> None:
 
 # -- real jobs, real signals (slow) -----------------------------------------------------------
 
-def _wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if found := condition():
-            return found
-        time.sleep(0.1)
-    raise AssertionError(f"{what} did not happen within {timeout:.0f} s")
-
-
-def _ended(p: psutil.Process) -> bool:
-    try:
-        return p.status() == psutil.STATUS_ZOMBIE  # PID 1 reaps orphans lazily
-    except psutil.NoSuchProcess:
-        return True
-
-
 class Job:
     """A 2-rank `python -m train` in its own process group (as a terminal or Slurm starts it),
     with its launcher, ranks and DataLoader workers as psutil processes."""
@@ -207,9 +199,9 @@ class Job:
              f"hydra.run.dir={out_dir}", *overrides], cwd=REPO, env={**env, **store},
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         self.launcher = psutil.Process(self.proc.pid)
-        self.ranks = sorted(_wait_for(self._ranks, 60, "2 ranks"), key=lambda p: p.pid)
+        self.ranks = sorted(wait_until(self._ranks, 60, "2 ranks"), key=lambda p: p.pid)
         # Training is under way once the run exists: rank 0 creates it at the first step.
-        _wait_for(lambda: (out_dir / "mlflow_run.json").exists(), 120, "the run")
+        wait_until(lambda: (out_dir / "mlflow_run.json").exists(), 120, "the run")
         self.family = [self.launcher, *self.launcher.children(recursive=True)]
 
     def _ranks(self) -> list[psutil.Process] | None:
@@ -223,10 +215,11 @@ class Job:
         """Wait for the launcher; every process of the job must be gone. Its stderr."""
         try:
             _, stderr = self.proc.communicate(timeout=timeout)
-            _wait_for(lambda: all(_ended(p) for p in self.family), 30, "every process's end")
+            wait_until(lambda: all(process_ended(p) for p in self.family), 30,
+                       "every process's end")
         finally:
             for p in self.family:  # this test's own processes, should they have outlived it
-                if not _ended(p):
+                if not process_ended(p):
                     p.kill()
         return stderr
 

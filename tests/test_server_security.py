@@ -18,8 +18,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import REPO, run_train, runs_in, skip_or_fail
-from tests.servers import ServerProcess, wait_until
+from tests.conftest import REPO, run_train, runs_in, skip_or_fail, wait_until
+from tests.servers import ServerProcess
 from tests.test_security import command_lines, status_of
 from train import server_auth
 from train.distenv import free_port
@@ -57,7 +57,7 @@ def test_the_server_job_script_writes_a_private_env_file_and_removes_it(tmp_path
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, start_new_session=True)
     try:
-        wait_until(env_file.exists, "env file", job=script)
+        wait_until(env_file.exists, 120, "env file", job=script)
         assert stat.S_IMODE(env_file.stat().st_mode) == 0o600
         values = server_auth.read_env_file(env_file)
         url = f"http://127.0.0.1:{port}"
@@ -74,7 +74,7 @@ def test_the_server_job_script_writes_a_private_env_file_and_removes_it(tmp_path
             except OSError:
                 return 0
 
-        wait_until(lambda: who() == 200, "the login accepted", job=script)
+        wait_until(lambda: who() == 200, 120, "the login accepted", job=script)
         assert values["MLFLOW_TRACKING_PASSWORD"] not in command_lines()
         script.send_signal(signal.SIGTERM)  # what scancel sends the batch shell
         out, _ = script.communicate(timeout=60)

@@ -7,14 +7,13 @@ import contextlib
 import os
 import shutil
 import subprocess
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TypeVar
 
 import pytest
 
-from tests.conftest import REPO, history, run_train, runs_in, skip_or_fail
+from tests.conftest import REPO, history, run_train, runs_in, skip_or_fail, wait_until
 from train import slurm
 from train.config import ClusterConfig, ConfigError, DistributedConfig, TrainConfig
 
@@ -24,15 +23,6 @@ T = TypeVar("T")
 def on_slurm(test: T) -> T:
     """The marks of a test that runs `python -m train +cluster=slurm` or Slurm's commands."""
     return pytest.mark.slow(pytest.mark.slurm(test))
-
-
-def wait_until(check: Callable[[], T], timeout: float, what: str, every: float = 0.5) -> T:
-    """`check()` once it is truthy, polled every `every` seconds; fails after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while not (value := check()):
-        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
-        time.sleep(every)
-    return value
 
 
 # -- no cluster needed -------------------------------------------------------------------------

@@ -19,8 +19,8 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from tests.conftest import REPO, history, run_train, runs_in
-from tests.servers import EPOCH_METRICS, ServerProcess, jobs_at_once, tracking_server, wait_until
+from tests.conftest import REPO, history, run_train, runs_in, wait_until
+from tests.servers import EPOCH_METRICS, ServerProcess, jobs_at_once, tracking_server
 from train import server_auth
 from train.distenv import free_port
 
@@ -135,12 +135,12 @@ def test_a_server_outage_loses_no_metric(tmp_path: Path) -> None:
         return bool(runs) and len(history(server.url, runs[0].info.run_id, "train/loss")) >= 2
 
     try:
-        wait_until(logging_epochs, "two epochs in the run", job=job)
+        wait_until(logging_epochs, 120, "two epochs in the run", job=job)
         server.stop()
         before = epochs_ended()
         # Training goes on while nobody listens: an epoch ends (its checkpoint waits on MLflow
         # for tracking.checkpoint_flush_s only); the sender retries until the server is back.
-        wait_until(lambda: epochs_ended() > before, "epoch ended during the outage", job=job)
+        wait_until(lambda: epochs_ended() > before, 120, "epoch ended during the outage", job=job)
         server.start()
         _, stderr = job.communicate(timeout=400)
         assert job.returncode == 0, stderr[-3000:]
@@ -168,7 +168,7 @@ def test_what_the_server_never_took_is_kept_and_uploaded_later(tmp_path: Path) -
         env={**os.environ, "MLFLOW_TRACKING_URI": server.url}, stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE, text=True)
     try:
-        wait_until((job_dir / "mlflow_run.json").exists, "run created", job=job)
+        wait_until((job_dir / "mlflow_run.json").exists, 120, "run created", job=job)
         server.stop()  # as soon as the run exists, and down until the job has ended
         _, stderr = job.communicate(timeout=400)
         # Trained, but not all in the store: no success claimed, the way to deliver it said.
@@ -226,7 +226,7 @@ def test_make_ui_serves_a_store_and_prints_its_url(tmp_path: Path,
             return False
 
     try:
-        wait_until(healthy, "answer from `make ui`", job=ui)
+        wait_until(healthy, 120, "answer from `make ui`", job=ui)
         with pytest.raises(urllib.error.HTTPError) as refused:  # no login, no runs
             urllib.request.urlopen(f"{url}/api/2.0/mlflow/experiments/search?max_results=1")
         assert refused.value.code == 401
