@@ -140,3 +140,39 @@ def test_bad_settings_are_refused_before_anything_starts(store: dict[str, str], 
     assert line in result.stderr
     assert len([x for x in result.stderr.strip().splitlines() if "Refusing" in x]) == 1
     assert runs_in(store["MLFLOW_TRACKING_URI"]) == []
+
+
+def test_an_image_folders_test_folder_is_sharded_exactly_over_the_ranks(tmp_path: Path) -> None:
+    from tests.images import class_names, write_class_folder, write_image_folder
+    from train import data
+    from train.config import DataConfig
+
+    root = write_image_folder(tmp_path / "set", 3, 4, 2, size=16)
+    write_class_folder(root / "test", class_names(3), 3, size=16, seed=5)  # 9 images
+    cfg = DataConfig(name="imagefolder", root=str(root), image_size=16, batch_size=4,
+                     num_workers=0)
+    cpu = torch.device("cpu")
+    bundles = [data.build(cfg, rank, 2, 2, cpu, seed=0) for rank in range(2)]
+    assert [b.num_test for b in bundles] == [9, 9]
+    labels = [int(y) for b in bundles for _, batch in b.test for y in batch]
+    assert sorted(labels) == [0, 0, 0, 1, 1, 1, 2, 2, 2]  # 5 + 4: none twice, none left out
+    assert data.build(DataConfig(batch_size=4), 0, 1, 1, cpu, seed=0).test is None  # digits
+
+
+def test_the_monitor_minimises_a_loss_and_carries_its_state_over() -> None:
+    from train.config import TrainerConfig
+    from train.metrics import Reduced
+    from train.monitor import Monitor
+
+    cfg = TrainerConfig(monitor="val/loss", early_stopping_patience=2)
+    bests: list[float] = []
+    first = Monitor(cfg, on_best=lambda best: bests.append(best.value))
+    for epoch, loss in enumerate([1.0, 0.5, 0.7]):
+        first.observe(epoch, epoch * 10, Reduced(loss=loss, accuracy=0.1, samples=4))
+    assert (first.mode, bests, first.best_epoch, first.bad_evaluations) == ("min", [1.0, 0.5], 1, 1)
+    resumed = Monitor(cfg)
+    resumed.load_state_dict(first.state_dict())
+    assert (resumed.best, resumed.best_epoch, resumed.bad_evaluations) == (0.5, 1, 1)
+    other = Monitor(TrainerConfig())  # val/accuracy: another metric's best is not its best
+    other.load_state_dict(first.state_dict())
+    assert other.best is None
