@@ -99,12 +99,12 @@ def _best_writer(cfg: TrainConfig, out: Path, state: train_state.TrainState,
     """Rank 0's reaction to a new best evaluation: best.pt (trainer.save_best) and the run's
     best/<monitor> metric and best_epoch tag."""
     def on_best(best: monitor_lib.Best) -> None:
-        path = checkpoint.directory(out) / checkpoint.BEST
+        path = None
         if cfg.trainer.save_best:
-            checkpoint.save_best(checkpoint.directory(out), state.module.state_dict(),
-                                 {"epoch": best.epoch, "step": best.step,
-                                  "monitor": best.monitor, "mode": best.mode,
-                                  "value": best.value})
+            path = checkpoint.save_best(checkpoint.directory(out), state.module.state_dict(),
+                                        {"epoch": best.epoch, "step": best.step,
+                                         "monitor": best.monitor, "mode": best.mode,
+                                         "value": best.value})
         logger.best(best.epoch, best.monitor, best.value, path)
     return on_best
 

@@ -149,11 +149,12 @@ class RunLogger:
         shown = "  ".join(f"{k}={v:.4g}" for k, v in values.items() if k in SHOWN)
         log.info("epoch %d/%d  %s", epoch + 1, self.cfg.trainer.epochs, shown)
 
-    def best(self, epoch: int, monitor: str, value: float, path: Path) -> None:
-        """A new best evaluation (rank 0 wrote it to `path`)."""
+    def best(self, epoch: int, monitor: str, value: float, path: Path | None) -> None:
+        """A new best evaluation (written to `path` with trainer.save_best)."""
         self.run.log_metrics({f"best/{monitor}": value}, step=epoch)
         self.run.set_tags({"best_epoch": str(epoch)})
-        log.info("best %s so far: %.4g at epoch %d (%s)", monitor, value, epoch + 1, path)
+        log.info("best %s so far: %.4g at epoch %d%s", monitor, value, epoch + 1,
+                 f" ({path})" if path else "")
 
     def stopped_early(self, reason: str) -> None:
         self.stop_reason = reason
