@@ -176,3 +176,25 @@ def test_the_monitor_minimises_a_loss_and_carries_its_state_over() -> None:
     other = Monitor(TrainerConfig())  # val/accuracy: another metric's best is not its best
     other.load_state_dict(first.state_dict())
     assert other.best is None
+
+
+def test_mnists_test_files_are_its_test_split_sharded_exactly(tmp_path: Path) -> None:
+    import numpy as np
+
+    from tests.test_data_models import write_idx
+    from train import data
+    from train.config import DataConfig
+
+    rng = np.random.default_rng(0)
+    raw = tmp_path / "MNIST" / "raw"
+    write_idx(raw / "train-images-idx3-ubyte", rng.integers(0, 256, (40, 28, 28)))
+    write_idx(raw / "train-labels-idx1-ubyte", rng.integers(0, 10, 40))
+    test_labels = rng.integers(0, 10, 11)
+    write_idx(raw / "t10k-images-idx3-ubyte", rng.integers(0, 256, (11, 28, 28)))
+    write_idx(raw / "t10k-labels-idx1-ubyte", test_labels)
+    cfg = DataConfig(name="mnist", root=str(tmp_path), batch_size=4, num_workers=0)
+    cpu = torch.device("cpu")
+    bundles = [data.build(cfg, rank, 2, 2, cpu, seed=0, resident=True) for rank in range(2)]
+    assert [b.num_test for b in bundles] == [11, 11]
+    labels = [int(y) for b in bundles for _, batch in b.test for y in batch]
+    assert sorted(labels) == sorted(test_labels.tolist())  # 6 + 5: each test sample once
