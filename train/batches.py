@@ -175,6 +175,9 @@ class DataBundle:
     """One sample's shape as the model gets it, e.g. (3, 64, 64)."""
     describe: Callable[[str], records.DatasetInput] = field(repr=False)
     """What dataset_record returns."""
+    test: Batches | None = None
+    """This rank's strided shard of the test split; None: the data set has none."""
+    num_test: int = 0
 
     @property
     def num_classes(self) -> int:

@@ -90,6 +90,25 @@ def save(folder: Path, state: dict[str, Any], keep: int) -> Path:
     return path
 
 
+BEST = "best.pt"
+"""trainer.save_best's file in the checkpoints folder; `candidates` (step-*.pt) never prunes it."""
+
+
+def save_best(folder: Path, weights: dict[str, Any], record: dict[str, Any]) -> Path:
+    """The best evaluation's weights (and `record`: epoch, step, monitor, mode, value), written
+    atomically over the previous best."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / BEST
+    payload = safewrite.serialised({"model": weights, **record})
+    safewrite.make_room(folder, len(payload), candidates(folder)[1:], f"best weights {path}")
+    safewrite.write_atomically(path, payload)
+    return path
+
+
+def load_best(folder: Path) -> dict[str, Any]:
+    return torch.load(folder / BEST, map_location="cpu", weights_only=True)
+
+
 def save_weights(weights: dict[str, Any], path: Path, checkpoints: Path) -> Path:
     """The final weights at `path` (written atomically); where the output directory's
     filesystem cannot hold them - even once older checkpoints but the newest are gone - in the

@@ -118,6 +118,9 @@ class DataConfig:
     val: Any = None
     """custom: the validation Dataset, as `train`; no _target_ = split off `train` by
     val_fraction."""
+    test: Any = None
+    """custom: the test Dataset, as `train`, evaluated once after training
+    (trainer.test_on); no _target_ = no test phase."""
 
 
 @dataclass
@@ -168,6 +171,19 @@ class TrainerConfig:
     +trainer.loss.label_smoothing=0.1."""
     eval_every: int = 1
     """Validate every N epochs (and always after the last)."""
+    monitor: str = "val/accuracy"
+    """The validation metric that picks the best checkpoint and drives early stopping:
+    val/accuracy, val/loss or (more than 5 classes) val/accuracy_top5."""
+    monitor_mode: str = "auto"
+    """max or min: which way `monitor` improves; auto = min if its name contains "loss",
+    else max."""
+    save_best: bool = False
+    """Keep the best evaluation's weights in <output dir>/checkpoints/best.pt (never pruned)."""
+    early_stopping_patience: int | None = None
+    """Stop once `monitor` has not improved for this many evaluations; null = never."""
+    test_on: str = "last"
+    """After training, evaluate once on the data set's test split (where it has one) with the
+    last weights, the best (needs save_best=true; they then become the final model), or none."""
     log_every_n_steps: int = 10
     """Log train/step_loss every N optimiser steps; the only steps that sync with the host."""
     channels_last: bool = False

@@ -30,7 +30,7 @@ from train.batches import (
     split,
 )
 from train.config import DataConfig
-from train.datasets import DATASETS
+from train.datasets import DATASETS, test_set
 from train.tracking import records
 
 STREAMED = ("imagefolder", "custom")
@@ -122,7 +122,16 @@ def build(cfg: DataConfig, rank: int, world_size: int, local_world_size: int,
                                  seed=seed, drop_last=False)
     # Strided shard: rank r validates samples r, r+W, r+2W, ... - each exactly once, no padding.
     val_set = _Subset(images, labels, parts.val_idx[rank::world_size])
+    test, num_test = None, 0
+    if (tests := test_set(cfg)) is not None:  # strided too: every test sample exactly once
+        t_images, t_labels = tests.images, tests.labels
+        if keep_on_device:
+            t_images, t_labels = t_images.to(device), t_labels.to(device)
+        shard = torch.arange(rank, len(t_labels), world_size, device=t_labels.device)
+        test = batches(_Subset(t_images, t_labels, shard), None, False)
+        num_test = len(t_labels)
     return DataBundle(
+        test=test, num_test=num_test,
         train=batches(train_set, sampler, cfg.augment),
         val=batches(val_set, None, False),
         num_train=len(parts.train_idx), num_val=len(parts.val_idx),

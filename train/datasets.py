@@ -76,14 +76,15 @@ def _download_hint(name: str, cls: str, root: str) -> str:
             "TRAIN_DATA_ROOT) at a directory all nodes can read.")
 
 
-def _torchvision(name: str, cls_name: str) -> Callable[[DataConfig], ImageSet]:
+def _torchvision(name: str, cls_name: str,
+                 train: bool = True) -> Callable[[DataConfig], ImageSet]:
     def load(cfg: DataConfig) -> ImageSet:
         import numpy as np
         import torchvision.datasets as tvd
 
         cls = getattr(tvd, cls_name)
         try:
-            ds = cls(cfg.root, train=True, download=cfg.download)
+            ds = cls(cfg.root, train=train, download=cfg.download)
         except RuntimeError as e:
             if "not found" in str(e).lower():
                 raise DataMissingError(_download_hint(name, cls_name, cfg.root)) from None
@@ -137,6 +138,46 @@ DATASETS: dict[str, Callable[[DataConfig], ImageSet]] = {
     "fashion_mnist": _torchvision("fashion_mnist", "FashionMNIST"),
     "cifar10": _cifar10,
 }
+
+
+def _cifar10_test(cfg: DataConfig) -> ImageSet:
+    import numpy as np
+
+    from train import safe_pickle
+
+    folder = Path(cfg.root) / CIFAR10_FOLDER
+    if not (folder / "test_batch").is_file():
+        raise DataMissingError(f"no {folder / 'test_batch'}")
+    batch = safe_pickle.load(folder / "test_batch")
+    names = safe_pickle.load(folder / CIFAR10_META)["label_names"]
+    pixels = np.asarray(batch["data"]).reshape(-1, 3, 32, 32)
+    return ImageSet(torch.from_numpy(np.ascontiguousarray(pixels)),
+                    torch.as_tensor(batch["labels"], dtype=torch.long), 255.0,
+                    [str(c) for c in names])
+
+
+TEST_SETS: dict[str, Callable[[DataConfig], ImageSet]] = {
+    "mnist": _torchvision("mnist", "MNIST", train=False),
+    "fashion_mnist": _torchvision("fashion_mnist", "FashionMNIST", train=False),
+    "cifar10": _cifar10_test,
+}
+"""The built-in sets' test splits (torchvision's train=False files); digits and synthetic have
+none."""
+
+
+def test_set(cfg: DataConfig) -> ImageSet | None:
+    """The test split, or None: the data set has none, or its files are not under data.root
+    (then said once in the log: training does not need them)."""
+    if cfg.name not in TEST_SETS:
+        return None
+    try:
+        return TEST_SETS[cfg.name](cfg)
+    except (DataMissingError, RuntimeError, OSError) as e:
+        import logging
+
+        logging.getLogger("train").warning("data=%s: its test split cannot be read (%s): no "
+                                           "test phase", cfg.name, e)
+        return None
 
 
 def check_available(cfg: DataConfig) -> None:

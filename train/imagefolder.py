@@ -1,7 +1,7 @@
 """What an ImageFolder data set holds on disk: its layout, classes and image files.
 
 torchvision's ImageFolder layout, in one of two forms under data.root:
-  root/train/<class>/**/<image> and root/val/<class>/**/<image>   (root/test/ is ignored)
+  root/train/<class>/**/<image> and root/val/<class>/**/<image>   (and root/test/: the test split)
   root/<class>/**/<image>   (or root/train/ alone): validation split off by data.val_fraction
 Classes are the sorted folder names; files are listed in torchvision's order (sorted os.walk),
 so the classes, labels and split are those torchvision.datasets.ImageFolder would give.
@@ -53,6 +53,8 @@ class Layout:
     train: ClassFolder
     val: ClassFolder | None
     """None: validation is split off `train` by data.val_fraction."""
+    test: ClassFolder | None = None
+    """root/test/ beside train/: the test split (evaluated once after training)."""
 
     def describe(self) -> str:
         classes = len(self.train.classes)
@@ -125,4 +127,7 @@ def find(root: str) -> Layout:
         return Layout(train, None)
     val = scan(path / "val")
     _same_classes(train, val)
-    return Layout(train, val)
+    test = scan(path / "test") if (path / "test").is_dir() else None
+    if test is not None:
+        _same_classes(train, test)
+    return Layout(train, val, test)

@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 
 from train import checkpoint, distenv, distributed, flops, loop, models, slurm, sweep, tracking
 from train import data as data_lib
+from train import monitor as monitor_lib
 from train import state as train_state
 from train.config import TrainConfig
 from train.devices import device_name
@@ -74,19 +75,60 @@ def _previous_run(cfg: TrainConfig, out: Path,
 
 
 def _write_outputs(out: Path, state: train_state.TrainState, bundle: data_lib.DataBundle,
-                   final_val: Reduced | None, logger: RunLogger, peaks: list[float]) -> None:
+                   final_val: Reduced | None, logger: RunLogger, peaks: list[float],
+                   tested: Reduced | None = None) -> None:
     """Rank 0's files beside the job's outputs, and the same in the run."""
     files: dict[str, Path] = {}
     table = None
+    names = bundle.class_names
     if final_val is not None and final_val.confusion is not None:
-        names = bundle.class_names
         files[""] = render_confusion(final_val.confusion, names, out / "confusion_matrix.svg")
         table = per_class_accuracy(final_val.confusion, names)
+    if tested is not None and tested.confusion is not None:
+        svg = render_confusion(tested.confusion, names, out / "test_confusion_matrix.svg")
+        logger.test_outputs(svg, per_class_accuracy(tested.confusion, names))
     files["weights"] = checkpoint.save_weights(state.module.state_dict(), out / "model.pt",
                                                checkpoint.directory(out))
     example = next(iter(bundle.val))[0][:4].cpu().numpy()  # batch > 1: any size loads back
     logger.log_outputs(files, table, state.module, example)
     (out / "summary.json").write_text(json.dumps(logger.summary(peaks), indent=2))
+
+
+def _best_writer(cfg: TrainConfig, out: Path, state: train_state.TrainState,
+                 logger: RunLogger) -> Any:
+    """Rank 0's reaction to a new best evaluation: best.pt (trainer.save_best) and the run's
+    best/<monitor> metric and best_epoch tag."""
+    def on_best(best: monitor_lib.Best) -> None:
+        path = None
+        if cfg.trainer.save_best:
+            path = checkpoint.save_best(checkpoint.directory(out), state.module.state_dict(),
+                                        {"epoch": best.epoch, "step": best.step,
+                                         "monitor": best.monitor, "mode": best.mode,
+                                         "value": best.value})
+        logger.best(best.epoch, best.monitor, best.value, path)
+    return on_best
+
+
+def _final_model_and_test(cfg: TrainConfig, out: Path, state: train_state.TrainState,
+                          bundle: data_lib.DataBundle, device: torch.device,
+                          logger: RunLogger) -> Reduced | None:
+    """Every rank: the final model (best.pt's weights with trainer.test_on=best, else the
+    last), then its one evaluation on the test split, where the data set has one."""
+    distributed.barrier()  # rank 0's best.pt is complete before anyone reads it
+    best = checkpoint.directory(out) / checkpoint.BEST
+    use_best = cfg.trainer.test_on == "best" and best.is_file()
+    if use_best:
+        state.module.load_state_dict(checkpoint.load_best(checkpoint.directory(out))["model"])
+    logger.run.set_tags({"final_weights": "best" if use_best else "last"})
+    if cfg.trainer.test_on == "none":
+        return None
+    if bundle.test is None:
+        log.info("data=%s has no test split: no test phase", cfg.data.name)
+        return None
+    criterion = loop.build_criterion(cfg, bundle.num_classes, device)
+    tested = loop.test(state.module, bundle.test, device, cfg.trainer.precision, criterion)
+    logger.test(state.epoch, tested)
+    return tested
 
 
 def finished_already(cfg: TrainConfig, out: Path) -> dict[str, Any] | None:
@@ -140,16 +182,23 @@ def _train(cfg: TrainConfig, config: dict[str, Any], env: distenv.DistEnv, out: 
         checkpoint.restore(state, resumed, env.rank, env.world_size)
     if env.is_main:  # the one writer: refuse now rather than after an epoch's work
         checkpoint.check_room_for_one(checkpoint.directory(out), state)
+    monitor = monitor_lib.Monitor(cfg.trainer, _best_writer(cfg, out, state, logger)
+                                  if env.is_main else None)
+    if resumed is not None:
+        monitor.load_state_dict(resumed.state.get("monitor"))
     checkpointer = checkpoint.Checkpointer(
         checkpoint.directory(out), cfg.trainer, env.rank, env.world_size,
         before_write=lambda: logger.run.flush(
             cfg.tracking.checkpoint_flush_s, created_within_s=cfg.distributed.timeout_s / 2),
-        run_fields=logger.run_fields)
-    duties = loop.Duties(logger, checkpointer, stop, env.rank, env.local_rank)
+        run_fields=lambda: {**logger.run_fields(), "monitor": monitor.state_dict()})
+    duties = loop.Duties(logger, checkpointer, stop, env.rank, env.local_rank, monitor)
     final_val = loop.fit(cfg, state, bundle, device, duties)
+    if monitor.stop_reason:
+        logger.stopped_early(monitor.stop_reason)
+    tested = _final_model_and_test(cfg, out, state, bundle, device, logger)
     peaks = distributed.gather_to_all(peak_rss_mb())
     if env.is_main:
-        _write_outputs(out, state, bundle, final_val, logger, peaks)
+        _write_outputs(out, state, bundle, final_val, logger, peaks, tested)
     logger.finish()
     if env.is_main:
         sweep.end_parent_if_last(cfg.tracking, cfg.trainer.objective,

@@ -20,6 +20,7 @@ from train import distributed, metrics, models, system_stats
 from train.checkpoint import Checkpointer
 from train.config import TrainConfig
 from train.data import Batches, DataBundle
+from train.monitor import Monitor
 from train.runlog import RunLogger
 from train.state import TrainState
 from train.stopping import StopSignals
@@ -46,6 +47,7 @@ class Duties:
     stop: StopSignals
     rank: int
     local_rank: int
+    monitor: Monitor
 
 
 class Criterion:
@@ -219,8 +221,8 @@ def evaluate(model: nn.Module, batches: Batches, device: torch.device, precision
 
 def fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.device,
         duties: Duties) -> metrics.Reduced | None:
-    """Train from `state` to trainer.epochs; returns the last validation (with its confusion
-    matrix), or None when this start had no epoch left to train."""
+    """Train from `state` to trainer.epochs, or until early stopping; returns the last
+    validation (with its confusion matrix), or None when this start had no epoch left."""
     epochs, val = cfg.trainer.epochs, None
     criterion = build_criterion(cfg, data.num_classes, device)
     while state.epoch < epochs:
@@ -235,8 +237,11 @@ def fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.dev
         last = state.epoch + 1 == epochs
         val = None
         if last or (state.epoch + 1) % cfg.trainer.eval_every == 0:
+            # With early stopping any evaluation may be the last: each keeps its confusion.
+            confusion = last or duties.monitor.patience is not None
             val = metrics.reduce(evaluate(state.module, data.val, device, cfg.trainer.precision,
-                                          criterion, confusion=last))
+                                          criterion, confusion=confusion))
+            duties.monitor.observe(state.epoch, state.step, val)
         nodes = None
         if cfg.tracking.system_metrics:  # one more small gather per epoch
             nodes = distributed.gather_to_all(system_stats.node_sample(duties.local_rank, device))
@@ -245,8 +250,18 @@ def fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.dev
                             lr=state.scheduler.get_last_lr()[0], nodes=nodes)
         state.epoch += 1
         stop = distributed.any_rank(duties.stop.received is not None)
-        if stop or duties.checkpointer.epoch_end_due(state.epoch):
+        early = state.epoch < epochs and duties.monitor.stop_agreed()
+        if stop or early or duties.checkpointer.epoch_end_due(state.epoch):
             duties.checkpointer.save(state, None, 0)
+        if early:
+            break
         if stop and state.epoch < epochs:
             raise duties.stop.preempted()
     return val
+
+
+def test(model: nn.Module, batches: Batches, device: torch.device, precision: str,
+         criterion: Criterion) -> metrics.Reduced:
+    """The final model, once, on every rank's strided shard of the test split (each sample on
+    exactly one rank, none twice): loss, accuracy, top-5 and the confusion matrix."""
+    return metrics.reduce(evaluate(model, batches, device, precision, criterion, confusion=True))

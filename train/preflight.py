@@ -193,7 +193,7 @@ def check_data(cfg: TrainConfig) -> None:
     if cfg.data.name == "custom":
         from train import userdata  # imports the user's package (and torch)
 
-        userdata.check(cfg.data.train, cfg.data.val)
+        userdata.check(cfg.data.train, cfg.data.val, cfg.data.test)
         return
     if not config_lib.reads_files(cfg.data):
         return  # nothing on disk to look for: no torch import for digits or synthetic

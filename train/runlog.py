@@ -66,6 +66,8 @@ class RunLogger:
         self._finished = False
         self._flushed = True
         self.output_dir = ""
+        self.stop_reason: str | None = None
+        """Why training ended before trainer.epochs (early stopping), for summary.json."""
         """The job's output directory, for messages (set by train/job.py)."""
         self.model_card: dict[str, Any] | None = None
         """What the logged model expects and returns (train/modelcard.py), once the data exists."""
@@ -102,6 +104,8 @@ class RunLogger:
         params = {"data.num_train": bundle.num_train, "data.num_val": bundle.num_val,
                   "data.input_shape": "x".join(map(str, bundle.input_shape)),
                   "data.classes": bundle.num_classes}  # train/load.py rebuilds the model
+        if bundle.test is not None:
+            params["data.num_test"] = bundle.num_test
         self.run.log_params({k: str(v) for k, v in params.items()})
         log.info("data: %s, %d classes", ", ".join(f"{k}={v}" for k, v in params.items()),
                  bundle.num_classes)
@@ -163,6 +167,32 @@ class RunLogger:
         shown = "  ".join(f"{k}={v:.4g}" for k, v in values.items() if k in SHOWN)
         log.info("epoch %d/%d  %s", epoch + 1, self.cfg.trainer.epochs, shown)
 
+    def best(self, epoch: int, monitor: str, value: float, path: Path | None) -> None:
+        """A new best evaluation (written to `path` with trainer.save_best)."""
+        self.run.log_metrics({f"best/{monitor}": value}, step=epoch)
+        self.run.set_tags({"best_epoch": str(epoch)})
+        log.info("best %s so far: %.4g at epoch %d%s", monitor, value, epoch + 1,
+                 f" ({path})" if path else "")
+
+    def stopped_early(self, reason: str) -> None:
+        self.stop_reason = reason
+        self.run.set_tags({"stop_reason": reason})
+        log.info("%s", reason)
+
+    def test(self, epoch: int, result: Reduced) -> None:
+        """The test phase's metrics, once, at the last epoch's step."""
+        values = {"test/loss": result.loss, "test/accuracy": result.accuracy,
+                  "test/samples": float(result.samples)}
+        if result.accuracy_top5 is not None:
+            values["test/accuracy_top5"] = result.accuracy_top5
+        self.run.log_metrics(values, step=epoch)
+        self.final_metrics.update(values)
+        log.info("test: %s", "  ".join(f"{k}={v:.4g}" for k, v in values.items()))
+
+    def test_outputs(self, confusion_svg: Path, table: dict[str, list]) -> None:
+        self.run.log(records.ArtifactFile(str(confusion_svg), None))
+        self.run.log(records.Table(table, "test_per_class_accuracy.json"))
+
     def run_fields(self) -> dict[str, Any]:
         """What a checkpoint needs to continue this run."""
         return {"run_id": self.run.run_id, "config": self.config_yaml, "restarts": self.restarts}
@@ -192,6 +222,7 @@ class RunLogger:
         # end does not wait that long a second time.
         self._flushed = self.run.flush()
         return {"run_id": self.run.run_id, "epochs": self.cfg.trainer.epochs,
+                "stop_reason": self.stop_reason,
                 "metrics": self.final_metrics,
                 "by_epoch": self.by_epoch, "first_step_at": self.first_step_at,
                 "peak_rss_mb": peak_rss_mb}

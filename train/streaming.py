@@ -183,6 +183,8 @@ class Source:
     summary: str
     collate: Callable[[list[Any]], Any] = collate_readable
     normalise: dict[str, Any] = field(default_factory=dict)
+    test: Dataset | None = None
+    """The test split (data.test, or imagefolder's test/); None: no test phase."""
 
 
 def _first_shape(dataset: Dataset, tries: int = 16) -> tuple[int, ...]:
@@ -213,7 +215,9 @@ def imagefolder_source(cfg: DataConfig) -> Source:
         return records.DatasetInput(name=name, digest=digest.hexdigest()[:8], num_rows=rows,
                                     features_shape=[rows, *shape], features_dtype="uint8")
 
-    return Source(train, val, layout.train.classes, shape, describe,
+    test = (None if layout.test is None
+            else ImageFiles(layout.test, transforms(cfg, train=False)))
+    return Source(train, val, layout.train.classes, shape, describe, test=test,
                   summary=f"imagefolder {layout.describe()}",
                   normalise={"mean": torch.tensor(cfg.mean).view(1, -1, 1, 1),
                              "std": torch.tensor(cfg.std).view(1, -1, 1, 1), "scale": 255.0})
@@ -259,7 +263,9 @@ def custom_source(cfg: DataConfig, workers: int) -> Source:
                                     features_shape=[rows, *shape],
                                     features_dtype=str(train[0][0].dtype).removeprefix("torch."))
 
-    return Source(train, val, names or ["0"], shape, describe, collate=collate_pairs,
+    test = (userdata.build(cfg.test, "data.test") if cfg.test and cfg.test.get("_target_")
+            else None)
+    return Source(train, val, names or ["0"], shape, describe, collate=collate_pairs, test=test,
                   summary=f"custom {target}: {rows} training, {len(val)} validation samples")
 
 
@@ -283,7 +289,10 @@ def build(cfg: DataConfig, rank: int, world_size: int, local_world_size: int,
                                order, device, channels_last=channels_last, **source.normalise)
 
     log.info("data: %s; %d DataLoader workers per rank", source.summary, workers)
+    test = None if source.test is None else batches(
+        Rows(source.test, torch.arange(rank, len(source.test), world_size)), None)  # type: ignore[arg-type]
     return batching.DataBundle(
+        test=test, num_test=0 if source.test is None else len(source.test),  # type: ignore[arg-type]
         train=batches(source.train, sampler), val=batches(shard, None),
         num_train=len(source.train), num_val=len(source.val),  # type: ignore[arg-type]
         class_names=source.class_names, input_shape=source.input_shape,

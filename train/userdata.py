@@ -95,12 +95,15 @@ def class_names(dataset: Any, labels: Any = None) -> list[str] | None:
     return [str(i) for i in range(top + 1)] if top >= 0 else None
 
 
-def check(spec_train: dict[str, Any] | None, spec_val: dict[str, Any] | None) -> None:
+def check(spec_train: dict[str, Any] | None, spec_val: dict[str, Any] | None,
+          spec_test: dict[str, Any] | None = None) -> None:
     """Pre-flight: build the Datasets once and check their first samples agree."""
     train = build(spec_train, "data.train")
     shape, _ = first_sample(train, "data.train")
-    if spec_val and spec_val.get("_target_"):
-        val_shape, _ = first_sample(build(spec_val, "data.val"), "data.val")
-        if val_shape != shape:
-            raise ConfigError(f"data.val's inputs have shape {val_shape}, data.train's {shape}: "
+    for key, spec in (("data.val", spec_val), ("data.test", spec_test)):
+        if not (spec and spec.get("_target_")):
+            continue
+        other, _ = first_sample(build(spec, key), key)
+        if other != shape:
+            raise ConfigError(f"{key}'s inputs have shape {other}, data.train's {shape}: "
                               "both must give the model the same shape.")

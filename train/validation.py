@@ -19,6 +19,8 @@ OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("cosine", "constant")
 BACKENDS = ("auto", "gloo", "nccl")
 DIRECTIONS = ("maximize", "minimize")
+MONITORS = ("val/accuracy", "val/loss", "val/accuracy_top5")
+"""The validation metrics a job logs (train/runlog.py; top-5 with more than 5 classes)."""
 MAX_NAME = 250
 """Longest experiment and run name: MLflow refuses experiment names over 500 characters and
 run names over 250, at the first request, after the job has started."""
@@ -83,6 +85,7 @@ def _training(cfg: TrainConfig, p: list[str]) -> None:
     _require(cfg.trainer.epochs > 0, f"trainer.epochs must be positive (got {cfg.trainer.epochs}).",
              p)
     _require(cfg.trainer.eval_every > 0, "trainer.eval_every must be positive.", p)
+    _best_and_test(cfg, p)
     _require(cfg.trainer.log_every_n_steps > 0, "trainer.log_every_n_steps must be positive.", p)
     _require(cfg.trainer.keep_checkpoints > 0, "trainer.keep_checkpoints must be positive.", p)
     _require(cfg.trainer.checkpoint_every >= 0, "trainer.checkpoint_every cannot be negative.",
@@ -95,6 +98,22 @@ def _training(cfg: TrainConfig, p: list[str]) -> None:
         for key in ("num_samples", "channels", "image_size", "num_classes"):
             _require(getattr(cfg.data, key) > 0,
                      f"data.{key} must be positive (got {getattr(cfg.data, key)}).", p)
+
+
+def _best_and_test(cfg: TrainConfig, p: list[str]) -> None:
+    t = cfg.trainer
+    _require(t.monitor in MONITORS,
+             f"trainer.monitor={t.monitor!r} is not a metric this job logs; choose one of "
+             f"{list(MONITORS)} (val/accuracy_top5: more than 5 classes).", p)
+    _require(t.monitor_mode in ("auto", "max", "min"),
+             f"trainer.monitor_mode={t.monitor_mode!r}; choose auto, max or min.", p)
+    _require(t.early_stopping_patience is None or t.early_stopping_patience > 0,
+             "trainer.early_stopping_patience must be positive or null.", p)
+    _require(t.test_on in ("last", "best", "none"),
+             f"trainer.test_on={t.test_on!r}; choose last, best or none.", p)
+    _require(t.test_on != "best" or t.save_best,
+             "trainer.test_on=best needs trainer.save_best=true (the best weights are kept "
+             "only then); add it, or use trainer.test_on=last.", p)
 
 
 def _tracking_and_ranks(cfg: TrainConfig, world_size: int, p: list[str]) -> None:
