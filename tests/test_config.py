@@ -14,8 +14,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
 from tests.conftest import REPO, assert_refused, run_train, runs_in
+from train.cluster_config import ClusterConfig, ranks_per_node
 from train.config import (
-    ClusterConfig,
     ConfigError,
     DataConfig,
     DistributedConfig,
@@ -24,7 +24,6 @@ from train.config import (
     TrackingConfig,
     TrainerConfig,
     handed_overrides,
-    ranks_per_node,
     typed_by_user,
 )
 from train.preflight import validate

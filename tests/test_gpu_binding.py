@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import REPO, history, runs_in, skip_or_fail
 from tests.test_slurm import _wait_for_job, cluster, on_slurm, wait_until  # noqa: F401
-from train.config import ClusterConfig
+from train.cluster_config import ClusterConfig
 from train.devices import choose_gpu, gpu_for_rank, select_device, visible_gpus
 from train.distenv import DistEnvError
 from train.slurm import requeue_budget

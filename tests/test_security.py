@@ -98,7 +98,8 @@ def test_server_secrets_are_generated_once_private_and_never_on_argv(
 def test_a_control_character_in_a_name_or_cluster_string_is_refused(field: str) -> None:
     from dataclasses import replace
 
-    from train.config import ClusterConfig, ConfigError, TrainConfig
+    from train.cluster_config import ClusterConfig
+    from train.config import ConfigError, TrainConfig
     from train.preflight import validate
 
     evil = "x\nsrun rm -rf ~"

@@ -15,7 +15,8 @@ import pytest
 
 from tests.conftest import REPO, history, run_train, runs_in, skip_or_fail, wait_until
 from train import slurm
-from train.config import ClusterConfig, ConfigError, DistributedConfig, TrainConfig
+from train.cluster_config import ClusterConfig
+from train.config import ConfigError, DistributedConfig, TrainConfig
 
 T = TypeVar("T")
 

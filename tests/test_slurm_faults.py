@@ -23,7 +23,8 @@ from tests.test_slurm import (  # noqa: F401 - cluster is a fixture
     wait_until,
 )
 from train import slurm
-from train.config import ClusterConfig, ConfigError, TrainConfig
+from train.cluster_config import ClusterConfig
+from train.config import ConfigError, TrainConfig
 
 TWO_NODES = ("cluster.nodes=2", "cluster.tasks_per_node=1", "cluster.cpus_per_task=1",
              "data.batch_size=64")

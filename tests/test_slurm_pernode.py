@@ -19,7 +19,7 @@ from tests.test_slurm import (  # noqa: F401 - cluster is a fixture
 )
 from tests.test_slurm_faults import _job_id, _read_until, _train
 from train import distenv, slurm
-from train.config import ClusterConfig, slurm_cpus_per_task, slurm_tasks_per_node
+from train.cluster_config import ClusterConfig, slurm_cpus_per_task, slurm_tasks_per_node
 from train.distenv import TORCHRUN_VARS
 
 PER_NODE = ("cluster.ranks=per_node", "cluster.nodes=2", "cluster.tasks_per_node=2")

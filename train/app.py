@@ -183,7 +183,7 @@ def _run_node_task(typed: TrainConfig, config: dict, output_dir: str,
     ranks with the local launcher, as torchrun would; a failing rank makes this task exit
     non-zero, and srun's --kill-on-bad-exit then ends the other nodes' tasks."""
     from train import devices
-    from train.config import ranks_per_node
+    from train.cluster_config import ranks_per_node
     from train.launch import start_local_ranks
     from train.preflight import validate
 

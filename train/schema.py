@@ -16,15 +16,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from train.config import (
-    ConfigError,
-    CustomModelConfig,
-    ModelConfig,
-    TrainConfig,
-    ranks_per_node,
-    slurm_cpus_per_task,
-    slurm_tasks_per_node,
-)
+from train.cluster_config import ranks_per_node, slurm_cpus_per_task, slurm_tasks_per_node
+from train.config import ConfigError, CustomModelConfig, ModelConfig, TrainConfig
 
 
 def register_schema() -> None:

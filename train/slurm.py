@@ -21,7 +21,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from train.config import ClusterConfig, ConfigError, TrainConfig, ranks_per_node
+from train.cluster_config import ClusterConfig, ranks_per_node
+from train.config import ConfigError, TrainConfig
 
 log = logging.getLogger("train")
 
