@@ -105,7 +105,7 @@ def _best_writer(cfg: TrainConfig, out: Path, state: train_state.TrainState,
                                         {"epoch": best.epoch, "step": best.step,
                                          "monitor": best.monitor, "mode": best.mode,
                                          "value": best.value})
-        logger.best(best.epoch, best.monitor, best.value, path)
+        logger.training.best(best.epoch, best.monitor, best.value, path)
     return on_best
 
 
@@ -127,7 +127,7 @@ def _final_model_and_test(cfg: TrainConfig, out: Path, state: train_state.TrainS
         return None
     criterion = loop.build_criterion(cfg, bundle.num_classes, device)
     tested = loop.test(state.module, bundle.test, device, cfg.trainer.precision, criterion)
-    logger.test(state.epoch, tested)
+    logger.training.test(state.epoch, tested)
     return tested
 
 
@@ -174,9 +174,9 @@ def _train(cfg: TrainConfig, config: dict[str, Any], env: distenv.DistEnv, out: 
     steps_per_epoch = -(-len(bundle.train) // accumulate)  # optimiser steps: the schedule's
     state = train_state.build(cfg, spec, steps_per_epoch, device, resumed is not None)
     logger.log_model_params(state.module)
-    logger.throughput = flops.Throughput(state.module, bundle.channels, bundle.image_size, device,
-                                         cfg.trainer.precision, cfg.trainer.peak_tflops,
-                                         env.world_size)
+    logger.training.throughput = flops.Throughput(
+        state.module, bundle.channels, bundle.image_size, device, cfg.trainer.precision,
+        cfg.trainer.peak_tflops, env.world_size)
     torch.manual_seed(cfg.trainer.seed + env.rank)  # different augmentation per rank
     if resumed is not None:
         checkpoint.restore(state, resumed, env.rank, env.world_size)
@@ -191,7 +191,7 @@ def _train(cfg: TrainConfig, config: dict[str, Any], env: distenv.DistEnv, out: 
         before_write=lambda: logger.run.flush(
             cfg.tracking.checkpoint_flush_s, created_within_s=cfg.distributed.timeout_s / 2),
         run_fields=lambda: {**logger.run_fields(), "monitor": monitor.state_dict()})
-    duties = loop.Duties(logger, checkpointer, stop, env.rank, env.local_rank, monitor)
+    duties = loop.Duties(logger.training, checkpointer, stop, env.rank, env.local_rank, monitor)
     final_val = loop.fit(cfg, state, bundle, device, duties)
     if monitor.stop_reason:
         logger.stopped_early(monitor.stop_reason)
@@ -203,7 +203,7 @@ def _train(cfg: TrainConfig, config: dict[str, Any], env: distenv.DistEnv, out: 
     if env.is_main:
         sweep.end_parent_if_last(cfg.tracking, cfg.trainer.objective,
                                  cfg.trainer.objective_direction)
-    return dict(logger.final_metrics)
+    return dict(logger.training.final_metrics)
 
 
 def run_rank(config: dict[str, Any], output_dir: str, command: str,

@@ -2,7 +2,7 @@
 
 The loop is the same on every rank. It syncs with the host only at the end of an epoch and on
 every `trainer.log_every_n_steps`-th step; the metrics it reduces are the same on every rank, and
-what is recorded of them is the run logger's business (train/runlog.py).
+what is recorded of them is the training log's business (train/trainlog.py).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from train.checkpoint import Checkpointer
 from train.config import TrainConfig
 from train.data import Batches, DataBundle
 from train.monitor import Monitor
-from train.runlog import RunLogger
 from train.state import TrainState
 from train.stopping import StopSignals
+from train.trainlog import TrainingLog
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -42,7 +42,7 @@ class FailureDrill(RuntimeError):
 class Duties:
     """What a rank must look after besides training: record, checkpoint, heed stop signals."""
 
-    logger: RunLogger
+    logger: TrainingLog
     checkpointer: Checkpointer
     stop: StopSignals
     rank: int

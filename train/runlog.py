@@ -12,24 +12,21 @@ from __future__ import annotations
 
 import logging
 import subprocess
-import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from train import flops, modelcard, system_stats
+from train import modelcard
 from train.config import TrainConfig
 from train.data import DataBundle
 from train.distenv import DistEnv
-from train.metrics import Reduced, StepSync
 from train.progress import Progress
 from train.tracking import NullRun, TrackingIncomplete, how_to_view, records
 from train.tracking.store import REPO_ROOT
+from train.trainlog import TrainingLog
 
 log = logging.getLogger("train")
 T = TypeVar("T")
-SHOWN = ("train/loss", "train/accuracy", "val/loss", "val/accuracy", "train/samples_per_sec",
-         "train/mfu", "epoch_time_s")
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -55,14 +52,11 @@ def git_commit() -> str:
 
 class RunLogger:
     def __init__(self, cfg: TrainConfig, run: NullRun, progress: Progress) -> None:
-        self.cfg, self.run, self.bar = cfg, run, progress
-        self.throughput: flops.Throughput | None = None
-        """Set once the model exists (train/job.py); train/tflops_per_sec and train/mfu."""
+        self.cfg, self.run = cfg, run
+        self.training = TrainingLog(cfg, run, progress)
+        """What the training loop reports (train/trainlog.py), over the same backend."""
         self.restarts = 0
         self.config_yaml = ""
-        self.final_metrics: dict[str, float] = {}
-        self.by_epoch: list[dict[str, float]] = []  # each epoch this start trained
-        self.first_step_at: float | None = None
         self._finished = False
         self._flushed = True
         self.output_dir = ""
@@ -125,69 +119,10 @@ class RunLogger:
             self.run.set_tags({"weights_source": weights})
         log.info("model: %s", ", ".join(f"{k}={v}" for k, v in counts.items()))
 
-    def progress(self, batches: Iterable[T], epoch: int) -> Iterator[T]:
-        return self.bar.over(batches, epoch, len(batches))  # type: ignore[arg-type]
-
-    def first_step(self) -> None:
-        self.first_step_at = time.time()
-        self.run.begin_sending()  # training is under way: MLflow may take its share now
-
-    def step(self, step: int, sync: StepSync) -> None:
-        self.run.log_metrics({"train/step_loss": sync.mean_loss,
-                              "train/step_time_max_s": sync.slowest_s,
-                              "train/step_time_min_s": sync.fastest_s}, step)
-        self.bar.show(loss=sync.mean_loss)
-
-    def grad_scaler(self, step: int, skipped_steps: int, loss_scale: float) -> None:
-        """fp16: optimiser steps skipped so far (their gradients overflowed) and the loss scale."""
-        self.run.log_metrics({"train/skipped_steps": float(skipped_steps),
-                              "train/loss_scale": loss_scale}, step)
-
-    def epoch(self, epoch: int, *, train: Reduced, val: Reduced | None, train_time_s: float,
-              epoch_time_s: float, lr: float, nodes: list[Any] | None = None) -> None:
-        values = {"train/loss": train.loss, "train/accuracy": train.accuracy,
-                  "train/samples": float(train.samples),
-                  "train/samples_per_sec": train.samples / train_time_s,
-                  "lr": lr, "epoch_time_s": epoch_time_s,
-                  **(self.throughput.metrics(train.samples, train_time_s)
-                     if self.throughput else {})}
-        if val is not None:
-            values.update({"val/loss": val.loss, "val/accuracy": val.accuracy,
-                           "val/samples": float(val.samples)})
-        for split, reduced in (("train", train), ("val", val)):
-            if reduced is not None and reduced.accuracy_top5 is not None:  # > 5 classes
-                values[f"{split}/accuracy_top5"] = reduced.accuracy_top5
-        if nodes:
-            self.run.log_metrics(system_stats.as_metrics(nodes), step=epoch)
-        self.run.log_metrics(values, step=epoch)
-        self.final_metrics.update(values)
-        self.by_epoch.append({"samples_per_sec": values["train/samples_per_sec"],
-                              "epoch_time_s": epoch_time_s,
-                              "tracking_thread_cpu_s": self.run.cpu_seconds})
-        shown = "  ".join(f"{k}={v:.4g}" for k, v in values.items() if k in SHOWN)
-        log.info("epoch %d/%d  %s", epoch + 1, self.cfg.trainer.epochs, shown)
-
-    def best(self, epoch: int, monitor: str, value: float, path: Path | None) -> None:
-        """A new best evaluation (written to `path` with trainer.save_best)."""
-        self.run.log_metrics({f"best/{monitor}": value}, step=epoch)
-        self.run.set_tags({"best_epoch": str(epoch)})
-        log.info("best %s so far: %.4g at epoch %d%s", monitor, value, epoch + 1,
-                 f" ({path})" if path else "")
-
     def stopped_early(self, reason: str) -> None:
         self.stop_reason = reason
         self.run.set_tags({"stop_reason": reason})
         log.info("%s", reason)
-
-    def test(self, epoch: int, result: Reduced) -> None:
-        """The test phase's metrics, once, at the last epoch's step."""
-        values = {"test/loss": result.loss, "test/accuracy": result.accuracy,
-                  "test/samples": float(result.samples)}
-        if result.accuracy_top5 is not None:
-            values["test/accuracy_top5"] = result.accuracy_top5
-        self.run.log_metrics(values, step=epoch)
-        self.final_metrics.update(values)
-        log.info("test: %s", "  ".join(f"{k}={v:.4g}" for k, v in values.items()))
 
     def test_outputs(self, confusion_svg: Path, table: dict[str, list]) -> None:
         self.run.log(records.ArtifactFile(str(confusion_svg), None))
@@ -223,8 +158,9 @@ class RunLogger:
         self._flushed = self.run.flush()
         return {"run_id": self.run.run_id, "epochs": self.cfg.trainer.epochs,
                 "stop_reason": self.stop_reason,
-                "metrics": self.final_metrics,
-                "by_epoch": self.by_epoch, "first_step_at": self.first_step_at,
+                "metrics": self.training.final_metrics,
+                "by_epoch": self.training.by_epoch,
+                "first_step_at": self.training.first_step_at,
                 "peak_rss_mb": peak_rss_mb}
 
     def finish(self, error: str | None = None, stopped_by: str | None = None) -> None:
@@ -249,7 +185,7 @@ class RunLogger:
         if error is None and not delivered:
             raise TrackingIncomplete(self._undelivered())
         if run_id and error is None:
-            shown = "  ".join(f"{k}={v:.4g}" for k, v in self.final_metrics.items()
+            shown = "  ".join(f"{k}={v:.4g}" for k, v in self.training.final_metrics.items()
                               if k.startswith("val/") or k == "train/loss")
             log.info("MLflow run %s FINISHED  %s\n  view it: %s", run_id, shown,
                      how_to_view(self.run.uri, self.run.experiment_id, run_id))

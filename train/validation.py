@@ -20,7 +20,7 @@ SCHEDULES = ("cosine", "constant")
 BACKENDS = ("auto", "gloo", "nccl")
 DIRECTIONS = ("maximize", "minimize")
 MONITORS = ("val/accuracy", "val/loss", "val/accuracy_top5")
-"""The validation metrics a job logs (train/runlog.py; top-5 with more than 5 classes)."""
+"""The validation metrics a job logs (train/trainlog.py; top-5 with more than 5 classes)."""
 MAX_NAME = 250
 """Longest experiment and run name: MLflow refuses experiment names over 500 characters and
 run names over 250, at the first request, after the job has started."""
