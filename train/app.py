@@ -149,18 +149,14 @@ def run(cfg: DictConfig, output_dir: str, command: str,
     """Run the job this process was asked for; returns the objective for Hydra sweepers.
     `preflighted`: the launcher checked this job already."""
     config, typed = _typed(cfg)
-    from train.preflight import preflight, validate
+    from train.preflight import preflight
 
     if typed.cluster is not None and typed.cluster.ranks == "per_node":
         return objective(typed, _run_node_task(typed, config, output_dir, command))
     external = distenv.external_world_size()
     if external is not None:
         # torchrun / srun / submitit started every rank: each validates, then trains.
-        validate(typed, external)
-        from train import devices
-
-        if problem := devices.refuse_without_cuda(typed.distributed):  # no pre-flight ran
-            raise config_lib.ConfigError(problem)
+        _check_without_preflight(typed, external)
         from train.job import run_rank
 
         # The job's first rank holds its directory for all of its ranks (they share it).
@@ -177,22 +173,29 @@ def run(cfg: DictConfig, output_dir: str, command: str,
         return objective(typed, start_local_ranks(config, output_dir, command, nproc))
 
 
+def _check_without_preflight(typed: TrainConfig, world_size: int) -> None:
+    """What a process started by Slurm or torchrun checks itself, as no pre-flight ran for it:
+    the config on the job's world size, and options only CUDA can serve."""
+    from train import devices
+    from train.preflight import validate
+
+    validate(typed, world_size)
+    if problem := devices.refuse_without_cuda(typed.distributed):
+        raise config_lib.ConfigError(problem)
+
+
 def _run_node_task(typed: TrainConfig, config: dict, output_dir: str,
                    command: str) -> dict[str, float]:
     """The one Slurm task of a node (cluster.ranks=per_node): start and supervise this node's
     ranks with the local launcher, as torchrun would; a failing rank makes this task exit
     non-zero, and srun's --kill-on-bad-exit then ends the other nodes' tasks."""
-    from train import devices
     from train.cluster_config import ranks_per_node
     from train.launch import start_local_ranks
-    from train.preflight import validate
 
     assert typed.cluster is not None
     per_node = ranks_per_node(typed.cluster)
     node = distenv.slurm_node_task(per_node)
-    validate(typed, node.world_size)  # as every rank of a per-task job does
-    if problem := devices.refuse_without_cuda(typed.distributed):
-        raise config_lib.ConfigError(problem)
+    _check_without_preflight(typed, node.world_size)  # as every rank of a per-task job does
     # The first node's task holds the job's directory for every rank (they share it).
     with joblock.held(Path(output_dir), holds=node.node_rank == 0):
         return start_local_ranks(config, output_dir, command, per_node, node)
