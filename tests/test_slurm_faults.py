@@ -194,17 +194,25 @@ def test_a_time_limit_without_requeue_says_how_to_resume(
     assert "FAILED" not in result.stdout
 
 
+def running_an_epoch(tmp_path: Path, store: dict[str, str],
+                     *overrides: str) -> tuple[subprocess.Popen[str], str]:
+    """A 200-epoch job (no epoch-end checkpoints, a step logged at every step) submitted and
+    followed until its first epoch ended, for a test to signal; (the following process, the
+    Slurm job id)."""
+    proc = _train(tmp_path, store, *overrides, "trainer.epochs=200", "trainer.checkpoint_every=0",
+                  "trainer.log_every_n_steps=1", "tracking.log_model=false")
+    job = _job_id(_read_until(proc, ": RUNNING", 180))
+    log = tmp_path / "sweep" / "0" / "train.log"
+    wait_until(lambda: log.exists() and "epoch 1/200" in log.read_text(), 240, "an epoch")
+    return proc, job
+
+
 @on_slurm
 def test_scancel_with_dataloader_workers_stops_with_a_checkpoint(
         cluster: None, store: dict[str, str], tmp_path: Path) -> None:  # noqa: F811
     """TERM reaches the ranks and their DataLoader workers alike: the workers must not die
     first, so the ranks agree on the stop, save a checkpoint and mark the run KILLED."""
-    proc = _train(tmp_path, store, *TWO_NODES, "data.num_workers=2", "trainer.epochs=200",
-                  "trainer.checkpoint_every=0", "trainer.log_every_n_steps=1",
-                  "tracking.log_model=false")
-    job = _job_id(_read_until(proc, ": RUNNING", 180))
-    log = tmp_path / "sweep" / "0" / "train.log"
-    wait_until(lambda: log.exists() and "epoch 1/200" in log.read_text(), 240, "an epoch")
+    proc, job = running_an_epoch(tmp_path, store, *TWO_NODES, "data.num_workers=2")
     subprocess.run(["scancel", job], check=True)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 1 and f"job {job}: CANCELLED" in stdout, stdout + stderr

@@ -17,7 +17,7 @@ from tests.test_slurm import (  # noqa: F401 - cluster is a fixture
     slurm_job,
     wait_until,
 )
-from tests.test_slurm_faults import _job_id, _read_until, _train
+from tests.test_slurm_faults import running_an_epoch
 from train import distenv, slurm
 from train.cluster_config import ClusterConfig, slurm_cpus_per_task, slurm_tasks_per_node
 from train.distenv import TORCHRUN_VARS
@@ -183,12 +183,7 @@ def test_the_time_limit_signal_reaches_every_node_s_ranks(
     """USR2 (Slurm's warning before the time limit, sent here with scancel) reaches each node's
     task, which passes it on to its ranks: one checkpoint, the run KILLED, and with no requeue
     left (max_requeues=0) the terminal says how to resume."""
-    proc = _train(tmp_path, store, *PER_NODE, "cluster.max_requeues=0", "trainer.epochs=200",
-                  "trainer.checkpoint_every=0", "trainer.log_every_n_steps=1",
-                  "tracking.log_model=false")
-    job = _job_id(_read_until(proc, ": RUNNING", 180))
-    log = tmp_path / "sweep" / "0" / "train.log"
-    wait_until(lambda: log.exists() and "epoch 1/200" in log.read_text(), 240, "an epoch")
+    proc, job = running_an_epoch(tmp_path, store, *PER_NODE, "cluster.max_requeues=0")
     subprocess.run(["scancel", "--signal=USR2", job], check=True)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 1, stdout + stderr
