@@ -7,6 +7,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TypeVar
@@ -126,7 +127,12 @@ def cluster() -> Iterator[None]:
             skip_or_fail(f"the local Slurm cluster needs root: {up.stdout}{up.stderr}")
         assert up.returncode == 0, f"cluster-up failed:\n{up.stdout}\n{up.stderr}"
     yield
-    leftover = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True)
+    # A job whose follower just saw it end may still be completing (state CG) for a moment: the
+    # queue must empty within 30 s, or the job was left behind.
+    deadline = time.monotonic() + 30
+    while (leftover := subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True,
+                                      text=True)).stdout.strip() and time.monotonic() < deadline:
+        time.sleep(0.5)
     if not already_up:
         down = subprocess.run(["bash", str(REPO / "slurm" / "cluster-down.sh")],
                               capture_output=True, text=True, timeout=120)
