@@ -14,7 +14,7 @@ import logging
 import subprocess
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from train import modelcard
 from train.config import TrainConfig
@@ -26,7 +26,6 @@ from train.tracking.store import REPO_ROOT
 from train.trainlog import TrainingLog
 
 log = logging.getLogger("train")
-T = TypeVar("T")
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -60,9 +59,9 @@ class RunLogger:
         self._finished = False
         self._flushed = True
         self.output_dir = ""
+        """The job's output directory, for messages (set by train/job.py)."""
         self.stop_reason: str | None = None
         """Why training ended before trainer.epochs (early stopping), for summary.json."""
-        """The job's output directory, for messages (set by train/job.py)."""
         self.model_card: dict[str, Any] | None = None
         """What the logged model expects and returns (train/modelcard.py), once the data exists."""
 
