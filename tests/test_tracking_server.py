@@ -10,6 +10,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -23,6 +24,9 @@ from tests.conftest import REPO, history, run_train, runs_in, wait_until
 from tests.servers import EPOCH_METRICS, ServerProcess, jobs_at_once, tracking_server
 from train import server_auth
 from train.distenv import free_port
+from train.tracking import errors
+from train.tracking.client import RunClient
+from train.tracking.records import DatasetInput
 
 pytestmark = pytest.mark.slow
 
@@ -80,6 +84,59 @@ def test_eight_jobs_at_once_land_complete_in_a_new_experiment(tmp_path: Path) ->
         for run in runs:
             val_samples = {v for _, v in history(url, run.info.run_id, "val/samples")}
             assert val_samples == {float(run.data.params["data.num_val"])}
+
+
+def test_runs_storing_one_data_set_at_once_all_get_it(tmp_path: Path) -> None:
+    """Jobs of a sweep log the same data set at the same moment. MLflow's server can then fail
+    all inserts of it but the first with a 400 (a unique-key violation); the sender must take
+    that for transient and send the request again, or the run ends with its tail unsent."""
+    from mlflow.exceptions import RestException
+
+    raced = {"sqlite": "(sqlite3.IntegrityError) UNIQUE constraint failed: datasets."
+                       "experiment_id, datasets.name, datasets.digest",
+             "postgresql": '(psycopg.errors.UniqueViolation) duplicate key value violates '
+                           'unique constraint "dataset_pk"'}  # as the two servers answered
+    for store, message in raced.items():
+        error = RestException({"error_code": "BAD_REQUEST", "message": message})
+        assert not errors.is_permanent(error), store
+    assert errors.is_permanent(RestException(  # any other unique key is not a race of this kind
+        {"error_code": "BAD_REQUEST", "message": "UNIQUE constraint failed: experiments.name"}))
+
+    with tracking_server(tmp_path / "server") as url:
+        mlflow = MlflowClient(url)
+        experiment = mlflow.create_experiment("one-data-set")
+        races, stored = 0, {}
+        for attempt in range(10):  # 8 runs at once hit the race in ~1 round in 10 (SQLite)
+            record = DatasetInput(name="digits", digest=f"{attempt:08x}", num_rows=4,
+                                  features_shape=[4, 1, 8, 8], features_dtype="float32")
+            clients = [RunClient(url, mlflow.create_run(experiment).info.run_id)
+                       for _ in range(8)]
+            together = threading.Barrier(len(clients))
+            failed: list[tuple[RunClient, Exception]] = []
+
+            def store(run: RunClient, record: DatasetInput = record,
+                      together: threading.Barrier = together,
+                      failed: list[tuple[RunClient, Exception]] = failed) -> None:
+                together.wait()
+                try:
+                    run.apply(record)
+                except Exception as e:  # noqa: BLE001 - the failure is what is tested
+                    failed.append((run, e))
+
+            threads = [threading.Thread(target=store, args=(c,)) for c in clients]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=120)
+            for run, error in failed:  # what the sender does: transient, so send it again
+                assert not errors.is_permanent(error), errors.describe(error)
+                run.apply(record)
+            races += len(failed)
+            stored.update({str(c.run_id): record.digest for c in clients})
+        for run_id, digest in stored.items():
+            inputs = mlflow.get_run(run_id).inputs.dataset_inputs
+            assert [(i.dataset.name, i.dataset.digest) for i in inputs] == [("digits", digest)]
+        print(f"{races} raced insert(s) in 10 rounds of 8 runs, each stored on its second try")
 
 
 def test_bound_to_all_interfaces_it_accepts_the_node_name_and_refuses_others(
