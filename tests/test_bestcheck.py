@@ -12,7 +12,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from tests.conftest import REPO, history, run_train, runs_in
+from tests.conftest import REPO, assert_refused, history, run_train, runs_in
 
 USERPKG = {"PYTHONPATH": str(REPO / "tests")}
 DIGITS = ("data=digits", "distributed.device=cpu", "tracking.log_model=false", "model.width=8")
@@ -140,6 +140,40 @@ def test_bad_settings_are_refused_before_anything_starts(store: dict[str, str], 
     assert line in result.stderr
     assert len([x for x in result.stderr.strip().splitlines() if "Refusing" in x]) == 1
     assert runs_in(store["MLFLOW_TRACKING_URI"]) == []
+
+
+TOP5 = "trainer.monitor=val/accuracy_top5"
+TOO_FEW = "trainer.monitor=val/accuracy_top5 needs more than 5 classes; this data has {}"
+
+
+def test_a_top5_monitor_on_five_classes_or_fewer_is_refused_before_anything_starts(
+        store: dict[str, str], tmp_path: Path) -> None:
+    from tests.images import write_image_folder
+
+    synthetic = run_train("data=synthetic", "data.num_classes=5", "data.num_samples=64", TOP5,
+                          f"hydra.run.dir={tmp_path}/synthetic", env=store)
+    assert_refused(synthetic, TOO_FEW.format(5), store)
+    folder = write_image_folder(tmp_path / "set", 3, 2, 1, size=8)
+    images = run_train("data=imagefolder", f"data.root={folder}", TOP5,
+                       f"hydra.run.dir={tmp_path}/images", env=store)
+    assert_refused(images, TOO_FEW.format(3), store)
+
+
+@pytest.mark.slow
+def test_a_top5_monitor_on_a_custom_data_set_of_three_classes_fails_before_training(
+        store: dict[str, str], tmp_path: Path) -> None:
+    """A custom data set's classes are known once it is built: the job ends there, FAILED with
+    the reason, before its first step."""
+    result = run_train("data=custom", "data.train._target_=userpkg.data.Lines",
+                       "+data.train.length=24", "data.val._target_=userpkg.data.Lines",
+                       "+data.val.length=8", "model.width=8", "tracking.log_model=false",
+                       TOP5, f"hydra.run.dir={tmp_path}/job", env={**store, **USERPKG})
+    assert result.returncode != 0
+    assert TOO_FEW.format(3) in result.stderr
+    run = _one_run(store["MLFLOW_TRACKING_URI"])
+    assert run.info.status == "FAILED"
+    assert TOO_FEW.format(3) in run.data.tags["error"]
+    assert "train/loss" not in run.data.metrics
 
 
 def test_an_image_folders_test_folder_is_sharded_exactly_over_the_ranks(tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ from train import checkpoint, distenv, distributed, flops, loop, models, slurm, 
 from train import data as data_lib
 from train import monitor as monitor_lib
 from train import state as train_state
-from train.config import TrainConfig
+from train.config import ConfigError, TrainConfig
 from train.devices import device_name
 from train.figures import per_class_accuracy, render_confusion
 from train.metrics import Reduced
@@ -37,6 +37,7 @@ from train.progress import Progress
 from train.runlog import RunLogger
 from train.schema import to_typed
 from train.stopping import Preempted, StopSignals
+from train.validation import monitor_problem
 
 log = logging.getLogger("train")
 
@@ -169,6 +170,8 @@ def _train(cfg: TrainConfig, config: dict[str, Any], env: distenv.DistEnv, out: 
     bundle = data_lib.build(cfg.data, env.rank, env.world_size, env.local_world_size, device,
                             cfg.trainer.seed, cfg.trainer.channels_last, micro_batches=accumulate)
     logger.log_data(bundle)
+    if problem := monitor_problem(cfg.trainer.monitor, bundle.num_classes):
+        raise ConfigError(problem)  # a custom data set's classes, known only now
     torch.manual_seed(cfg.trainer.seed)  # identical initial weights on every rank
     spec = models.InputSpec.of(bundle.input_shape, bundle.num_classes)
     steps_per_epoch = -(-len(bundle.train) // accumulate)  # optimiser steps: the schedule's

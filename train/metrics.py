@@ -9,9 +9,7 @@ from typing import NamedTuple
 import torch
 
 from train import distributed
-
-TOP_K = 5
-"""accuracy_top5: counted where there are more than this many classes."""
+from train.validation import TOP_K as TOP_K  # accuracy_top5: with more classes than this
 
 
 class HostSums(NamedTuple):

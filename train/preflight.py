@@ -18,6 +18,7 @@ from train.launch import LaunchError
 # Re-exported: callers and tests reach validation through the pre-flight.
 from train.validation import DATASET_NAMES as DATASET_NAMES
 from train.validation import MODEL_NAMES as MODEL_NAMES
+from train.validation import monitor_problem
 from train.validation import validate as validate
 
 
@@ -49,6 +50,7 @@ def preflight(cfgs: Sequence[TrainConfig], on_slurm: bool = False, dry_run: bool
             check_model(cfg)
             check_finetuning(cfg, resuming)
             check_data(cfg)
+            check_monitor(cfg)
             if not on_slurm:
                 check_local_devices(cfg)
         if dry_run or not cfgs[0].tracking.enabled:
@@ -147,7 +149,7 @@ def check_finetuning(cfg: TrainConfig, resuming: bool) -> None:
     try:
         source = None if resuming else pretrained.resolve(m)
         weights = pretrained.read(source.path, source.label) if source else None
-        if (known := known_input(cfg.data) or _image_folder_input(cfg.data)) is None:
+        if (known := input_before_reading(cfg.data)) is None:
             return
         spec = models.InputSpec.of(*known)
         model = models.build_on_meta(m, spec)
@@ -156,6 +158,12 @@ def check_finetuning(cfg: TrainConfig, resuming: bool) -> None:
         finetune.check(model, m.freeze, cfg.optim.param_groups)
     except (pretrained.WeightsError, finetune.FinetuneError, usercode.UserCodeError) as e:
         raise ConfigError(str(e)) from None
+
+
+def input_before_reading(data: DataConfig) -> tuple[tuple[int, ...], int] | None:
+    """(one sample's shape, number of classes) of a built-in data set or an image folder's
+    class folders; None for a custom data set (known once it is built)."""
+    return known_input(data) or _image_folder_input(data)
 
 
 def _image_folder_input(data: DataConfig) -> tuple[tuple[int, ...], int] | None:
@@ -203,6 +211,14 @@ def check_data(cfg: TrainConfig) -> None:
         datasets.check_available(cfg.data)
     except datasets.DataMissingError as e:
         raise LaunchError(str(e)) from None
+
+
+def check_monitor(cfg: TrainConfig) -> None:
+    """A top-5 monitor on a data set of TOP_K classes or fewer, where the classes are known
+    before the data is read (a custom data set's: on every rank once it is built)."""
+    known = input_before_reading(cfg.data)
+    if known is not None and (problem := monitor_problem(cfg.trainer.monitor, known[1])):
+        raise ConfigError(problem)
 
 
 def check_image_folder(data: DataConfig) -> None:

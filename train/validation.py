@@ -20,7 +20,9 @@ SCHEDULES = ("cosine", "constant")
 BACKENDS = ("auto", "gloo", "nccl")
 DIRECTIONS = ("maximize", "minimize")
 MONITORS = ("val/accuracy", "val/loss", "val/accuracy_top5")
-"""The validation metrics a job logs (train/trainlog.py; top-5 with more than 5 classes)."""
+"""The validation metrics a job logs (train/trainlog.py; top-5 with more than TOP_K classes)."""
+TOP_K = 5
+"""accuracy_top5 is counted where there are more than this many classes (train/metrics.py)."""
 MAX_NAME = 250
 """Longest experiment and run name: MLflow refuses experiment names over 500 characters and
 run names over 250, at the first request, after the job has started."""
@@ -114,6 +116,16 @@ def _best_and_test(cfg: TrainConfig, p: list[str]) -> None:
     _require(t.test_on != "best" or t.save_best,
              "trainer.test_on=best needs trainer.save_best=true (the best weights are kept "
              "only then); add it, or use trainer.test_on=last.", p)
+
+
+def monitor_problem(monitor: str, num_classes: int) -> str | None:
+    """Why trainer.monitor is never logged with this many classes (top-5 needs more than
+    TOP_K), or None. Checked by the pre-flight where the classes are known without the data, and
+    by every rank once the data is built."""
+    if monitor != "val/accuracy_top5" or num_classes > TOP_K:
+        return None
+    return (f"trainer.monitor=val/accuracy_top5 needs more than {TOP_K} classes; this data has "
+            f"{num_classes}, so the job never logs it: monitor val/accuracy or val/loss instead.")
 
 
 def _tracking_and_ranks(cfg: TrainConfig, world_size: int, p: list[str]) -> None:
