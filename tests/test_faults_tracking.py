@@ -119,7 +119,7 @@ def test_tracking_errors_are_classified_from_real_requests(not_mlflow: str) -> N
     from mlflow import MlflowClient
 
     def error_of(uri: str) -> Exception:
-        client._mlflow_client(not_mlflow)  # sets the one-try limits first
+        client.one_try_client(not_mlflow)  # sets the one-try limits first
         try:
             MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
         except Exception as e:  # noqa: BLE001 - the error is what is tested

@@ -12,7 +12,7 @@ were left unwaited (`cluster.wait=false`) is ended by its last job instead
 With tracking.register_best_of_sweep the end also registers the best finished job's model
 (`register_best`); its jobs registered nothing themselves (train/runlog.py).
 
-Every MLflow request goes through train/tracking/client.py.
+Every MLflow request goes through train/tracking/parent_run.py (one request each).
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ def is_sweep(config: DictConfig) -> bool:
 
 
 def start_parent_run(cfg: TrackingConfig, experiment_id: str, tags: dict[str, str]) -> str:
-    from train.tracking import client, resolve_uri
+    from train.tracking import parent_run, resolve_uri
 
-    return client.create_run(resolve_uri(cfg), experiment_id, cfg.run_name, tags)
+    return parent_run.create_run(resolve_uri(cfg), experiment_id, cfg.run_name, tags)
 
 
 def end_parent_run(cfg: TrackingConfig, parent_run_id: str, objective: str,
@@ -55,14 +55,14 @@ def end_parent_run(cfg: TrackingConfig, parent_run_id: str, objective: str,
     `only_if_done`: for a sweep submitted without waiting (`cluster.wait=false`), end the parent
     only if all of its `sweep.jobs` jobs have ended; None otherwise.
     """
-    from train.tracking import client, resolve_uri
+    from train.tracking import parent_run, resolve_uri
 
     uri = resolve_uri(cfg)
-    parent = client.get_run(uri, parent_run_id)
+    parent = parent_run.get_run(uri, parent_run_id)
     expected = parent.tags.get(JOBS_TAG)
     if only_if_done and expected is None:  # a waited sweep: its submitter ends the parent
         return None
-    children = client.child_runs(uri, parent.experiment_id, parent_run_id)
+    children = parent_run.child_runs(uri, parent.experiment_id, parent_run_id)
     if only_if_done and (len(children) < int(expected or 0) or any(
             c.status in ("RUNNING", "SCHEDULED") for c in children)):
         return None
@@ -80,8 +80,8 @@ def end_parent_run(cfg: TrackingConfig, parent_run_id: str, objective: str,
     if cfg.register_model and cfg.register_best_of_sweep:
         tags.update(register_best(uri, cfg.register_model, children, objective, direction))
         summary["registered"] = tags.get("registered_model")
-    client.log_values(uri, parent_run_id, metrics=metrics, tags=tags)
-    client.end_run(uri, parent_run_id, "FAILED" if failed or not children else "FINISHED")
+    parent_run.log_values(uri, parent_run_id, metrics=metrics, tags=tags)
+    parent_run.end_run(uri, parent_run_id, "FAILED" if failed or not children else "FINISHED")
     return summary
 
 
@@ -90,7 +90,7 @@ def register_best(uri: str, name: str, children: list[Any], objective: str,
     """tracking.register_best_of_sweep: the finished job with the best objective becomes a new
     version of `name` (its jobs did not register themselves). Returns the parent's tags: the
     version (registered_model), or why none (registered_model_error). Never raises."""
-    from train.tracking import client
+    from train.tracking import parent_run
 
     scored = [c for c in children if c.status == "FINISHED" and objective in c.metrics]
     if not scored:
@@ -99,9 +99,9 @@ def register_best(uri: str, name: str, children: list[Any], objective: str,
         return {"registered_model_error": f"no finished job has {objective}"}
     pick = max if direction == "maximize" else min
     best = pick(scored, key=lambda c: c.metrics[objective])
-    outcome = client.register_model(uri, best.run_id, name)
+    outcome = parent_run.register_model(uri, best.run_id, name)
     try:  # the job's own run says so too, as a job that registered itself would
-        client.log_values(uri, best.run_id, tags=outcome)
+        parent_run.log_values(uri, best.run_id, tags=outcome)
     except Exception as e:  # noqa: BLE001 - the parent holds the outcome anyway
         log.warning("could not tag run %s with its registration: %s", best.run_id, e)
     return {**outcome, "registered_run_id": best.run_id}
@@ -127,9 +127,9 @@ def end_parent_if_last(cfg: TrackingConfig, objective: str, direction: str) -> N
 def tag_unwaited_jobs(cfg: TrackingConfig, parent_run_id: str, jobs: int) -> None:
     """The submitter will not see the jobs end: the parent learns how many there are, so that
     the last job to end can end it."""
-    from train.tracking import client, resolve_uri
+    from train.tracking import parent_run, resolve_uri
 
-    client.log_values(resolve_uri(cfg), parent_run_id, tags={JOBS_TAG: str(jobs)})
+    parent_run.log_values(resolve_uri(cfg), parent_run_id, tags={JOBS_TAG: str(jobs)})
 
 
 def find_callback(hydra_context: Any) -> ParentRunCallback | None:

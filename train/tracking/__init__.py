@@ -1,12 +1,13 @@
 """Tracking: the only package that imports mlflow (lazily: `import train.tracking` imports
 neither mlflow nor torch). One-way imports: errors <- auth <- store; records <- registry <-
-client <- unsent <- backend <- run.
+client <- parent_run; client <- unsent <- backend <- run.
 
 - store.py    where runs are recorded (URIs, the embedded store, reachability)
 - records.py  typed records and the rows waiting to be batched
 - errors.py   which failed requests a retry can fix (transient) and which not (permanent)
 - registry.py the logged model (pickled or torch.export) and Model Registry versions
-- client.py   every MLflow request
+- client.py   every MLflow request of a run, and the store's and experiment's
+- parent_run.py a sweep's parent run: single requests through client.py's one-try client
 - unsent.py   the file for what MLflow never accepted, and its upload
 - backend.py  NullRun, the one do-nothing backend; the job's run file
 - run.py      rank 0's MlflowRun (a background sender thread)

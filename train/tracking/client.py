@@ -3,21 +3,18 @@
 - `prepare()` runs in the process that submits jobs (Slurm, sweeps) before any rank starts: it
   initialises (migrates) a new SQLite store and creates the experiment once, so that parallel
   jobs never race on either.
-- `create_run`, `get_run`, `child_runs`, `log_values`, `end_run`: single requests, for the
-  sweep's parent run (train/sweep.py).
 - `RunClient` makes the requests of one run: rank 0's sender thread (train/tracking/run.py) and
   the upload of an unsent file (train/tracking/unsent.py) apply typed records through it.
-- `register_model`: a finished run's logged model as a registered version (a sweep's best job);
-  the model itself and the registry's requests are train/tracking/registry.py's.
+The single requests about a sweep's parent run and its best job are
+train/tracking/parent_run.py's; the logged model and the registry's requests
+train/tracking/registry.py's.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import time
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any
 
 from train.config import TrackingConfig
@@ -80,7 +77,7 @@ def _file_identity(uri: str) -> tuple[int, int] | None:
         return None
 
 
-def _mlflow_client(uri: str) -> Any:
+def one_try_client(uri: str) -> Any:
     """An MlflowClient for `uri`, whose requests try once (ONE_TRY_ENV); a new SQLite store is
     initialised first (the first run into it may start together with another)."""
     for key, value in ONE_TRY_ENV.items():
@@ -108,7 +105,7 @@ def probe(uri: str, experiment: str) -> None:
     request would be: TrackingError with the reason if it can never succeed (a missing driver,
     an unsupported scheme, a server that is not MLflow, refused credentials)."""
     try:
-        _mlflow_client(uri).get_experiment_by_name(experiment)
+        one_try_client(uri).get_experiment_by_name(experiment)
     except Exception as e:  # noqa: BLE001 - classified below
         if isinstance(e, ImportError):
             raise TrackingError(f"The MLflow store {uri} needs a database driver that is not "
@@ -128,7 +125,7 @@ def prepare(cfg: TrackingConfig) -> str:
     """Check the store, migrate it if new, and return the experiment id (created if needed)."""
     uri = resolve_uri(cfg)
     check_reachable(uri)
-    mlflow_client = _mlflow_client(uri)
+    mlflow_client = one_try_client(uri)
     return cfg.experiment_id or _experiment_id(mlflow_client, cfg.experiment, uri)
 
 
@@ -149,65 +146,6 @@ def _experiment_id(mlflow_client: Any, name: str, uri: str) -> str:
         return str(experiment.experiment_id)
 
 
-# -- single requests (the sweep's parent run) ----------------------------------------------------
-
-@dataclass
-class RunSummary:
-    run_id: str
-    experiment_id: str
-    status: str
-    tags: dict[str, str]
-    metrics: dict[str, float]
-
-
-def _summary(run: Any) -> RunSummary:
-    return RunSummary(run_id=run.info.run_id, experiment_id=str(run.info.experiment_id),
-                      status=run.info.status, tags=dict(run.data.tags),
-                      metrics=dict(run.data.metrics))
-
-
-def create_run(uri: str, experiment_id: str, run_name: str | None,
-               tags: dict[str, str]) -> str:
-    from train.tracking.attribution import run_tags
-
-    run = _mlflow_client(uri).create_run(experiment_id, run_name=run_name,
-                                         tags={**run_tags(uri), **tags})
-    return str(run.info.run_id)
-
-
-def get_run(uri: str, run_id: str) -> RunSummary:
-    return _summary(_mlflow_client(uri).get_run(run_id))
-
-
-def child_runs(uri: str, experiment_id: str, parent_run_id: str) -> list[RunSummary]:
-    runs = _mlflow_client(uri).search_runs(
-        [experiment_id], f"tags.`mlflow.parentRunId` = '{parent_run_id}'", max_results=10000)
-    return [_summary(run) for run in runs]
-
-
-def log_values(uri: str, run_id: str, metrics: Mapping[str, float] | None = None,
-               tags: Mapping[str, str] | None = None, step: int = 0) -> None:
-    """Metrics (at `step`, stamped now) and tags in one request."""
-    now = int(time.time() * 1000)
-    RunClient(uri, run_id).send_rows(Batch(
-        metrics=[(k, float(v), now, step) for k, v in (metrics or {}).items()],
-        tags=[(k, str(v)) for k, v in (tags or {}).items()]))
-
-
-def end_run(uri: str, run_id: str, status: str) -> None:
-    _mlflow_client(uri).set_terminated(run_id, status)
-
-
-def register_model(uri: str, run_id: str, name: str) -> dict[str, str]:
-    """A finished run's logged model as a new version of `name` (a sweep's best job); the tags
-    that say how it went (train/tracking/registry.py). Never raises."""
-    try:
-        mlflow_client = _mlflow_client(uri)
-    except Exception as e:  # noqa: BLE001 - as registry.register: an outcome, not an exception
-        return {registry.ERROR_TAG: describe(e)}
-    return registry.register(uri, mlflow_client, run_id, name)
-
-
 # -- one run -------------------------------------------------------------------------------------
 
 class RunClient:
@@ -218,7 +156,7 @@ class RunClient:
         self.experiment_id: str | None = None
         self.logged_until: dict[str, int] = {}
         """Per metric, the last step the run already holds (a resumed run replays steps)."""
-        self._mlflow = _mlflow_client(uri)
+        self._mlflow = one_try_client(uri)
         self._db_file = _file_identity(uri)
 
     def check_stored(self, status: str) -> str | None:
