@@ -10,6 +10,10 @@ UI_STORE ?= $(CURDIR)/mlruns
 SERVER_PORT ?= 5001
 SERVER_HOST ?= 127.0.0.1
 PYTEST_ARGS ?=
+# pytest-xdist workers: most tests wait on processes, servers and Slurm, not the CPU.
+PYTEST_WORKERS ?= 2
+# One test file per work unit, all Slurm cluster tests in one (tests/conftest.py, work_unit).
+PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile
 
 .PHONY: setup train test test-fast lint ui mlflow-server bench cluster-up cluster-down clean
 
@@ -28,11 +32,11 @@ train: setup
 	$(PY) -m train distributed.nproc_per_node=2
 
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PARALLEL) $(PYTEST_ARGS)
 
 # The quick half of the suite: no multi-process end-to-end runs, no Slurm, no browser.
 test-fast: setup
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" $(PARALLEL) $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check train tests bench hydra_plugins

@@ -38,6 +38,46 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = 1
 
 
+SLURM_UNIT = "slurm-cluster"
+
+
+def work_unit(nodeid: str) -> str:
+    """What `make test` (pytest-xdist, `-n 2 --dist loadfile`) sends to one worker as a whole:
+    a test file, so that a module's fixtures (a server, a browser, a trained model) are made
+    once; and every test that uses the local Slurm cluster - those in tests/test_slurm*.py and
+    those with "slurm" or "sbatch" in their name - as one unit: the cluster fixture starts and
+    stops the cluster and finds the queue empty at its end, so those tests never run side by
+    side. pytest_collection_modifyitems holds every cluster test to this naming."""
+    path, _, name = nodeid.partition("::")
+    if Path(path).name.startswith("test_slurm") or "slurm" in name or "sbatch" in name:
+        return SLURM_UNIT
+    return path
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which a plain pytest run lacks
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByWorkUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return ByWorkUnit(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        on_cluster = "cluster" in getattr(item, "fixturenames", ()) or \
+            item.get_closest_marker("slurm") is not None
+        if on_cluster and work_unit(item.nodeid) != SLURM_UNIT:
+            raise pytest.UsageError(
+                f"{item.nodeid} uses the Slurm cluster: put it in tests/test_slurm*.py or name "
+                "it *slurm* or *sbatch*, so that `make test` runs it in the one worker that "
+                "uses the cluster (tests/conftest.py, work_unit).")
+
+
 def run_train(*overrides: str, env: dict[str, str] | None = None, timeout: float = 300,
               cwd: Path = REPO, module: tuple[str, ...] = ("-m", "train"),
               ) -> subprocess.CompletedProcess[str]:
