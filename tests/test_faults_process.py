@@ -26,6 +26,7 @@ from hydra.errors import HydraException
 from tests.conftest import (
     LAUNCHER_VARS,
     REPO,
+    assert_refused,
     history,
     process_ended,
     run_train,
@@ -135,16 +136,34 @@ def test_ranks_after_the_first_do_not_take_the_lock(
 
 # -- DataLoader workers (fast: one forked worker) ---------------------------------------------
 
+def test_a_temporary_directory_too_long_for_the_workers_sockets_is_refused(
+        store: dict[str, str], tmp_path: Path) -> None:
+    """A TMPDIR of 85 characters hung the default job (a DataLoader worker's batch lost for
+    want of a socket): refused before any rank starts, with what to do."""
+    long_tmp = tmp_path.joinpath(*["t" * 20] * 4)
+    long_tmp.mkdir(parents=True)
+    result = run_train("trainer.epochs=1", f"hydra.run.dir={tmp_path}/job",
+                       env={**store, "TMPDIR": str(long_tmp)}, timeout=120)
+    assert_refused(result, f"the temporary directory {long_tmp} ({len(str(long_tmp))} "
+                           "characters, from TMPDIR) is too long", store)
+    assert "TMPDIR=/tmp, or use data.num_workers=0" in result.stderr
+    assert not (tmp_path / "job" / "checkpoints").exists()
+
+
 def test_a_worker_outlives_the_groups_signals_but_not_its_ranks_terminate() -> None:
     """TERM or HUP from elsewhere (Slurm, a shell's `kill -- -<pgid>`) leaves the worker to its
     rank; the rank's own terminate() (DataLoader shutdown, exit) still ends it."""
-    import torch.utils.data
+    import torch
 
+    from train.batches import WorkersBornDeaf
     from train.stopping import ignore_in_worker
 
-    loader = torch.utils.data.DataLoader(list(range(1000)), batch_size=4, num_workers=1,
-                                         worker_init_fn=ignore_in_worker,
-                                         persistent_workers=True, multiprocessing_context="fork")
+    # As a rank does at its start (train/job.py): after set_num_threads a forked worker starts
+    # a thread of its own before worker_init_fn runs, through which a TERM could kill it.
+    torch.set_num_threads(torch.get_num_threads())
+    loader = WorkersBornDeaf(list(range(1000)), batch_size=4, num_workers=1,
+                             worker_init_fn=ignore_in_worker, persistent_workers=True,
+                             multiprocessing_context="fork")
     batches = iter(loader)
     assert next(batches).tolist() == [0, 1, 2, 3]
     [worker] = batches._workers  # type: ignore[attr-defined]

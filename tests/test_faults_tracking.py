@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -396,16 +397,18 @@ def test_a_finished_job_and_checkpoints_of_other_jobs(store: dict[str, str],
 
 
 @pytest.mark.slow
-def test_a_full_output_disk_still_keeps_the_finished_training(store: dict[str, str],
-                                                             tmp_path: Path) -> None:
+def test_a_full_output_disk_still_keeps_the_finished_training(
+        store: dict[str, str], tmp_path: Path, request: pytest.FixtureRequest) -> None:
     """1 MiB of output disk: one checkpoint fits, the final weights no longer do - they are
     saved to $TMPDIR instead, said so, and the run (with them) is FINISHED."""
     if os.geteuid() != 0:
         skip_or_fail("mounting a small tmpfs needs root")
     out = tmp_path / "out"
     out.mkdir()
-    rescue = tmp_path / "rescue"
-    rescue.mkdir()
+    # The rescue directory is the job's TMPDIR: short, as the pre-flight wants it for the
+    # DataLoader workers' sockets (tmp_path is longer under pytest-xdist).
+    rescue = Path(tempfile.mkdtemp(prefix="rescue-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(rescue, ignore_errors=True))
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(out)], check=True)
     try:
         result = run_train("trainer.epochs=1", "tracking.log_model=false",

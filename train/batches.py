@@ -139,7 +139,7 @@ def loader(dataset: torch.utils.data.Dataset, order: ShardOrder, workers: int,
            device: torch.device, collate: Callable[[Any], Any]) -> DataLoader:
     """Batches of `order` read by `workers` processes (kept for the whole job). The workers
     ignore stop signals: their rank stops them after its stop checkpoint."""
-    return _WorkersBornDeaf(dataset, batch_sampler=BatchSampler(order, order.batch_size,
+    return WorkersBornDeaf(dataset, batch_sampler=BatchSampler(order, order.batch_size,
                                                                 drop_last=False),
                             collate_fn=collate, num_workers=workers,
                             persistent_workers=workers > 0, pin_memory=devices.pin_memory(device),
@@ -147,7 +147,7 @@ def loader(dataset: torch.utils.data.Dataset, order: ShardOrder, workers: int,
                             multiprocessing_context=WORKER_START if workers > 0 else None)
 
 
-class _WorkersBornDeaf(DataLoader):
+class WorkersBornDeaf(DataLoader):
     """Workers forked with TERM blocked: a worker starts threads of its own before
     `worker_init_fn` runs (seen under Slurm: 2 of its 5 threads), and a process-directed TERM
     (Slurm's scancel signals every process of the step) went to one of those and killed the

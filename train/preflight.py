@@ -53,6 +53,7 @@ def preflight(cfgs: Sequence[TrainConfig], on_slurm: bool = False, dry_run: bool
             check_monitor(cfg)
             if not on_slurm:
                 check_local_devices(cfg)
+                check_temp_dir(cfg)
         if dry_run or not cfgs[0].tracking.enabled:
             return None
         return check_tracking(cfgs[0], on_slurm, prepare_tracking)
@@ -235,6 +236,31 @@ def check_image_folder(data: DataConfig) -> None:
 
         streaming.transforms(data, train=True)
         streaming.transforms(data, train=False)
+
+
+SOCKET_PATH_MAX = 107
+"""The longest Unix socket path Linux takes (sun_path: 108 bytes with the closing NUL)."""
+MP_SOCKET_SUFFIX = len("/pymp-12345678/listener-12345678")
+"""What Python's multiprocessing adds to the temporary directory for the socket through which
+a DataLoader worker hands its batch's shared memory to the rank."""
+
+
+def check_temp_dir(cfg: TrainConfig) -> None:
+    """DataLoader workers hand batches over through a Unix socket made under the temporary
+    directory; with a longer path the socket cannot be made, the worker's batch is lost (a
+    traceback in a background thread) and the rank waits for it forever (measured: a TMPDIR of
+    85 characters hung the default job)."""
+    import tempfile
+
+    if cfg.data.num_workers == 0:
+        return
+    temp = tempfile.gettempdir()
+    if len(temp) + MP_SOCKET_SUFFIX > SOCKET_PATH_MAX:
+        raise LaunchError(
+            f"the temporary directory {temp} ({len(temp)} characters, from TMPDIR) is too "
+            f"long for the sockets DataLoader workers pass batches through (at most "
+            f"{SOCKET_PATH_MAX - MP_SOCKET_SUFFIX} characters): set TMPDIR to a shorter "
+            "directory, e.g. TMPDIR=/tmp, or use data.num_workers=0.")
 
 
 RANKS_PER_CPU = 2
