@@ -167,3 +167,19 @@ def test_a_failed_rank_stops_the_others_after_the_grace_period(
     assert [p.exitcode for p in procs] == [-signal.SIGTERM, 3]
     exits = {rank: p.exitcode for rank, p in enumerate(procs)}
     assert root_cause(exits, [], stopped) == "rank 1 exited with code 3"
+
+
+def test_a_rank_ending_its_run_gets_longer_than_the_grace_period(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 has begun ending its run (its event set) and needs 3 s; rank 1 exits with code 3.
+    Rank 0 finishes on its own, up to the extension (30 s here), instead of being stopped."""
+    monkeypatch.setattr(launch, "GRACE_S", 0.5)
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=time.sleep, args=(3,)), ctx.Process(target=os._exit, args=(3,))]
+    ending = [ctx.Event(), ctx.Event()]
+    ending[0].set()
+    for p in procs:
+        p.start()
+    launch._supervise(procs, ending, 30.0)
+    assert launch._stop(procs) == set()
+    assert [p.exitcode for p in procs] == [0, 3]

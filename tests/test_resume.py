@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
+import sqlite3
+import threading
 from pathlib import Path
+from typing import Any
 
+import psutil
 import pytest
 import torch
 
-from tests.conftest import history, kill_job_after_checkpoints, run_train, runs_in
+from tests.conftest import history, kill_job_after_checkpoints, run_train, runs_in, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -91,3 +95,73 @@ def test_a_diverging_loss_stops_with_rank_and_step(store: dict[str, str],
     assert "on rank" in result.stderr and "at step" in result.stderr
     [run] = runs_in(store["MLFLOW_TRACKING_URI"])
     assert run.info.status == "FAILED" and "diverged" in run.data.tags["error"]
+
+
+def _hold_the_store_until_a_rank_exits(db_path: Path, hold_s: float) -> threading.Thread:
+    """Lock the SQLite store (as a busy writer would) until `hold_s` after the first of this
+    process's rank processes exited: rank 0's run cannot be created or ended before then."""
+    db = sqlite3.connect(db_path, isolation_level=None, check_same_thread=False)
+    db.execute("BEGIN EXCLUSIVE")
+
+    def running(child: psutil.Process) -> bool:
+        try:
+            return "spawn_main" in " ".join(child.cmdline()) and \
+                child.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:  # it has gone
+            return False
+
+    def ranks() -> list[psutil.Process]:
+        return [c for c in psutil.Process().children() if running(c)]
+
+    def release() -> None:
+        try:
+            wait_until(lambda: len(ranks()) == 2, 120, "two ranks started")
+            wait_until(lambda: len(ranks()) < 2, 300, "a rank exited")
+            threading.Event().wait(hold_s)  # the store stays busy this long: the scenario
+        finally:
+            db.execute("ROLLBACK")
+            db.close()
+
+    holder = threading.Thread(target=release, daemon=True)
+    holder.start()
+    return holder
+
+
+def test_rank_0_still_ending_its_run_is_not_stopped_with_the_others(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 fails at the same step as rank 0 and exits at once; rank 0 must still create and
+    end its run in a store that stays busy 8 s after rank 1 exited: longer than the others'
+    grace (0.5 s here) and the 5 s a stopped rank has from TERM to KILL. The launcher waits for
+    it: the run is there, FAILED, with the error and what it logged. Stopped with the others,
+    rank 0 left no run at all (seen once in a loaded make test)."""
+    from hydra import compose, initialize_config_dir
+
+    from tests.conftest import LAUNCHER_VARS, REPO
+    from train import launch
+    from train.app import run
+    from train.schema import register_schema
+
+    for key in [*LAUNCHER_VARS, *(k for k in os.environ if k.startswith("SLURM_"))]:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(launch, "GRACE_S", 0.5)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    real_start, holders = launch.start_local_ranks, []
+
+    def start_with_the_store_busy(*args: Any, **kwargs: Any) -> dict[str, float]:
+        holders.append(_hold_the_store_until_a_rank_exits(tmp_path / "mlflow.db", 8.0))
+        return real_start(*args, **kwargs)
+
+    monkeypatch.setattr(launch, "start_local_ranks", start_with_the_store_busy)
+    register_schema()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[
+            "distributed.nproc_per_node=2", "optim.lr=1e12", "trainer.epochs=3",
+            "trainer.log_every_n_steps=1", f"tracking.uri={uri}"])
+    with pytest.raises(launch.JobFailedError, match="NonFiniteLossError"):
+        run(cfg, str(tmp_path / "job"), "python -m train (test)")
+    [holder] = holders
+    holder.join(60)
+    [failed] = runs_in(uri)
+    assert failed.info.status == "FAILED" and "diverged" in failed.data.tags["error"]
+    assert failed.data.params["optim.lr"] == str(1e12)
+    assert [s for s, _ in history(uri, failed.info.run_id, "train/step_loss")] == [1, 2]

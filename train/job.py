@@ -19,6 +19,7 @@ import os
 import resource
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -209,12 +210,13 @@ def _train(cfg: TrainConfig, config: dict[str, Any], env: distenv.DistEnv, out: 
     return dict(logger.training.final_metrics)
 
 
-def run_rank(config: dict[str, Any], output_dir: str, command: str,
-             own_process: bool = True) -> dict[str, float]:
+def run_rank(config: dict[str, Any], output_dir: str, command: str, own_process: bool = True,
+             ending_run: Callable[[], None] | None = None) -> dict[str, float]:
     """Train on this rank; returns the final metrics (the same on every rank).
 
     `own_process=False`: a one-rank job run inside the launching process (a local sweep runs
-    several in turn), which keeps Hydra's logging.
+    several in turn), which keeps Hydra's logging. `ending_run`: called on rank 0 when, after a
+    failure, it begins ending its run (the local launcher then waits for it longer).
     """
     env = distenv.detect()
     if own_process:
@@ -251,6 +253,8 @@ def run_rank(config: dict[str, Any], output_dir: str, command: str,
         raise
     except BaseException as exc:
         reason, silent = distributed.failure_reason(env, exc, slurm.node_of_rank)
+        if env.is_main and ending_run is not None:
+            ending_run()
         logger.finish(error=reason)
         if env.is_main and silent and cfg.cluster is not None:
             slurm.end_job_after_lost_peer(reason)

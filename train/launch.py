@@ -25,16 +25,21 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from train import distenv, joblock, stopping
 from train.stopping import Preempted
+
+if TYPE_CHECKING:
+    from multiprocessing.synchronize import Event
 
 log = logging.getLogger("train")
 
 GRACE_S = 15.0
 """After one rank fails, how long the others get to notice (closed connections), mark the run
-FAILED and exit, before they are stopped."""
+FAILED and exit, before they are stopped. Rank 0, once it has begun ending its run, gets up to
+tracking.flush_timeout_s more: on a busy machine the run may not even exist yet (its sender
+starts at the first step), and stopping rank 0 then would leave no run at all."""
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -116,8 +121,9 @@ def start_local_ranks(config: dict[str, Any], output_dir: str, command: str, npr
     _start_resource_tracker()
     outcomes: mp.Queue = ctx.Queue()
     ranks = [node.rank(local) for local in range(nproc)]
+    ending = [ctx.Event() for _ in range(nproc)]  # set by rank 0 as it begins to end its run
     procs = [ctx.Process(target=_rank_entry, name=f"rank {ranks[local]}", args=(
-        config, output_dir, command, os.getpid(), node.env(local), outcomes))
+        config, output_dir, command, os.getpid(), node.env(local), outcomes, ending[local]))
         for local in range(nproc)]
     started = time.time()
     with stopping.PassOn(procs) as forwarding:
@@ -125,7 +131,7 @@ def start_local_ranks(config: dict[str, Any], output_dir: str, command: str, npr
             p.start()
         joblock.add_ranks(Path(output_dir), [p.pid for p in procs if p.pid is not None])
         try:
-            _supervise(procs)
+            _supervise(procs, ending, float(config["tracking"]["flush_timeout_s"]) + GRACE_S)
         finally:
             stopped = {ranks[local] for local in _stop(procs)}
     results = _drain(outcomes)
@@ -184,14 +190,15 @@ def _end_abandoned_run(output_dir: str, started: float, exits: dict[int, int | N
 
 
 def _rank_entry(config: dict[str, Any], output_dir: str, command: str, launcher: int,
-                env: dict[str, str], outcomes: mp.Queue) -> None:
+                env: dict[str, str], outcomes: mp.Queue, ending: Event) -> None:
     _end_with(launcher)
     os.environ.update(env)
     rank = int(env["RANK"])
     try:
         from train.job import run_rank
 
-        outcome = RankOutcome(rank, "result", run_rank(config, output_dir, command), time.time())
+        metrics = run_rank(config, output_dir, command, ending_run=ending.set)
+        outcome = RankOutcome(rank, "result", metrics, time.time())
     except Preempted as e:
         outcome = RankOutcome(rank, "stopped", e.signal_name, time.time())
     except BaseException as e:
@@ -220,9 +227,12 @@ def _end_with(launcher: int) -> None:
         raise SystemExit(1)
 
 
-def _supervise(procs: list[mp.Process]) -> None:
-    """Until every rank has exited, or GRACE_S after the first one failed."""
+def _supervise(procs: list[mp.Process], ending: list[Event] | None = None,
+               ending_s: float = 0.0) -> None:
+    """Until every rank has exited, or GRACE_S after the first one failed; if a rank still
+    running then has set its `ending` event (rank 0 ending its run), up to `ending_s` more."""
     deadline: float | None = None
+    extended = False
     while any(p.is_alive() for p in procs):
         # Bounded waits: exit codes are polled even if a sentinel is never signalled.
         wait = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
@@ -230,7 +240,10 @@ def _supervise(procs: list[mp.Process]) -> None:
         if deadline is None and any(p.exitcode not in (None, 0) for p in procs):
             deadline = time.monotonic() + GRACE_S
         if deadline is not None and time.monotonic() >= deadline:
-            return
+            if extended or not any(p.is_alive() and e.is_set()
+                                   for p, e in zip(procs, ending or [], strict=False)):
+                return
+            extended, deadline = True, time.monotonic() + ending_s
 
 
 def _stop(procs: list[mp.Process]) -> set[int]:
