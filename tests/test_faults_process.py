@@ -150,6 +150,23 @@ def test_a_temporary_directory_too_long_for_the_workers_sockets_is_refused(
     assert not (tmp_path / "job" / "checkpoints").exists()
 
 
+def test_a_rank_started_elsewhere_refuses_a_too_long_temporary_directory(
+        store: dict[str, str], tmp_path: Path) -> None:
+    """No pre-flight sees the TMPDIR of a rank that torchrun or Slurm started on its node: the
+    rank refuses it as it makes its DataLoader workers (it hung there), and its run says why."""
+    long_tmp = tmp_path.joinpath(*["t" * 20] * 4)
+    long_tmp.mkdir(parents=True)
+    result = run_train("--nproc_per_node=1", "-m", "train", "trainer.epochs=1",
+                       f"hydra.run.dir={tmp_path}/job", env={**store, "TMPDIR": str(long_tmp)},
+                       module=("-m", "torch.distributed.run"), timeout=120)
+    assert result.returncode != 0
+    assert f"error: the temporary directory {long_tmp} ({len(str(long_tmp))} characters" \
+        in result.stderr
+    [failed] = runs_in(store["MLFLOW_TRACKING_URI"])
+    assert failed.info.status == "FAILED"
+    assert "TMPDIR=/tmp, or use data.num_workers=0" in failed.data.tags["error"]
+
+
 def test_a_worker_outlives_the_groups_signals_but_not_its_ranks_terminate() -> None:
     """TERM or HUP from elsewhere (Slurm, a shell's `kill -- -<pgid>`) leaves the worker to its
     rank; the rank's own terminate() (DataLoader shutdown, exit) still ends it."""

@@ -12,6 +12,7 @@ import math
 import os
 import signal
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler
 
 from train import devices
+from train.config import ConfigError
 from train.stopping import ignore_in_worker
 from train.tracking import records
 
@@ -135,10 +137,38 @@ default would spawn them too, and each would import torch again (seconds per wor
 memory). They never touch CUDA; what they read (file lists, the data set) they share."""
 
 
+SOCKET_PATH_MAX = 107
+"""The longest Unix socket path Linux takes (sun_path: 108 bytes with the closing NUL)."""
+MP_SOCKET_SUFFIX = len("/pymp-12345678/listener-12345678")
+"""What Python's multiprocessing adds to the temporary directory for the socket through which
+a DataLoader worker hands its batch's shared memory to the rank."""
+
+
+def temp_dir_problem(workers: int) -> str | None:
+    """Why `workers` DataLoader workers cannot work here, if they cannot: they hand batches over
+    through a Unix socket made under the temporary directory; with a longer path the socket
+    cannot be made, the worker's batch is lost (a traceback in a background thread) and the
+    rank waits for it forever (measured: a TMPDIR of 85 characters hung the default job)."""
+    temp = tempfile.gettempdir()
+    if workers == 0 or len(temp) + MP_SOCKET_SUFFIX <= SOCKET_PATH_MAX:
+        return None
+    return (f"the temporary directory {temp} ({len(temp)} characters, from TMPDIR) is too long "
+            f"for the sockets DataLoader workers pass batches through (at most "
+            f"{SOCKET_PATH_MAX - MP_SOCKET_SUFFIX} characters): set TMPDIR to a shorter "
+            "directory, e.g. TMPDIR=/tmp, or use data.num_workers=0.")
+
+
+def check_temp_dir(workers: int) -> None:
+    """Every rank, before it makes workers: on a Slurm node, no pre-flight saw its TMPDIR."""
+    if (problem := temp_dir_problem(workers)) is not None:
+        raise ConfigError(problem)
+
+
 def loader(dataset: torch.utils.data.Dataset, order: ShardOrder, workers: int,
            device: torch.device, collate: Callable[[Any], Any]) -> DataLoader:
     """Batches of `order` read by `workers` processes (kept for the whole job). The workers
     ignore stop signals: their rank stops them after its stop checkpoint."""
+    check_temp_dir(workers)
     return WorkersBornDeaf(dataset, batch_sampler=BatchSampler(order, order.batch_size,
                                                                 drop_last=False),
                             collate_fn=collate, num_workers=workers,

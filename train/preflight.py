@@ -238,29 +238,15 @@ def check_image_folder(data: DataConfig) -> None:
         streaming.transforms(data, train=False)
 
 
-SOCKET_PATH_MAX = 107
-"""The longest Unix socket path Linux takes (sun_path: 108 bytes with the closing NUL)."""
-MP_SOCKET_SUFFIX = len("/pymp-12345678/listener-12345678")
-"""What Python's multiprocessing adds to the temporary directory for the socket through which
-a DataLoader worker hands its batch's shared memory to the rank."""
-
-
 def check_temp_dir(cfg: TrainConfig) -> None:
-    """DataLoader workers hand batches over through a Unix socket made under the temporary
-    directory; with a longer path the socket cannot be made, the worker's batch is lost (a
-    traceback in a background thread) and the rank waits for it forever (measured: a TMPDIR of
-    85 characters hung the default job)."""
-    import tempfile
+    """A TMPDIR too long for the DataLoader workers' sockets (batches.temp_dir_problem), for
+    local jobs; a Slurm node's own TMPDIR is checked by its ranks as they make their workers.
+    data.num_workers=null may come to 0 workers on a small machine: refused all the same."""
+    from train.batches import temp_dir_problem
 
-    if cfg.data.num_workers == 0:
-        return
-    temp = tempfile.gettempdir()
-    if len(temp) + MP_SOCKET_SUFFIX > SOCKET_PATH_MAX:
-        raise LaunchError(
-            f"the temporary directory {temp} ({len(temp)} characters, from TMPDIR) is too "
-            f"long for the sockets DataLoader workers pass batches through (at most "
-            f"{SOCKET_PATH_MAX - MP_SOCKET_SUFFIX} characters): set TMPDIR to a shorter "
-            "directory, e.g. TMPDIR=/tmp, or use data.num_workers=0.")
+    workers = 1 if cfg.data.num_workers is None else cfg.data.num_workers
+    if (problem := temp_dir_problem(workers)) is not None:
+        raise LaunchError(problem)
 
 
 RANKS_PER_CPU = 2

@@ -229,6 +229,7 @@ def _labels_only(samples: list[Any]) -> torch.Tensor:
 
 def _read_labels(datasets: list[Dataset], workers: int) -> torch.Tensor:
     """Every label, read once with the workers (a Dataset without `classes` or `targets`)."""
+    batching.check_temp_dir(workers)
     reader = DataLoader(ConcatDataset(datasets), batch_size=256, num_workers=workers,
                         collate_fn=_labels_only,
                         multiprocessing_context=batching.WORKER_START if workers else None)
