@@ -15,12 +15,13 @@ import pytest
 import torch
 from torch import nn
 
-from tests.conftest import run_train, runs_in
+from tests.conftest import history, run_train, runs_in
 from tests.test_custom_model import NET, USER_PATH, typed
 from tests.test_unit_job import SMALL, composed, no_launcher_env  # noqa: F401
 from train import finetune, models, optim, preflight, pretrained
 from train.app import run
 from train.config import ConfigError, ModelConfig, OptimConfig
+from train.state import GradScaler, TrainState
 
 RESNET18_FILE = "resnet18-f37072fd.pth"
 """The file name torchvision's ResNet18_Weights.IMAGENET1K_V1 (= DEFAULT) is cached under."""
@@ -193,6 +194,21 @@ def test_param_groups_get_their_lr_and_weight_decay_and_the_schedule_scales_all(
                                       "model.params_frozen": 192 * 16 + 16}
 
 
+def test_each_group_logs_its_lr_and_lr_stays_optim_lr_when_every_parameter_is_in_a_group() -> None:
+    """`lr` is optim.lr as scheduled, also when no parameter is left for the default group
+    (the optimiser's first group is then a named one: its lr was logged as `lr` before)."""
+    model = _mlp()
+    finetune.freeze(model, ["1"])
+    cfg = OptimConfig(lr=0.1, warmup_epochs=1, schedule="constant", param_groups=[
+        {"prefix": 3, "lr_scale": 2.0}, {"prefix": 6, "lr_scale": 0.5}])
+    optimizer = optim.build_optimizer(cfg, model)
+    assert [g["prefix"] for g in optimizer.param_groups] == ["3", "6"]  # no default group
+    state = TrainState(model, model, optimizer, optim.build_scheduler(cfg, optimizer, 4, 2),
+                       GradScaler(torch.device("cpu"), enabled=False))
+    assert state.learning_rates(cfg.lr) == pytest.approx({"lr": 0.025, "lr/3": 0.05,
+                                                          "lr/6": 0.0125})  # warm-up: 1/4
+
+
 @pytest.mark.parametrize(("overrides", "expected"), [
     (("model.freeze=[layer9]",), "model.freeze=['layer9']: 'layer9' matches no parameter of the "
                                  "model; its top-level modules are ['0', '1', '2', '3', '4', '5', "
@@ -260,6 +276,9 @@ def test_a_runs_model_fine_tuned_with_frozen_layers(tmp_path: Path) -> None:
     assert torch.equal(resumed["1.weight"], start["1.weight"])
     assert not torch.equal(resumed["3.weight"], end["3.weight"])
     assert len(runs_in(uri)) == 2
+    lrs = {key: history(uri, second.info.run_id, key) for key in ("lr", "lr/6")}
+    assert [step for step, _ in lrs["lr/6"]] == [0, 1]
+    assert [v for _, v in lrs["lr/6"]] == pytest.approx([0.1 * v for _, v in lrs["lr"]])
 
 
 # -- the command line's refusals -----------------------------------------------------------------

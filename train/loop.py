@@ -247,7 +247,7 @@ def fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.dev
             nodes = distributed.gather_to_all(system_stats.node_sample(duties.local_rank, device))
         duties.logger.epoch(state.epoch, train=train, val=val, train_time_s=train_time,
                             epoch_time_s=time.perf_counter() - started,
-                            lr=state.scheduler.get_last_lr()[0], nodes=nodes)
+                            lrs=state.learning_rates(cfg.optim.lr), nodes=nodes)
         state.epoch += 1
         stop = distributed.any_rank(duties.stop.received is not None)
         early = state.epoch < epochs and duties.monitor.stop_agreed()

@@ -69,6 +69,17 @@ class TrainState:
     partial_totals: list[float] | None = None
     """This rank's sums over those batches."""
 
+    def learning_rates(self, base_lr: float) -> dict[str, float]:
+        """`lr`: optim.lr (`base_lr`) as scheduled now, and `lr/<prefix>`: each
+        optim.param_groups group's. One schedule scales every group, so its factor can be read
+        off any group - the first is a named group's when every parameter is in one."""
+        now = self.scheduler.get_last_lr()
+        rates = {"lr": base_lr * now[0] / self.scheduler.base_lrs[0]}
+        for group, lr in zip(self.optimizer.param_groups, now, strict=True):
+            if group.get("prefix"):
+                rates[f"lr/{group['prefix']}"] = lr
+        return rates
+
 
 def build(cfg: TrainConfig, spec: models.InputSpec, steps_per_epoch: int,
           device: torch.device, resuming: bool = False) -> TrainState:

@@ -54,11 +54,13 @@ class TrainingLog:
                               "train/loss_scale": loss_scale}, step)
 
     def epoch(self, epoch: int, *, train: Reduced, val: Reduced | None, train_time_s: float,
-              epoch_time_s: float, lr: float, nodes: list[Any] | None = None) -> None:
+              epoch_time_s: float, lrs: dict[str, float],
+              nodes: list[Any] | None = None) -> None:
+        """`lrs`: `lr` and each optim.param_groups group's `lr/<prefix>` (TrainState)."""
         values = {"train/loss": train.loss, "train/accuracy": train.accuracy,
                   "train/samples": float(train.samples),
                   "train/samples_per_sec": train.samples / train_time_s,
-                  "lr": lr, "epoch_time_s": epoch_time_s,
+                  **lrs, "epoch_time_s": epoch_time_s,
                   **(self.throughput.metrics(train.samples, train_time_s)
                      if self.throughput else {})}
         if val is not None:
