@@ -20,6 +20,10 @@ from tests.servers import LOGIN_VARS, tracking_server
 from tests.test_custom_model import USER_PATH
 
 NET = ("model=custom", "model._target_=userpkg.models.TinyConvNet")
+LINES = ("data=custom", "data.train._target_=userpkg.data.Lines", "+data.train.length=48",
+         "data.val._target_=userpkg.data.Lines", "+data.val.length=16")
+"""The user's own Dataset (grey 16x16 images, 3 classes): its input shape is known only once
+the ranks built it."""
 """The user's own model class: pickled, it would need `userpkg` to load."""
 
 LOADER = r'''
@@ -137,11 +141,12 @@ def yaml_metadata(model_dir: Path) -> dict:
 def test_a_model_torch_export_cannot_trace_is_not_registered_and_the_run_finishes(
         store: dict[str, str], tmp_path: Path) -> None:
     """The user's model reads a value back to the host in forward: torch.export cannot trace
-    it. The run ends FINISHED with the model logged pickled; the registration fails in one line
-    and a tag."""
+    it. On the user's own Dataset the input is known only once the ranks built it, so this is
+    found at the job's end: the run ends FINISHED with the model logged pickled; the
+    registration fails in one line and a tag."""
     uri = store["MLFLOW_TRACKING_URI"]
     result = run_train("model=custom", "model._target_=userpkg.models.ChecksOnTheHost",
-                       "trainer.epochs=1", "tracking.register_model=host-checks",
+                       *LINES, "trainer.epochs=1", "tracking.register_model=host-checks",
                        f"hydra.run.dir={tmp_path}/job", env={**store, "PYTHONPATH": USER_PATH})
     assert result.returncode == 0, result.stderr[-3000:]
     [run] = runs_in(uri)
@@ -156,8 +161,24 @@ def test_a_model_torch_export_cannot_trace_is_not_registered_and_the_run_finishe
     # The pickled model needs the user's package: where it cannot be imported, loading fails -
     # what the exported program of a registered model avoids.
     loaded = load_elsewhere(uri, f"runs:/{run.info.run_id}/model",
-                            np.zeros((2, 1, 8, 8), np.float32), tmp_path, allow_pickle=True)
+                            np.zeros((2, 1, 16, 16), np.float32), tmp_path, allow_pickle=True)
     assert loaded.returncode != 0 and "No module named 'userpkg'" in loaded.stderr
+
+
+def test_a_model_torch_export_cannot_trace_is_refused_where_its_input_is_known(
+        store: dict[str, str], tmp_path: Path) -> None:
+    """On a built-in data set (or an image folder) the input shape is known before any data is
+    read: pre-flight exports the model - on the meta device, then on the CPU, where this one's
+    `.item()` needs real values - and refuses it in one line, before any run or training (the
+    test above: on the user's own Dataset it is found at the job's end)."""
+    result = run_train("model=custom", "model._target_=userpkg.models.ChecksOnTheHost",
+                       "trainer.epochs=1", "tracking.register_model=host-checks",
+                       f"hydra.run.dir={tmp_path}/job", env={**store, "PYTHONPATH": USER_PATH},
+                       timeout=120)
+    assert_refused(result, "tracking.register_model='host-checks': torch.export cannot trace "
+                   "model=custom model._target_=userpkg.models.ChecksOnTheHost (", store)
+    assert "data-dependent" in result.stderr and "def forward" not in result.stderr
+    assert not (tmp_path / "job" / "checkpoints").exists()
 
 
 @pytest.mark.slow
@@ -236,3 +257,27 @@ def test_the_model_card_says_how_images_become_inputs() -> None:
     assert "mypkg.data.Spectra returns them" in card["preprocessing"]["pixels"]
     assert card["input"]["layout"] == "N + sample" and card["output"]["shape"] == [-1, 3]
     assert "preprocessing.mean" not in version_tags(card)
+
+
+def test_preflight_exports_a_traceable_model_on_the_meta_device_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model torch.export traces is exported on the meta device alone (no memory for its
+    weights at pre-flight: torchvision's resnet50 at 224 pixels here); an untraceable one is
+    tried on the CPU too before it is refused."""
+    from train import exportable
+    from train.config import ConfigError, CustomModelConfig, ModelConfig
+
+    devices: list[str] = []
+    export = exportable._export
+    monkeypatch.setattr(exportable, "_export",
+                        lambda model, x: (devices.append(x.device.type), export(model, x)))
+    exportable.check_registrable(ModelConfig(source="torchvision", name="resnet50"),
+                                 (3, 224, 224), 5, "flowers")
+    assert devices == ["meta"]
+
+    devices.clear()
+    monkeypatch.syspath_prepend(USER_PATH)
+    with pytest.raises(ConfigError, match="torch.export cannot trace .*data-dependent"):
+        exportable.check_registrable(CustomModelConfig("userpkg.models.ChecksOnTheHost"),
+                                     (1, 8, 8), 10, "host-checks")
+    assert devices == ["meta", "cpu"]

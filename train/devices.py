@@ -172,6 +172,17 @@ _HINTS = {"distributed.backend=nccl": "distributed.backend=auto picks gloo on th
           "distributed.sync_batchnorm=true": "without it BatchNorm statistics stay per rank"}
 
 
+def local_gpu_problem(cfg: DistributedConfig) -> str | None:
+    """A local job's GPUs: nccl or device=cuda need one per local rank on this machine; no
+    CUDA-only option without CUDA (sync_batchnorm; nccl on device=cpu)."""
+    gpus = torch.cuda.device_count()
+    if (cfg.backend == "nccl" or cfg.device == "cuda") and cfg.nproc_per_node > gpus:
+        return (f"distributed.nproc_per_node={cfg.nproc_per_node} ranks need as many GPUs with "
+                f"backend={cfg.backend} device={cfg.device}, but this machine has {gpus}. Lower "
+                "nproc_per_node, or use distributed.device=cpu distributed.backend=gloo.")
+    return refuse_without_cuda(cfg)
+
+
 def refuse_without_cuda(cfg: DistributedConfig) -> str | None:
     """One line for pre-flight when `cfg` asks for CUDA this machine (or device=cpu) lacks."""
     wanted = cuda_only_requests(cfg)

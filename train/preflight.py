@@ -38,6 +38,7 @@ def preflight(cfgs: Sequence[TrainConfig], on_slurm: bool = False, dry_run: bool
     """
     from train import slurm
 
+    checked: set[str] = set()
     try:
         if on_slurm and not dry_run:
             slurm.check_slurm(cfg.cluster.partition for cfg in cfgs if cfg.cluster)
@@ -51,6 +52,7 @@ def preflight(cfgs: Sequence[TrainConfig], on_slurm: bool = False, dry_run: bool
             check_finetuning(cfg, resuming)
             check_data(cfg)
             check_monitor(cfg)
+            check_registrable(cfg, checked)
             if not on_slurm:
                 check_local_devices(cfg)
                 check_temp_dir(cfg)
@@ -222,6 +224,17 @@ def check_monitor(cfg: TrainConfig) -> None:
         raise ConfigError(problem)
 
 
+def check_registrable(cfg: TrainConfig, checked: set[str]) -> None:
+    """tracking.register_model: torch.export traces the model (train/exportable.py), where its
+    input is known before the data is read; once per model and input of a sweep."""
+    name, known = cfg.tracking.register_model, input_before_reading(cfg.data)
+    if name and known and (key := repr((cfg.model, known))) not in checked:
+        from train import exportable
+
+        exportable.check_registrable(cfg.model, *known, name)
+        checked.add(key)
+
+
 def check_image_folder(data: DataConfig) -> None:
     """The layout (a directory scan, no torch); configured transforms only if there are any
     (they import torchvision). Images are not opened: an unreadable one is skipped when read."""
@@ -265,18 +278,10 @@ def check_local_devices(cfg: TrainConfig) -> None:
             f"this process use {cpus} CPUs (at most {RANKS_PER_CPU} ranks per CPU). Lower "
             "nproc_per_node, or run on more nodes (+cluster=slurm cluster.nodes=N).")
     if d.backend != "nccl" and d.device != "cuda" and not d.sync_batchnorm:
-        return
-    import torch
-
+        return  # no torch import
     from train import devices
 
-    gpus = torch.cuda.device_count()
-    if (d.backend == "nccl" or d.device == "cuda") and d.nproc_per_node > gpus:
-        raise LaunchError(
-            f"distributed.nproc_per_node={d.nproc_per_node} ranks need as many GPUs with "
-            f"backend={d.backend} device={d.device}, but this machine has {gpus}. Lower "
-            "nproc_per_node, or use distributed.device=cpu distributed.backend=gloo.")
-    if problem := devices.refuse_without_cuda(d):  # sync_batchnorm; nccl on device=cpu
+    if problem := devices.local_gpu_problem(d):
         raise LaunchError(problem)
 
 

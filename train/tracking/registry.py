@@ -14,7 +14,8 @@ The exported program holds the graph of aten operations and the weights: it load
 user's model code is installed, and also with MLFLOW_ALLOW_PICKLE_DESERIALIZATION=false.
 (`code_paths` would ship this package - or the user's - with the model and still unpickle it;
 TorchScript is deprecated and fails on more models than torch.export.) The program is exported
-from a CPU copy in eval mode, with a dynamic batch dimension. A model torch.export cannot trace
+from a CPU copy in eval mode, with a dynamic batch dimension (train/exportable.py, which
+pre-flight asks too where the input shape is known). A model torch.export cannot trace
 is logged pickled instead, as before, and is not registered (the reason in one line and a tag).
 Runs that register nothing keep the pickled module: it loads as the model's own class, which
 `.eval()`, `.train()` and fine-tuning need (an exported program refuses them).
@@ -26,9 +27,6 @@ not its model could be registered, so the outcome comes back as tags for the run
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import io
 import json
 import logging
 import os
@@ -75,33 +73,6 @@ def _signature(example: Any, card: dict[str, Any] | None) -> Any:
     return ModelSignature(inputs=Schema([inputs]), outputs=Schema([outputs]))
 
 
-def _exportable(model: Any, example: Any) -> tuple[Any, Any, str | None]:
-    """(CPU copy in eval mode, an example of batch > 1, None) if torch.export traces the model
-    as MLflow will export it (dynamic batch); else (None, None, why not)."""
-    import numpy as np
-    import torch
-    from torch.export import Dim
-
-    if example.shape[0] < 2:  # a batch of 1 would fix the exported batch size at 1
-        example = np.concatenate([example, example])
-    try:
-        inference = copy.deepcopy(model).cpu().eval()
-        # A failing export prints the partial graph to stderr: pages, where one line is due.
-        with contextlib.redirect_stderr(io.StringIO()):
-            torch.export.export(inference, (torch.from_numpy(example),),
-                                dynamic_shapes=({0: Dim.AUTO},))
-    except Exception as e:  # noqa: BLE001 - the user's model: any failure means "not this way"
-        return None, None, _one_line(e)
-    return inference, example, None
-
-
-def _one_line(error: BaseException) -> str:
-    """torch.export's message without its debugging advice: what failed, and where."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    kept = lines[:1] + [line for line in lines[1:] if line.startswith("Caused by")]
-    return f"{type(error).__name__}: {' '.join(kept)}"[:400]
-
-
 @contextmanager
 def _active_run(uri: str, run_id: str) -> Iterator[None]:
     """The fluent API wants a tracking URI and an active run; set_tracking_uri also sets
@@ -126,9 +97,11 @@ def log_model(uri: str, run_id: str, record: Model) -> None:
     the pickled module (its metadata then says why it was not exported)."""
     import mlflow.pytorch
 
+    from train.exportable import exportable
+
     model, example, problem = record.model, record.input_example, None
     if record.export:
-        inference, exported_example, problem = _exportable(model, example)
+        inference, exported_example, problem = exportable(model, example)
         if problem is None:
             model, example = inference, exported_example
         else:
