@@ -131,3 +131,14 @@ def find(root: str) -> Layout:
     if test is not None:
         _same_classes(train, test)
     return Layout(train, val, test)
+
+
+def known_input(root: str, image_size: int) -> tuple[tuple[int, ...], int] | None:
+    """(one sample's shape, number of classes) before any image is read: RGB crops of
+    `image_size`, the class folders; None where the layout is wrong (pre-flight's data check
+    says what is wrong with it)."""
+    try:
+        classes = len(find(root).train.classes)
+    except (LayoutError, OSError):
+        return None
+    return (3, image_size, image_size), classes

@@ -166,20 +166,11 @@ def check_finetuning(cfg: TrainConfig, resuming: bool) -> None:
 def input_before_reading(data: DataConfig) -> tuple[tuple[int, ...], int] | None:
     """(one sample's shape, number of classes) of a built-in data set or an image folder's
     class folders; None for a custom data set (known once it is built)."""
-    return known_input(data) or _image_folder_input(data)
-
-
-def _image_folder_input(data: DataConfig) -> tuple[tuple[int, ...], int] | None:
-    """data=imagefolder: RGB crops of data.image_size, its class folders (a directory scan)."""
     if data.name != "imagefolder":
-        return None
+        return known_input(data)
     from train import imagefolder
 
-    try:
-        classes = len(imagefolder.find(data.root).train.classes)
-    except (imagefolder.LayoutError, OSError):
-        return None  # check_data says what is wrong with it
-    return (3, data.image_size, data.image_size), classes
+    return imagefolder.known_input(data.root, data.image_size)
 
 
 DEFAULT_LOSS = TrainerConfig().loss
