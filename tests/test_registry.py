@@ -264,20 +264,24 @@ def test_preflight_exports_a_traceable_model_on_the_meta_device_only(
     """A model torch.export traces is exported on the meta device alone (no memory for its
     weights at pre-flight: torchvision's resnet50 at 224 pixels here); an untraceable one is
     tried on the CPU too before it is refused."""
-    from train import exportable
+    from train import exportable, models
     from train.config import ConfigError, CustomModelConfig, ModelConfig
 
     devices: list[str] = []
     export = exportable._export
     monkeypatch.setattr(exportable, "_export",
                         lambda model, x: (devices.append(x.device.type), export(model, x)))
-    exportable.check_registrable(ModelConfig(source="torchvision", name="resnet50"),
-                                 (3, 224, 224), 5, "flowers")
+    resnet50 = ModelConfig(source="torchvision", name="resnet50")
+    exportable.check_registrable(
+        lambda: models.build(resnet50, models.InputSpec.of((3, 224, 224), 5)), (3, 224, 224),
+        "resnet50", "flowers")
     assert devices == ["meta"]
 
     devices.clear()
     monkeypatch.syspath_prepend(USER_PATH)
-    with pytest.raises(ConfigError, match="torch.export cannot trace .*data-dependent"):
-        exportable.check_registrable(CustomModelConfig("userpkg.models.ChecksOnTheHost"),
-                                     (1, 8, 8), 10, "host-checks")
+    host = CustomModelConfig("userpkg.models.ChecksOnTheHost")
+    with pytest.raises(ConfigError, match="cannot trace ChecksOnTheHost .*data-dependent"):
+        exportable.check_registrable(
+            lambda: models.build(host, models.InputSpec.of((1, 8, 8), 10)), (1, 8, 8),
+            "ChecksOnTheHost", "host-checks")
     assert devices == ["meta", "cpu"]

@@ -9,7 +9,9 @@ mode, a dynamic batch dimension; train/tracking/registry.py), asked twice:
   known there, and what pre-flight could not try is found then (the run still ends FINISHED,
   its model logged pickled and unregistered).
 
-No MLflow here: the pre-flight must not import it for this.
+No MLflow and nothing of this project but its ConfigError: the pre-flight must not import
+MLflow for this, and the tracking package, which asks at the job's end, stays apart from the
+models.
 """
 
 from __future__ import annotations
@@ -17,14 +19,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 from torch.export import Dim
 
-from train import models
-from train.config import ConfigError, CustomModelConfig, ModelConfig
+from train.config import ConfigError
 
 
 def _export(model: torch.nn.Module, example: torch.Tensor) -> None:
@@ -53,23 +55,23 @@ def one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {' '.join(kept)}"[:400]
 
 
-def check_registrable(cfg: ModelConfig | CustomModelConfig, input_shape: tuple[int, ...],
-                      num_classes: int, name: str) -> None:
-    """Raises ConfigError when torch.export cannot trace the model for `name`'s versions.
-    Tried on the meta device first; a model that fails there is tried for real on the CPU
-    (the user's code may do what the meta device cannot, e.g. read a tensor it made itself)."""
-    spec = models.InputSpec.of(input_shape, num_classes)
+def check_registrable(build: Callable[[], torch.nn.Module], input_shape: tuple[int, ...],
+                      model: str, name: str) -> None:
+    """Raises ConfigError when torch.export cannot trace the model `build` makes (`model`: as
+    the user chose it) for `name`'s versions. Tried on the meta device first; a model that
+    fails there is tried for real on the CPU (the user's code may do what the meta device
+    cannot, e.g. read a tensor it made itself)."""
     problem = None
     for device in ("meta", "cpu"):
         try:
             with torch.device(device):
-                model = models.build(cfg, spec).eval()
+                built = build().eval()
                 example = torch.zeros((2, *input_shape))
-            _export(model, example)
+            _export(built, example)
             return
         except Exception as e:  # noqa: BLE001 - the user's model: any failure is the answer
             problem = one_line(e)  # the CPU's, where both fail: the meta device's may be its own
     raise ConfigError(
-        f"tracking.register_model={name!r}: torch.export cannot trace {models.describe(cfg)} "
-        f"({problem}), so no version could be registered; make its forward traceable (no "
-        "Python decisions on tensor values) or drop tracking.register_model.")
+        f"tracking.register_model={name!r}: torch.export cannot trace {model} ({problem}), so "
+        "no version could be registered; make its forward traceable (no Python decisions on "
+        "tensor values) or drop tracking.register_model.")

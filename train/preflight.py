@@ -220,9 +220,11 @@ def check_registrable(cfg: TrainConfig, checked: set[str]) -> None:
     input is known before the data is read; once per model and input of a sweep."""
     name, known = cfg.tracking.register_model, input_before_reading(cfg.data)
     if name and known and (key := repr((cfg.model, known))) not in checked:
-        from train import exportable
+        from train import exportable, models
 
-        exportable.check_registrable(cfg.model, *known, name)
+        spec = models.InputSpec.of(*known)
+        exportable.check_registrable(lambda: models.build(cfg.model, spec), known[0],
+                                     models.describe(cfg.model), name)
         checked.add(key)
 
 
