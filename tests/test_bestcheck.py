@@ -157,15 +157,21 @@ def test_a_top5_monitor_on_five_classes_or_fewer_is_refused_before_anything_star
     images = run_train("data=imagefolder", f"data.root={folder}", TOP5,
                        f"hydra.run.dir={tmp_path}/images", env=store)
     assert_refused(images, TOO_FEW.format(3), store)
+    # The user's Dataset names its 3 classes (`classes`): pre-flight, which builds it once,
+    # knows them too.
+    named = run_train("data=custom", "data.train._target_=userpkg.data.Lines",
+                      "+data.train.length=24", TOP5, f"hydra.run.dir={tmp_path}/named",
+                      env={**store, **USERPKG})
+    assert_refused(named, TOO_FEW.format(3), store)
 
 
 @pytest.mark.slow
-def test_a_top5_monitor_on_a_custom_data_set_of_three_classes_fails_before_training(
+def test_a_top5_monitor_on_a_custom_data_set_of_three_unnamed_classes_fails_before_training(
         store: dict[str, str], tmp_path: Path) -> None:
-    """A custom data set's classes are known once it is built: the job ends there, FAILED with
-    the reason, before its first step."""
-    result = run_train("data=custom", "data.train._target_=userpkg.data.Lines",
-                       "+data.train.length=24", "data.val._target_=userpkg.data.Lines",
+    """A custom Dataset that does not name its classes: they are counted from its labels once
+    the ranks built it, and the job ends there, FAILED with the reason, before its first step."""
+    result = run_train("data=custom", "data.train._target_=userpkg.data.UnnamedLines",
+                       "+data.train.length=24", "data.val._target_=userpkg.data.UnnamedLines",
                        "+data.val.length=8", "model.width=8", "tracking.log_model=false",
                        TOP5, f"hydra.run.dir={tmp_path}/job", env={**store, **USERPKG})
     assert result.returncode != 0

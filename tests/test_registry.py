@@ -20,11 +20,11 @@ from tests.servers import LOGIN_VARS, tracking_server
 from tests.test_custom_model import USER_PATH
 
 NET = ("model=custom", "model._target_=userpkg.models.TinyConvNet")
+"""The user's own model class: pickled, it would need `userpkg` to load."""
 LINES = ("data=custom", "data.train._target_=userpkg.data.Lines", "+data.train.length=48",
          "data.val._target_=userpkg.data.Lines", "+data.val.length=16")
-"""The user's own Dataset (grey 16x16 images, 3 classes): its input shape is known only once
-the ranks built it."""
-"""The user's own model class: pickled, it would need `userpkg` to load."""
+"""The user's own Dataset (grey 16x16 images, 3 classes): its inputs are tried for export on
+a real batch, at the job's end."""
 
 LOADER = r'''
 import importlib.abc, sys
@@ -141,8 +141,8 @@ def yaml_metadata(model_dir: Path) -> dict:
 def test_a_model_torch_export_cannot_trace_is_not_registered_and_the_run_finishes(
         store: dict[str, str], tmp_path: Path) -> None:
     """The user's model reads a value back to the host in forward: torch.export cannot trace
-    it. On the user's own Dataset the input is known only once the ranks built it, so this is
-    found at the job's end: the run ends FINISHED with the model logged pickled; the
+    it. On the user's own Dataset (inputs of any dtype) it is tried on a real batch, at the
+    job's end: the run ends FINISHED with the model logged pickled; the
     registration fails in one line and a tag."""
     uri = store["MLFLOW_TRACKING_URI"]
     result = run_train("model=custom", "model._target_=userpkg.models.ChecksOnTheHost",
@@ -170,7 +170,7 @@ def test_a_model_torch_export_cannot_trace_is_refused_where_its_input_is_known(
     """On a built-in data set (or an image folder) the input shape is known before any data is
     read: pre-flight exports the model - on the meta device, then on the CPU, where this one's
     `.item()` needs real values - and refuses it in one line, before any run or training (the
-    test above: on the user's own Dataset it is found at the job's end)."""
+    test above: on the user's own Dataset it is tried at the job's end)."""
     result = run_train("model=custom", "model._target_=userpkg.models.ChecksOnTheHost",
                        "trainer.epochs=1", "tracking.register_model=host-checks",
                        f"hydra.run.dir={tmp_path}/job", env={**store, "PYTHONPATH": USER_PATH},

@@ -5,9 +5,10 @@ mode, a dynamic batch dimension; train/tracking/registry.py), asked twice:
   the data: the model is built on the meta device (no memory, no initialisation, seconds even
   for a ViT) and exported there, so a model that cannot be registered is refused before hours
   of training rather than found untraceable at the job's end;
-- at the job's end (`exportable`), on the trained model: a custom data set's shape is only
-  known there, and what pre-flight could not try is found then (the run still ends FINISHED,
-  its model logged pickled and unregistered).
+- at the job's end (`exportable`), on the trained model and a real batch: a custom Dataset's
+  inputs reach the model as it returns them (any dtype: token ids, say), so they are tried
+  there, and so is a job no pre-flight saw (torchrun, srun); the run still ends FINISHED, its
+  model logged pickled and unregistered.
 
 No MLflow and nothing of this project but its ConfigError: the pre-flight must not import
 MLflow for this, and the tracking package, which asks at the job's end, stays apart from the

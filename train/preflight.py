@@ -50,8 +50,8 @@ def preflight(cfgs: Sequence[TrainConfig], on_slurm: bool = False, dry_run: bool
             resuming = check_resume(cfg, world_size, output_dir if len(cfgs) == 1 else None)
             check_model(cfg)
             check_finetuning(cfg, resuming)
-            check_data(cfg)
-            check_monitor(cfg)
+            named_classes = check_data(cfg)
+            check_monitor(cfg, named_classes)
             check_registrable(cfg, checked)
             if not on_slurm:
                 check_local_devices(cfg)
@@ -188,30 +188,34 @@ def known_input(data: DataConfig) -> tuple[tuple[int, ...], int] | None:
     return BUILTIN_INPUTS.get(data.name)
 
 
-def check_data(cfg: TrainConfig) -> None:
+def check_data(cfg: TrainConfig) -> int | None:
+    """The data is there and readable. Returns a custom data set's number of classes where its
+    Dataset names them (`classes`, `targets`), as it is built here once."""
     if cfg.data.name == "imagefolder":
         check_image_folder(cfg.data)
-        return
+        return None
     if cfg.data.name == "custom":
         from train import userdata  # imports the user's package (and torch)
 
-        userdata.check(cfg.data.train, cfg.data.val, cfg.data.test)
-        return
+        return userdata.check(cfg.data.train, cfg.data.val, cfg.data.test)
     if not config_lib.reads_files(cfg.data):
-        return  # nothing on disk to look for: no torch import for digits or synthetic
+        return None  # nothing on disk to look for: no torch import for digits or synthetic
     from train import datasets
 
     try:
         datasets.check_available(cfg.data)
     except datasets.DataMissingError as e:
         raise LaunchError(str(e)) from None
+    return None
 
 
-def check_monitor(cfg: TrainConfig) -> None:
-    """A top-5 monitor on a data set of TOP_K classes or fewer, where the classes are known
-    before the data is read (a custom data set's: on every rank once it is built)."""
+def check_monitor(cfg: TrainConfig, named_classes: int | None) -> None:
+    """A top-5 monitor on a data set of TOP_K classes or fewer, where the classes are known:
+    before the data is read, or named by a custom Dataset (`named_classes`; one that does not
+    name them: on every rank once it is built)."""
     known = input_before_reading(cfg.data)
-    if known is not None and (problem := monitor_problem(cfg.trainer.monitor, known[1])):
+    classes = known[1] if known else named_classes
+    if classes is not None and (problem := monitor_problem(cfg.trainer.monitor, classes)):
         raise ConfigError(problem)
 
 

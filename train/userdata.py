@@ -96,8 +96,10 @@ def class_names(dataset: Any, labels: Any = None) -> list[str] | None:
 
 
 def check(spec_train: dict[str, Any] | None, spec_val: dict[str, Any] | None,
-          spec_test: dict[str, Any] | None = None) -> None:
-    """Pre-flight: build the Datasets once and check their first samples agree."""
+          spec_test: dict[str, Any] | None = None) -> int | None:
+    """Pre-flight: build the Datasets once and check their first samples agree. Returns the
+    number of classes where the training Dataset names them (`class_names`), else None:
+    counting its labels would read every sample."""
     train = build(spec_train, "data.train")
     shape, _ = first_sample(train, "data.train")
     for key, spec in (("data.val", spec_val), ("data.test", spec_test)):
@@ -107,3 +109,5 @@ def check(spec_train: dict[str, Any] | None, spec_val: dict[str, Any] | None,
         if other != shape:
             raise ConfigError(f"{key}'s inputs have shape {other}, data.train's {shape}: "
                               "both must give the model the same shape.")
+    names = class_names(train)
+    return len(names) if names else None
