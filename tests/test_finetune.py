@@ -227,7 +227,7 @@ def test_bad_prefixes_and_groups_are_refused_by_preflight(overrides: tuple[str, 
     cfg = typed("model=mlp", "data=synthetic", "data.image_size=8", *overrides)
     with pytest.raises(ConfigError) as info:
         preflight.validate(cfg, 1)
-        preflight.check_finetuning(cfg, resuming=False)
+        preflight.check_finetuning(cfg, False, preflight.input_before_reading(cfg.data))
     assert expected in str(info.value) and "\n" not in str(info.value)
 
 
@@ -239,7 +239,8 @@ def test_a_custom_models_reserved_keys_are_not_its_constructors(
     assert cfg.model.kwargs == {} and cfg.model.freeze == ["features"]
     spec = models.InputSpec(1, 8, 10)
     torch.save(models.build(cfg.model, spec).state_dict(), tmp_path / "w.pt")
-    preflight.check_finetuning(cfg, resuming=False)  # digits: (1, 8, 8), 10 classes
+    # digits: (1, 8, 8), 10 classes
+    preflight.check_finetuning(cfg, False, preflight.input_before_reading(cfg.data))
     with pytest.raises(ConfigError, match="must be a list of module-name prefixes"):
         typed("model=custom", f"model._target_={NET}", "+model.freeze=features")
 

@@ -48,11 +48,12 @@ def preflight(cfgs: Sequence[TrainConfig], on_slurm: bool = False, dry_run: bool
             if dry_run:
                 continue
             resuming = check_resume(cfg, world_size, output_dir if len(cfgs) == 1 else None)
+            known = input_before_reading(cfg.data)  # an image folder's: one directory scan
             check_model(cfg)
-            check_finetuning(cfg, resuming)
-            named_classes = check_data(cfg)
-            check_monitor(cfg, named_classes)
-            check_registrable(cfg, checked)
+            check_finetuning(cfg, resuming, known)
+            named_classes = check_data(cfg)  # a custom Dataset's, where it names them
+            check_monitor(cfg, known[1] if known else named_classes)
+            check_registrable(cfg, known, checked)
             if not on_slurm:
                 check_local_devices(cfg)
                 check_temp_dir(cfg)
@@ -139,10 +140,11 @@ def check_model(cfg: TrainConfig,
         raise ConfigError(str(e)) from None
 
 
-def check_finetuning(cfg: TrainConfig, resuming: bool) -> None:
+def check_finetuning(cfg: TrainConfig, resuming: bool,
+                     known: tuple[tuple[int, ...], int] | None) -> None:
     """model.weights found, read (weights only) and, strict, fitting the model; model.freeze
     and optim.param_groups prefixes matching its parameters. The model is built on the meta
-    device, where the data's shape is known without reading the data (elsewhere the job checks
+    device, where the data's shape is `known` without reading the data (elsewhere the job checks
     at its start). A job that continues a checkpoint takes its weights: model.weights unread."""
     m = cfg.model
     if not (m.weights or m.freeze or cfg.optim.param_groups):
@@ -152,7 +154,7 @@ def check_finetuning(cfg: TrainConfig, resuming: bool) -> None:
     try:
         source = None if resuming else pretrained.resolve(m)
         weights = pretrained.read(source.path, source.label) if source else None
-        if (known := input_before_reading(cfg.data)) is None:
+        if known is None:
             return
         spec = models.InputSpec.of(*known)
         model = models.build_on_meta(m, spec)
@@ -209,20 +211,19 @@ def check_data(cfg: TrainConfig) -> int | None:
     return None
 
 
-def check_monitor(cfg: TrainConfig, named_classes: int | None) -> None:
+def check_monitor(cfg: TrainConfig, classes: int | None) -> None:
     """A top-5 monitor on a data set of TOP_K classes or fewer, where the classes are known:
-    before the data is read, or named by a custom Dataset (`named_classes`; one that does not
-    name them: on every rank once it is built)."""
-    known = input_before_reading(cfg.data)
-    classes = known[1] if known else named_classes
+    before the data is read, or named by a custom Dataset (one that does not name them: on
+    every rank once it is built)."""
     if classes is not None and (problem := monitor_problem(cfg.trainer.monitor, classes)):
         raise ConfigError(problem)
 
 
-def check_registrable(cfg: TrainConfig, checked: set[str]) -> None:
+def check_registrable(cfg: TrainConfig, known: tuple[tuple[int, ...], int] | None,
+                      checked: set[str]) -> None:
     """tracking.register_model: torch.export traces the model (train/exportable.py), where its
-    input is known before the data is read; once per model and input of a sweep."""
-    name, known = cfg.tracking.register_model, input_before_reading(cfg.data)
+    input is `known` before the data is read; once per model and input of a sweep."""
+    name = cfg.tracking.register_model
     if name and known and (key := repr((cfg.model, known))) not in checked:
         from train import exportable, models
 
