@@ -49,6 +49,7 @@ def test_the_second_node_task_starts_ranks_2_and_3_of_4(monkeypatch: pytest.Monk
     assert [(e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]) for e in envs] \
         == [("2", "0", "4", "2"), ("3", "1", "4", "2")]
     assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"] == str(node.master_port)
+    assert node.master_port == distenv.job_master_port()  # as a task per rank would derive it
     # The first node's task computes the same master (seeded by the job id).
     monkeypatch.setenv("SLURM_PROCID", "0")
     assert distenv.slurm_node_task(2).master_port == node.master_port

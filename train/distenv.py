@@ -6,8 +6,8 @@ launchers and refuses a half-set environment:
 - torchrun, or this package's local launcher: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
   MASTER_ADDR, MASTER_PORT are all set;
 - a Slurm job step (`srun`, or submitit, which runs its tasks through srun): submitit's
-  JobEnvironment reads SLURM_* and TorchDistributedEnvironment derives MASTER_ADDR (first node)
-  and MASTER_PORT (seeded by the job id), which are then exported torchrun-style;
+  JobEnvironment reads SLURM_* and TorchDistributedEnvironment derives MASTER_ADDR (first node);
+  MASTER_PORT is seeded by the job id (`job_master_port`); both are exported torchrun-style;
 - nothing: a plain `python -m train`, which the local launcher turns into N ranks;
 - a Slurm job step with one task per node (`cluster.ranks=per_node`): that task is a local
   launcher for its node's ranks (`slurm_node_task`), which then see torchrun-style variables.
@@ -16,12 +16,20 @@ launchers and refuses a half-set environment:
 from __future__ import annotations
 
 import os
+import random
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                  "MASTER_PORT")
+
+
+MASTER_PORTS = (20000, 32767)
+"""Where a Slurm job's MASTER_PORT is drawn, seeded by its job id so that every task derives the
+same one: below Linux's default ephemeral range (32768-60999), from which the kernel hands out
+ports to outgoing connections. submitit draws from 20000-60000, where any connection on the
+master node may hold the port: a sweep's array task failed with EADDRINUSE."""
 
 
 LAUNCHER_VAR = "TRAIN_LAUNCHER"
@@ -115,8 +123,13 @@ def slurm_node_task(per_node: int, environ: Mapping[str, str] = os.environ) -> N
     job = TorchDistributedEnvironment()  # reads SLURM_*; exports nothing
     launcher = "submitit per node" if "SUBMITIT_FOLDER" in environ else "slurm per node"
     return NodeRanks(node_rank=job.rank, nodes=nodes, per_node=per_node,
-                     master_addr=job.master_addr, master_port=job.master_port,
+                     master_addr=job.master_addr, master_port=job_master_port(environ),
                      launcher=launcher)
+
+
+def job_master_port(environ: Mapping[str, str] = os.environ) -> int:
+    """The Slurm job's MASTER_PORT, the same in each of its tasks (MASTER_PORTS)."""
+    return random.Random(environ["SLURM_JOB_ID"]).randint(*MASTER_PORTS)
 
 
 def in_slurm_step(environ: Mapping[str, str] = os.environ) -> bool:
@@ -170,13 +183,14 @@ def detect() -> DistEnv:
 
 def _export_from_slurm() -> None:
     # submitit's JobEnvironment knows how to read SLURM_* (node lists, local ids) and its
-    # TorchDistributedEnvironment derives the master address and a job-seeded port; a plain
+    # TorchDistributedEnvironment derives the master address (its port is replaced); a plain
     # `srun python -m train` gets the same treatment by naming the slurm plugin.
     os.environ.setdefault("SUBMITIT_EXECUTOR", "slurm")
     from submitit.helpers import TorchDistributedEnvironment
 
     # Keep every GPU visible: we pick cuda:<local_rank> ourselves.
     TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    os.environ["MASTER_PORT"] = str(job_master_port())  # instead of submitit's: MASTER_PORTS
 
 
 def free_port() -> int:
