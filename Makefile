@@ -60,6 +60,7 @@ mlflow-server: setup
 bench: setup
 	$(PY) -m bench.run $(BENCH_ARGS)
 	$(PY) -m bench.imagefolder
+	$(PY) -m bench.new_store --dirty-mb 1000
 
 cluster-up:
 	bash slurm/cluster-up.sh

@@ -20,6 +20,7 @@ from typing import Any
 from train.config import TrackingConfig
 from train.tracking import registry
 from train.tracking.errors import describe, is_permanent
+from train.tracking.new_store import initialise
 from train.tracking.records import (
     ArtifactFile,
     Batch,
@@ -42,24 +43,6 @@ from train.tracking.store import (
     resolve_uri,
     sqlite_path,
 )
-
-
-def initialise(uri: str) -> None:
-    """Create and migrate a new SQLite store, once: a lock file beside it makes concurrent
-    first users (two jobs started together) wait for the first instead of corrupting it."""
-    import fcntl
-
-    from mlflow import MlflowClient
-
-    db = sqlite_path(uri)
-    assert db is not None, "only SQLite stores are initialised here"
-    with open(db.with_suffix(".lock"), "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            MlflowClient(tracking_uri=uri).search_experiments(max_results=1)  # migrates
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
 
 ONE_TRY_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "0",
                "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}

@@ -57,3 +57,18 @@ def describe(error: BaseException) -> str:
              if line.strip() and not line.strip().startswith("(raised as a result of")]
     text = " ".join(lines).split(" [SQL:")[0]
     return f"{type(error).__name__}: {text}"[:300]
+
+
+
+def stuck(what: str, since: float, thread_id: int | None) -> str:
+    """For a warning: "waiting N s on MLflow for <what>, at <file:line function>", the innermost
+    frame of the thread making the request (e.g. a database write, a socket read)."""
+    import sys
+    import time
+    import traceback
+
+    frame = sys._current_frames().get(thread_id) if thread_id is not None else None
+    last = traceback.extract_stack(frame)[-1] if frame is not None else None
+    at = f", at {last.filename.split('site-packages/')[-1]}:{last.lineno} {last.name}" \
+        if last else ""
+    return f"; waiting {time.monotonic() - since:.0f} s on MLflow for {what}{at}"

@@ -59,6 +59,7 @@ class MlflowRun(NullRun):
         self._records_done = 0
         self._hurry = False  # a flush or the end: send rows now, not at the batch interval
         self._in_flight: Record | None = None
+        self._request: tuple[str, float] | None = None  # what the sender waits on, since when
         self._go = threading.Event()  # see begin_sending()
         self._given_up = threading.Event()  # finish() saved the rest: stop retrying
         self.failure: str | None = None
@@ -148,7 +149,7 @@ class MlflowRun(NullRun):
             self._hurry = False
             return True
         self._hurry = False
-        why = self.failure or f"not accepted within {timeout_s:.0f} s"
+        why = self.failure or f"not accepted within {timeout_s:.0f} s{self._waiting_on()}"
         log.warning("MLflow has not taken this run's latest updates (%s); training goes on, "
                     "they stay queued", why)
         return False
@@ -178,7 +179,7 @@ class MlflowRun(NullRun):
         if self._thread.is_alive() or self.failure is not None:
             self._given_up.set()
             self._save_unsent(status, self.failure or f"not accepted within {wait_s:.0f} s "
-                              "(tracking.flush_timeout_s)")
+                              f"(tracking.flush_timeout_s){self._waiting_on()}")
             problem = "kept in the unsent file"
         elif self._started and self._client is not None and self._client.run_id:
             problem = self.failure = self._client.check_stored(status)
@@ -226,11 +227,11 @@ class MlflowRun(NullRun):
     def _send(self, record: Record) -> None:
         self._in_flight = record
         if isinstance(record, (CreateRun, ResumeRun)):
-            self._retry(lambda: self._begin(record))
+            self._retry(lambda: self._begin(record), type(record).__name__)
         else:
             if isinstance(record, EndRun):  # the rows logged before the end go first
                 self._send_rows()
-            self._retry(lambda: self._run_client().apply(record))
+            self._retry(lambda: self._run_client().apply(record), type(record).__name__)
         self._in_flight = None
         self._cpu_seconds = time.thread_time()
         self._records_done += 1
@@ -253,17 +254,20 @@ class MlflowRun(NullRun):
         if self._client is None:  # no run yet: they wait for it
             return
         while batch := self.rows.peek():
-            self._retry(lambda b=batch: self._run_client().send_rows(b))  # type: ignore[misc]
+            self._retry(lambda b=batch: self._run_client().send_rows(b),  # type: ignore[misc]
+                        f"log_batch of {len(batch)} rows")
             self.rows.drop(batch)
             self._cpu_seconds = time.thread_time()
 
-    def _retry(self, request: Callable[[], None]) -> None:
+    def _retry(self, request: Callable[[], None], what: str) -> None:
         """Until the request succeeds; a permanent failure (client.is_permanent) or finish()
         giving up ends the sender instead."""
-        delay = 0.5
+        delay, self._request = 0.5, (what, time.monotonic())
         while True:
             try:
-                return request()
+                request()
+                self._request = None
+                return
             except Exception as e:  # noqa: BLE001 - a tracking outage must not stop training
                 if errors.is_permanent(e):
                     self.failure = errors.describe(e)
@@ -280,6 +284,10 @@ class MlflowRun(NullRun):
                 # At most a few seconds apart: a server back from an outage is reached within
                 # seconds of its return (a failing try to a server that is down costs nothing).
                 delay = min(delay * 2, 4.0)
+
+    def _waiting_on(self) -> str:
+        request = self._request  # the sender may clear it meanwhile
+        return "" if request is None else errors.stuck(*request, self._thread.ident)
 
     def _save_unsent(self, status: str, why: str) -> None:
         """Keep what MLflow did not take in a local file, with the command that delivers it."""
