@@ -404,6 +404,33 @@ def test_an_unwaited_sweep_is_ended_by_its_last_job(cluster: None, store: dict[s
     assert all(c.info.status == "FINISHED" for c in children)
 
 
+@on_slurm
+def test_an_unwaited_sweep_whose_jobs_fail_ends_its_parent_failed(
+        cluster: None, store: dict[str, str], tmp_path: Path) -> None:
+    """One job fails at start-up, before its run exists; the other fails while training. The
+    last of them to end still ends the parent, FAILED, counting both."""
+    result = slurm_job(tmp_path, "-m", "trainer.fail_on_rank=0", "trainer.fail_at_step=0,3",
+                       "cluster.wait=false", "trainer.epochs=1", "tracking.log_model=false",
+                       env=store, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    uri = store["MLFLOW_TRACKING_URI"]
+
+    def ended_parent() -> object:
+        [parent] = [r for r in runs_in(uri) if r.data.tags.get("sweep") == "true"]
+        return parent if parent.info.status != "RUNNING" else None
+
+    parent = wait_until(ended_parent, 240, "the last job ending the parent run")
+    [child] = [r for r in runs_in(uri)
+               if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert child.info.status == "FAILED" and "failing on purpose at step 3" in \
+        child.data.tags["error"]
+    [no_run] = [v for k, v in parent.data.tags.items() if k.startswith("sweep.no_run.")]
+    assert "failing on purpose at step 0" in no_run and str(tmp_path / "sweep") in no_run
+    assert parent.info.status == "FAILED", parent.data.tags
+    assert parent.data.metrics["sweep/failed_children"] == 2
+    assert parent.data.metrics["sweep/children"] == 1
+
+
 def _attempts(tmp_path: Path) -> str:
     logs = sorted((tmp_path / "sweep" / ".submitit").glob("*/*_0_log.err"))
     return "\n".join(p.read_text(errors="replace") for p in logs)

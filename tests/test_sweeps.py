@@ -180,8 +180,9 @@ def test_a_sweep_whose_jobs_are_all_refused_leaves_no_run(store: dict[str, str],
 
 @pytest.mark.slow
 def test_a_failing_job_does_not_stop_the_sweep(store: dict[str, str], tmp_path: Path) -> None:
-    result = run_train("-m", "trainer.fail_on_rank=0,null", "trainer.epochs=1",
-                       "tracking.log_model=false",
+    # Step 0: at start-up, before the job's run exists; no step 10**6 in one epoch: it finishes.
+    result = run_train("-m", "trainer.fail_on_rank=0", "trainer.fail_at_step=0,1,1000000",
+                       "trainer.epochs=1", "tracking.log_model=false",
                        f"hydra.sweep.dir={tmp_path}/sweep", env=store, timeout=600)
     assert result.returncode != 0  # the sweep reports its failure...
     parent, children = parent_and_children(store["MLFLOW_TRACKING_URI"])
@@ -189,8 +190,11 @@ def test_a_failing_job_does_not_stop_the_sweep(store: dict[str, str], tmp_path: 
     assert statuses == ["FAILED", "FINISHED"]  # ...after running every job
     failed = next(c for c in children if c.info.status == "FAILED")
     assert "FailureDrill" in failed.data.tags["error"]
+    # The job that never had a run is on the parent, and counts among the failed.
+    [no_run] = [v for k, v in parent.data.tags.items() if k.startswith("sweep.no_run.")]
+    assert f"{tmp_path}/sweep/0: " in no_run and "failing on purpose at step 0" in no_run
     assert parent.info.status == "FAILED"
-    assert parent.data.metrics["sweep/failed_children"] == 1
+    assert parent.data.metrics["sweep/failed_children"] == 2
 
 
 @pytest.mark.slow

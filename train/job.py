@@ -230,24 +230,28 @@ def run_rank(config: dict[str, Any], output_dir: str, command: str, own_process:
     device = distributed.select_device(cfg.distributed.device, env.local_rank,
                                          env.local_world_size)
     backend = distributed.select_backend(cfg.distributed.backend, device)
-    distributed.init(env, backend, device, cfg.distributed.timeout_s)
     progress = Progress(env.is_main and sys.stderr.isatty(), cfg.trainer.epochs,
                         cfg.data.batch_size)
     logger = RunLogger(cfg, tracking.open_run(cfg.tracking, out, env.is_main), progress)
     logger.output_dir = str(out)
-    try:
+    try:  # from the process group on: a job that fails in it has ended too (sweep, below)
+        distributed.init(env, backend, device, cfg.distributed.timeout_s)
+        loop.fail_drill(cfg.trainer, 0, env.rank)
         with StopSignals() as stop:
             return _train(cfg, config, env, out, command, device, backend, logger, stop)
     except Preempted as stopped:
         log.warning("rank %d: %s", env.rank, stopped)
         budget = slurm.requeue_budget(cfg.cluster, env.launcher)
-        if env.is_main and budget is not None and stopped.signal_name == "SIGUSR2" and \
-                not slurm.will_requeue(stopped.signal_name, logger.restarts, budget):
+        final = budget is None or not slurm.will_requeue(stopped.signal_name, logger.restarts,
+                                                         budget)
+        if env.is_main and budget is not None and stopped.signal_name == "SIGUSR2" and final:
             newest = checkpoint.candidates(checkpoint.directory(out))
             note = slurm.time_limit_note(newest[0] if newest else None, command)
             log.error("%s", note)
             logger.run.set_tags({"stop_reason": note})
         logger.finish(stopped_by=stopped.signal_name)
+        if env.is_main and final:
+            _end_sweep_if_last(cfg, logger, out, f"stopped by {stopped.signal_name}")
         if env.is_main and budget is not None:
             slurm.requeue_after_stop(stopped.signal_name, logger.restarts, budget)
         raise
@@ -256,8 +260,18 @@ def run_rank(config: dict[str, Any], output_dir: str, command: str, own_process:
         if env.is_main and ending_run is not None:
             ending_run()
         logger.finish(error=reason)
+        if env.is_main:
+            _end_sweep_if_last(cfg, logger, out, reason)
         if env.is_main and silent and cfg.cluster is not None:
             slurm.end_job_after_lost_peer(reason)
         raise
     finally:
         distributed.shutdown()
+
+
+def _end_sweep_if_last(cfg: TrainConfig, logger: RunLogger, out: Path, ended: str) -> None:
+    """Rank 0 of a job that failed or stopped for good: a sweep left unwaited counts it as
+    ended (also one that failed before its run existed) and its last job ends the parent."""
+    sweep.end_parent_if_last(cfg.tracking, cfg.trainer.objective,
+                             cfg.trainer.objective_direction,
+                             None if logger.run.run_id else (str(out), ended))

@@ -18,7 +18,7 @@ from torch import nn
 
 from train import distributed, metrics, models, system_stats
 from train.checkpoint import Checkpointer
-from train.config import TrainConfig
+from train.config import TrainConfig, TrainerConfig
 from train.data import Batches, DataBundle
 from train.monitor import Monitor
 from train.state import TrainState
@@ -36,6 +36,12 @@ class ModelOutputError(ValueError):
 
 class FailureDrill(RuntimeError):
     """The failure asked for with trainer.fail_on_rank."""
+
+
+def fail_drill(trainer: TrainerConfig, step: int, rank: int) -> None:
+    """trainer.fail_on_rank: raise on that rank at step trainer.fail_at_step (0: start-up)."""
+    if step == trainer.fail_at_step and rank == trainer.fail_on_rank:
+        raise FailureDrill(f"trainer.fail_on_rank={rank}: failing on purpose at step {step}")
 
 
 @dataclass
@@ -192,9 +198,7 @@ def train_epoch(cfg: TrainConfig, state: TrainState, batches: Batches, device: t
         window_steps += 1
         if state.step == 1:
             duties.logger.first_step()
-        if state.step == cfg.trainer.fail_at_step and duties.rank == cfg.trainer.fail_on_rank:
-            raise FailureDrill(f"trainer.fail_on_rank={duties.rank}: failing on purpose at step "
-                               f"{state.step}")
+        fail_drill(cfg.trainer, state.step, duties.rank)
         if state.step % every == 0:
             _log_step(state, duties, totals, step_loss,
                       (time.perf_counter() - window_start) / window_steps, end, count)

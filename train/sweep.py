@@ -32,6 +32,9 @@ log = logging.getLogger("train.sweep")
 
 JOBS_TAG = "sweep.jobs"
 """On the parent of a sweep left unwaited: how many jobs it has (the last to end ends it)."""
+NO_RUN_TAG = "sweep.no_run."
+"""On a sweep's parent, one per job that failed before its own run existed (the key ends in a
+digest of the job's output directory, the value says which and why): it has ended, failed."""
 
 
 def is_sweep(config: DictConfig) -> bool:
@@ -63,13 +66,14 @@ def end_parent_run(cfg: TrackingConfig, parent_run_id: str, objective: str,
     if only_if_done and expected is None:  # a waited sweep: its submitter ends the parent
         return None
     children = parent_run.child_runs(uri, parent.experiment_id, parent_run_id)
-    if only_if_done and (len(children) < int(expected or 0) or any(
+    without_run = [k for k in parent.tags if k.startswith(NO_RUN_TAG)]
+    if only_if_done and (len(children) + len(without_run) < int(expected or 0) or any(
             c.status in ("RUNNING", "SCHEDULED") for c in children)):
         return None
-    failed = [c for c in children if c.status != "FINISHED"]
+    failed = len([c for c in children if c.status != "FINISHED"]) + len(without_run)
     scored = [c for c in children if objective in c.metrics]
-    summary: dict[str, Any] = {"children": len(children), "failed": len(failed)}
-    metrics = {"sweep/children": float(len(children)), "sweep/failed_children": float(len(failed))}
+    summary: dict[str, Any] = {"children": len(children), "failed": failed}
+    metrics = {"sweep/children": float(len(children)), "sweep/failed_children": float(failed)}
     tags: dict[str, str] = {}
     if scored:
         pick = max if direction == "maximize" else min
@@ -107,14 +111,19 @@ def register_best(uri: str, name: str, children: list[Any], objective: str,
     return {**outcome, "registered_run_id": best.run_id}
 
 
-def end_parent_if_last(cfg: TrackingConfig, objective: str, direction: str) -> None:
-    """Rank 0 of a sweep's job, after its own run ended: if the sweep was left unwaited
-    (`cluster.wait=false`) and this is its last job to end, summarise and end the parent.
-    Otherwise (no sweep, a waited sweep, jobs still running) nothing. Never raises: the job's
-    own run is complete whatever happens here."""
+def end_parent_if_last(cfg: TrackingConfig, objective: str, direction: str,
+                       without_run: tuple[str, str] | None = None) -> None:
+    """Rank 0 of a sweep's job, after its own run ended (finished, failed, or stopped for
+    good): if the sweep was left unwaited (`cluster.wait=false`) and this is its last job to
+    end, summarise and end the parent. Otherwise (no sweep, a waited sweep, jobs still
+    running) nothing. `without_run`: (output directory, error) of a job that failed before its
+    run existed, kept on the parent (NO_RUN_TAG) so that it counts as ended. Never raises: the
+    job's own run is complete whatever happens here."""
     if not cfg.enabled or not cfg.parent_run_id:
         return
     try:
+        if without_run is not None:
+            _count_without_run(cfg, cfg.parent_run_id, *without_run)
         summary = end_parent_run(cfg, cfg.parent_run_id, objective, direction, only_if_done=True)
     except Exception as e:  # noqa: BLE001 - say so, do not fail a job that did its work
         log.warning("could not summarise the sweep's parent run %s: %s", cfg.parent_run_id, e)
@@ -122,6 +131,17 @@ def end_parent_if_last(cfg: TrackingConfig, objective: str, direction: str) -> N
     if summary is not None:
         log.info("last job of the sweep: ended parent run %s (%d jobs, %d failed)",
                  cfg.parent_run_id, summary["children"], summary["failed"])
+
+
+def _count_without_run(cfg: TrackingConfig, parent_run_id: str, job_dir: str,
+                       error: str) -> None:
+    import hashlib
+
+    from train.tracking import parent_run, resolve_uri
+
+    key = NO_RUN_TAG + hashlib.sha256(job_dir.encode()).hexdigest()[:16]
+    parent_run.log_values(resolve_uri(cfg), parent_run_id,
+                          tags={key: f"{job_dir}: {error}"[:5000]})
 
 
 def tag_unwaited_jobs(cfg: TrackingConfig, parent_run_id: str, jobs: int) -> None:
