@@ -149,14 +149,8 @@ def finished_already(cfg: TrainConfig, out: Path) -> dict[str, Any] | None:
 def _train(cfg: TrainConfig, config: dict[str, Any], env: distenv.DistEnv, out: Path,
            command: str, device: torch.device, backend: str, logger: RunLogger,
            stop: StopSignals) -> dict[str, float]:
-    if (done := finished_already(cfg, out)) is not None:
-        # Nothing to train, nothing to log again: the run and the files stay as they are.
-        log.info("this job finished already: MLflow run %s, %s epochs (%s). Nothing changed; "
-                 "a larger trainer.epochs continues it.",
-                 done.get("run_id") or tracking.recorded_run_id(out), done.get("epochs"),
-                 out / "summary.json")
-        logger.run.finish()  # no run was started: only ends the sender thread
-        return {k: float(v) for k, v in (done.get("metrics") or {}).items()}
+    if (done := _final_metrics_if_done(cfg, out, logger)) is not None:
+        return done
     resumed = checkpoint.find(cfg.trainer.resume, out)
     if resumed is not None:  # before the run: a checkpoint it cannot use touches no run
         checkpoint.check_compatible(resumed, config, env.world_size)
@@ -208,6 +202,20 @@ def _train(cfg: TrainConfig, config: dict[str, Any], env: distenv.DistEnv, out: 
         sweep.end_parent_if_last(cfg.tracking, cfg.trainer.objective,
                                  cfg.trainer.objective_direction)
     return dict(logger.training.final_metrics)
+
+
+def _final_metrics_if_done(cfg: TrainConfig, out: Path,
+                           logger: RunLogger) -> dict[str, float] | None:
+    """The final metrics of a job this output directory finished already (nothing to train,
+    nothing to log again: the run and the files stay as they are); None otherwise."""
+    if (done := finished_already(cfg, out)) is None:
+        return None
+    log.info("this job finished already: MLflow run %s, %s epochs (%s). Nothing changed; a "
+             "larger trainer.epochs continues it.",
+             done.get("run_id") or tracking.recorded_run_id(out), done.get("epochs"),
+             out / "summary.json")
+    logger.run.finish()  # no run was started: only ends the sender thread
+    return {k: float(v) for k, v in (done.get("metrics") or {}).items()}
 
 
 def run_rank(config: dict[str, Any], output_dir: str, command: str, own_process: bool = True,

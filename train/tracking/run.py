@@ -68,7 +68,8 @@ class MlflowRun(NullRun):
         self._finished: bool | None = None  # finish()'s answer, once it ran
         self._client: client.RunClient | None = None  # made by the thread (imports mlflow)
         self._started = False
-        self._cpu_seconds = 0.0
+        self.cpu_seconds = 0.0
+        """CPU time the sender thread has used (MLflow's whole cost to this rank)."""
         self._thread = threading.Thread(target=self._loop, name="mlflow-sender", daemon=True)
         self._thread.start()
 
@@ -79,11 +80,6 @@ class MlflowRun(NullRun):
     @property
     def experiment_id(self) -> str | None:  # type: ignore[override]
         return self._client.experiment_id if self._client else None
-
-    @property
-    def cpu_seconds(self) -> float:  # type: ignore[override]
-        """CPU time the sender thread has used (MLflow's whole cost to this rank)."""
-        return self._cpu_seconds
 
     def start(self, tags: Mapping[str, str], run_name: str | None = None,
               resume_run_id: str | None = None) -> None:
@@ -233,7 +229,7 @@ class MlflowRun(NullRun):
                 self._send_rows()
             self._retry(lambda: self._run_client().apply(record), type(record).__name__)
         self._in_flight = None
-        self._cpu_seconds = time.thread_time()
+        self.cpu_seconds = time.thread_time()
         self._records_done += 1
 
     def _begin(self, record: CreateRun | ResumeRun) -> None:
@@ -257,7 +253,7 @@ class MlflowRun(NullRun):
             self._retry(lambda b=batch: self._run_client().send_rows(b),  # type: ignore[misc]
                         f"log_batch of {len(batch)} rows")
             self.rows.drop(batch)
-            self._cpu_seconds = time.thread_time()
+            self.cpu_seconds = time.thread_time()
 
     def _retry(self, request: Callable[[], None], what: str) -> None:
         """Until the request succeeds; a permanent failure (client.is_permanent) or finish()
