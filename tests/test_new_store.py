@@ -56,6 +56,15 @@ def test_an_empty_file_is_replaced_by_the_store(tmp_path: Path,
     assert open_and_log(f"sqlite:///{db}", caplog) == []
 
 
+def test_a_relative_uri_gets_its_store_where_mlflow_looks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.chdir(tmp_path)  # MLFLOW_TRACKING_URI=sqlite:///mlflow.db, as users write it
+    new_store.initialise("sqlite:///mlflow.db")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlflow.db", "mlflow.lock"]
+    assert open_and_log("sqlite:///mlflow.db", caplog) == []
+
+
 def test_a_store_another_process_made_meanwhile_is_kept(tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     db = tmp_path / "mlflow.db"

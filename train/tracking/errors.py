@@ -59,7 +59,6 @@ def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}"[:300]
 
 
-
 def stuck(what: str, since: float, thread_id: int | None) -> str:
     """For a warning: "waiting N s on MLflow for <what>, at <file:line function>", the innermost
     frame of the thread making the request (e.g. a database write, a socket read)."""

@@ -1,7 +1,7 @@
 """Creating a new SQLite store: once, and without a thousand disk syncs.
 
 MLflow creates a store by running its schema migrations one statement at a time: ~1,100
-fdatasync calls for one new mlflow.db (counted with strace). On an idle local disk that is 3 s;
+fdatasync calls for one new mlflow.db (counted with strace). On an idle local disk that is 1-3 s;
 on a disk busy with other writers (a CI machine, a shared node) or on a network file system
 (Lustre, NFS homes) each sync can take a tenth of a second or more, and the first run of a
 job then waited minutes to exist. So the store is built in a private file beside the real one
@@ -56,12 +56,13 @@ def _migrate_unsynced(scratch: Path) -> None:
     from sqlalchemy.engine import Engine
 
     opened: list[sqlite3.Connection] = []
+    target = os.path.realpath(scratch)  # SQLite names its file absolute: a URI may not
 
     def unsynced(connection: Any, _record: Any) -> None:
         if not isinstance(connection, sqlite3.Connection):
             return
-        files = [row[2] for row in connection.execute("PRAGMA database_list")]
-        if str(scratch) in files:
+        files = [row[2] for row in connection.execute("PRAGMA database_list") if row[2]]
+        if target in map(os.path.realpath, files):
             connection.execute("PRAGMA synchronous = OFF")
             connection.execute("PRAGMA journal_mode = MEMORY")
             opened.append(connection)
