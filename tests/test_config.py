@@ -82,6 +82,8 @@ def test_misspelt_key_is_refused() -> None:
     (("data.name=imagenet",), 1, "choose one of ['digits', 'synthetic'"),
     (("optim.lr=0",), 1, "optim.lr must be positive"),
     (("trainer.epochs=-1",), 1, "trainer.epochs must be positive"),
+    (("trainer.max_steps=0",), 1,
+     "trainer.max_steps must be a positive number of optimiser steps, or null (got 0)"),
     (("data.batch_size=0",), 1, "data.batch_size must be positive"),
     (("data.batch_size=64",), 3, "must split evenly over the 3 ranks"),
     (("trainer.precision=fp8",), 1, "trainer.precision='fp8'"),

@@ -66,6 +66,37 @@ def test_train_in_process_records_one_complete_run(tmp_path: Path, no_launcher_e
     assert "RANK" not in os.environ and not torch.distributed.is_initialized()
 
 
+def test_max_steps_ends_training_mid_epoch_and_a_larger_one_continues_it(
+        tmp_path: Path, no_launcher_env: None) -> None:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    out = tmp_path / "job"
+    # 5 optimiser steps per epoch (77 samples, batches of 16): step 7 is in the second epoch.
+    cfg = composed(*SMALL, "trainer.epochs=3", "trainer.max_steps=7", f"tracking.uri={uri}",
+                   "optim.schedule=cosine", "optim.min_lr_ratio=0.1")
+    run(cfg, str(out), "python -m train (test)")
+    [mlflow_run] = runs_in(uri)
+    run_id = mlflow_run.info.run_id
+    assert mlflow_run.info.status == "FINISHED"
+    assert history(uri, run_id, "train/samples") == [(0, 77.0), (1, 32.0)]  # 2 steps of 16
+    assert history(uri, run_id, "val/samples") == [(0, 19.0), (1, 19.0)]  # evaluated at the end
+    assert [s for s, _ in history(uri, run_id, "train/step_loss")] == [2, 4, 6]
+    # The cosine schedule spans the 7 steps: after the last one the lr is at its floor.
+    assert history(uri, run_id, "lr")[-1][1] == pytest.approx(0.05 * 0.1)
+    assert checkpoint.candidates(checkpoint.directory(out))[0].name == "step-000000007.pt"
+    assert json.loads((out / "summary.json").read_text())["max_steps"] == 7
+
+    run(cfg, str(out), "python -m train (test)")  # the same command: nothing to do
+    assert len(runs_in(uri)) == 1 and len(history(uri, run_id, "val/samples")) == 2
+
+    more = composed(*SMALL, "trainer.epochs=3", "trainer.max_steps=9", f"tracking.uri={uri}",
+                    "optim.schedule=cosine", "optim.min_lr_ratio=0.1")
+    run(more, str(out), "python -m train (test)")  # continues the same run, to step 9
+    [mlflow_run] = runs_in(uri)
+    assert mlflow_run.info.run_id == run_id and mlflow_run.info.status == "FINISHED"
+    assert history(uri, run_id, "train/samples")[-1] == (2, 32.0)
+    assert checkpoint.candidates(checkpoint.directory(out))[0].name == "step-000000009.pt"
+
+
 @pytest.fixture
 def one_rank(no_launcher_env: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[distenv.DistEnv]:
     for key, value in distenv.torchrun_env(0, 0, 1, 1, "127.0.0.1", distenv.free_port()).items():

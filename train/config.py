@@ -159,6 +159,10 @@ class OptimConfig:
 class TrainerConfig:
     epochs: int = 10
     """Passes over the training set."""
+    max_steps: int | None = None
+    """Stop after this many optimiser steps in all, mid-epoch if need be, when that comes before
+    trainer.epochs end (validation, checkpoint and test then as after a last epoch); the LR
+    schedule ends there. null = trainer.epochs alone."""
     accumulate_grad_batches: int = 1
     """Micro-batches whose gradients are summed before each optimiser step. data.batch_size
     stays the global batch of one optimiser step: each rank's micro-batch is

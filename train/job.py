@@ -134,16 +134,18 @@ def _final_model_and_test(cfg: TrainConfig, out: Path, state: train_state.TrainS
 
 
 def finished_already(cfg: TrainConfig, out: Path) -> dict[str, Any] | None:
-    """summary.json of this output directory if its job already trained trainer.epochs epochs
-    (the same command again); None otherwise."""
+    """summary.json of this output directory if its job already trained trainer.epochs epochs,
+    or up to trainer.max_steps (the same command again); None otherwise."""
     if cfg.trainer.resume != "auto":
         return None
     try:
         summary = json.loads((out / "summary.json").read_text())
-        done = int(summary.get("epochs", 0))
+        done, limit = int(summary.get("epochs", 0)), summary.get("max_steps")
     except (OSError, ValueError, TypeError, AttributeError):
         return None
-    return summary if done >= cfg.trainer.epochs else None
+    wanted = cfg.trainer.max_steps
+    as_far = limit is None or (wanted is not None and wanted <= int(limit))
+    return summary if done >= cfg.trainer.epochs and as_far else None
 
 
 def _train(cfg: TrainConfig, config: dict[str, Any], env: distenv.DistEnv, out: Path,
@@ -211,7 +213,7 @@ def _final_metrics_if_done(cfg: TrainConfig, out: Path,
     if (done := finished_already(cfg, out)) is None:
         return None
     log.info("this job finished already: MLflow run %s, %s epochs (%s). Nothing changed; a "
-             "larger trainer.epochs continues it.",
+             "larger trainer.epochs or trainer.max_steps continues it.",
              done.get("run_id") or tracking.recorded_run_id(out), done.get("epochs"),
              out / "summary.json")
     logger.run.finish()  # no run was started: only ends the sender thread

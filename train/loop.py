@@ -203,6 +203,8 @@ def train_epoch(cfg: TrainConfig, state: TrainState, batches: Batches, device: t
             _log_step(state, duties, totals, step_loss,
                       (time.perf_counter() - window_start) / window_steps, end, count)
             window_start, window_steps = time.perf_counter(), 0
+        if state.step == cfg.trainer.max_steps:  # the training ends with this step
+            break
     return totals
 
 
@@ -225,11 +227,12 @@ def evaluate(model: nn.Module, batches: Batches, device: torch.device, precision
 
 def fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.device,
         duties: Duties) -> metrics.Reduced | None:
-    """Train from `state` to trainer.epochs, or until early stopping; returns the last
-    validation (with its confusion matrix), or None when this start had no epoch left."""
-    epochs, val = cfg.trainer.epochs, None
+    """Train from `state` to trainer.epochs (or trainer.max_steps), or until early stopping;
+    returns the last validation (with its confusion matrix), or None when this start had no
+    epoch left."""
+    epochs, limit, val = cfg.trainer.epochs, cfg.trainer.max_steps, None
     criterion = build_criterion(cfg, data.num_classes, device)
-    while state.epoch < epochs:
+    while state.epoch < epochs and (limit is None or state.step < limit):
         started = time.perf_counter()
         train_totals = train_epoch(cfg, state, data.train, device, duties, criterion)
         _check_finite(train_totals.as_host()[0], duties.rank, state.step,
@@ -238,7 +241,7 @@ def fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.dev
             _report_scaler(state, duties)
         train_time = time.perf_counter() - started
         train = metrics.reduce(train_totals)
-        last = state.epoch + 1 == epochs
+        last = state.epoch + 1 == epochs or state.step == limit
         val = None
         if last or (state.epoch + 1) % cfg.trainer.eval_every == 0:
             # With early stopping any evaluation may be the last: each keeps its confusion.
@@ -254,12 +257,12 @@ def fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.dev
                             lrs=state.learning_rates(cfg.optim.lr), nodes=nodes)
         state.epoch += 1
         stop = distributed.any_rank(duties.stop.received is not None)
-        early = state.epoch < epochs and duties.monitor.stop_agreed()
+        early = not last and duties.monitor.stop_agreed()
         if stop or early or duties.checkpointer.epoch_end_due(state.epoch):
             duties.checkpointer.save(state, None, 0)
         if early:
             break
-        if stop and state.epoch < epochs:
+        if stop and not last:
             raise duties.stop.preempted()
     return val
 

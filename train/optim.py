@@ -39,8 +39,8 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str,
 
 
 def build_scheduler(cfg: OptimConfig, optimizer: torch.optim.Optimizer, steps_per_epoch: int,
-                    epochs: int) -> torch.optim.lr_scheduler.LambdaLR:
-    total = steps_per_epoch * epochs
+                    epochs: int, max_steps: int | None = None) -> torch.optim.lr_scheduler.LambdaLR:
+    total = min(steps_per_epoch * epochs, max_steps or steps_per_epoch * epochs)
     warmup = round(cfg.warmup_epochs * steps_per_epoch)
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, total, warmup, cfg.schedule, cfg.min_lr_ratio))

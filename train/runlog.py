@@ -156,6 +156,7 @@ class RunLogger:
         # end does not wait that long a second time.
         self._flushed = self.run.flush()
         return {"run_id": self.run.run_id, "epochs": self.cfg.trainer.epochs,
+                "max_steps": self.cfg.trainer.max_steps,
                 "stop_reason": self.stop_reason,
                 "metrics": self.training.final_metrics,
                 "by_epoch": self.training.by_epoch,

@@ -106,6 +106,7 @@ def build(cfg: TrainConfig, spec: models.InputSpec, steps_per_epoch: int,
     if cfg.trainer.compile:
         ddp = torch.compile(ddp)  # type: ignore[assignment]
     optimizer = optim.build_optimizer(cfg.optim, module)
-    scheduler = optim.build_scheduler(cfg.optim, optimizer, steps_per_epoch, cfg.trainer.epochs)
+    scheduler = optim.build_scheduler(cfg.optim, optimizer, steps_per_epoch, cfg.trainer.epochs,
+                                      cfg.trainer.max_steps)
     scaler = GradScaler(device, enabled=cfg.trainer.precision == "fp16-mixed")
     return TrainState(ddp, module, optimizer, scheduler, scaler)

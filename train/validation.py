@@ -87,6 +87,9 @@ def _training(cfg: TrainConfig, p: list[str]) -> None:
     _require(cfg.trainer.epochs > 0, f"trainer.epochs must be positive (got {cfg.trainer.epochs}).",
              p)
     _require(cfg.trainer.eval_every > 0, "trainer.eval_every must be positive.", p)
+    _require(cfg.trainer.max_steps is None or cfg.trainer.max_steps > 0,
+             f"trainer.max_steps must be a positive number of optimiser steps, or null (got "
+             f"{cfg.trainer.max_steps}).", p)
     _best_and_test(cfg, p)
     _require(cfg.trainer.log_every_n_steps > 0, "trainer.log_every_n_steps must be positive.", p)
     _require(cfg.trainer.keep_checkpoints > 0, "trainer.keep_checkpoints must be positive.", p)
