@@ -113,6 +113,20 @@ def process_ended(p: psutil.Process) -> bool:
         return True
 
 
+def command_line(p: psutil.Process) -> str:
+    """A process's command line; "" once it has gone or is a zombie (a launcher's short-lived
+    children, such as a `git` it ran, come and go while a test looks)."""
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def rank_processes(launcher: psutil.Process) -> list[psutil.Process]:
+    """The local rank processes a launcher spawned and that still run."""
+    return [p for p in launcher.children() if "spawn_main" in command_line(p)]
+
+
 def kill_job_after_checkpoints(out_dir: Path, env: dict[str, str], checkpoints: int,
                                *overrides: str, timeout: float = 180) -> None:
     """Start `python -m train <overrides>` in `out_dir` and SIGKILL it - launcher, ranks and

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.conftest import REPO, history, process_ended, runs_in, wait_until
+from tests.conftest import REPO, history, process_ended, rank_processes, runs_in, wait_until
 from train import distenv
 
 TORCHRUN_KEYS = distenv.TORCHRUN_VARS
@@ -121,7 +121,7 @@ def test_validation_is_exact_for_any_world_size() -> None:
 
 
 def _rank_processes(parent: psutil.Process, count: int) -> list[psutil.Process] | None:
-    ranks = [p for p in parent.children() if "spawn_main" in " ".join(p.cmdline())]
+    ranks = rank_processes(parent)
     return ranks if len(ranks) >= count else None
 
 

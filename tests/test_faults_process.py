@@ -29,6 +29,7 @@ from tests.conftest import (
     assert_refused,
     history,
     process_ended,
+    rank_processes,
     run_train,
     runs_in,
     skip_or_fail,
@@ -241,7 +242,7 @@ class Job:
         self.family = [self.launcher, *self.launcher.children(recursive=True)]
 
     def _ranks(self) -> list[psutil.Process] | None:
-        ranks = [p for p in self.launcher.children() if "spawn_main" in " ".join(p.cmdline())]
+        ranks = rank_processes(self.launcher)
         return ranks if len(ranks) == 2 else None
 
     def checkpoints(self) -> list[str]:

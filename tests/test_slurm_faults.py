@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import REPO, history, runs_in
+from tests.conftest import REPO, command_line, history, runs_in
 from tests.test_slurm import (  # noqa: F401 - cluster is a fixture
     _listed_by_squeue,
     cluster,
@@ -61,7 +61,7 @@ def _processes_of(job_id: str, node: str) -> list[psutil.Process]:
         except (psutil.Error, OSError):
             continue
         if env.get("SLURM_JOB_ID") == job_id and env.get("SLURMD_NODENAME") == node \
-                and "submitit" in " ".join(p.cmdline()):
+                and "submitit" in command_line(p):
             found.update({q.pid: q for q in [p, *p.children(recursive=True)]})
             if (parent := p.parent()) is not None and "slurmstepd" in parent.name():
                 found[parent.pid] = parent
