@@ -124,7 +124,8 @@ def command_line(p: psutil.Process) -> str:
 
 def rank_processes(launcher: psutil.Process) -> list[psutil.Process]:
     """The local rank processes a launcher spawned and that still run."""
-    return [p for p in launcher.children() if "spawn_main" in command_line(p)]
+    return [p for p in launcher.children()
+            if "spawn_main" in command_line(p) and not process_ended(p)]
 
 
 def kill_job_after_checkpoints(out_dir: Path, env: dict[str, str], checkpoints: int,

@@ -12,7 +12,14 @@ import psutil
 import pytest
 import torch
 
-from tests.conftest import history, kill_job_after_checkpoints, run_train, runs_in, wait_until
+from tests.conftest import (
+    history,
+    kill_job_after_checkpoints,
+    rank_processes,
+    run_train,
+    runs_in,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -103,15 +110,8 @@ def _hold_the_store_until_a_rank_exits(db_path: Path, hold_s: float) -> threadin
     db = sqlite3.connect(db_path, isolation_level=None, check_same_thread=False)
     db.execute("BEGIN EXCLUSIVE")
 
-    def running(child: psutil.Process) -> bool:
-        try:
-            return "spawn_main" in " ".join(child.cmdline()) and \
-                child.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:  # it has gone
-            return False
-
     def ranks() -> list[psutil.Process]:
-        return [c for c in psutil.Process().children() if running(c)]
+        return rank_processes(psutil.Process())
 
     def release() -> None:
         try:

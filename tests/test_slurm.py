@@ -10,7 +10,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 
@@ -379,6 +379,16 @@ def test_a_sweep_is_one_job_array_under_a_parent_run(cluster: None, store: dict[
         assert history(uri, child.info.run_id, "val/samples") == [(0, 359.0)]
 
 
+def _parent_once_ended(uri: str) -> Any:
+    """The sweep's parent run, once the last of its unwaited jobs has ended it."""
+
+    def ended_parent() -> object:
+        [parent] = [r for r in runs_in(uri) if r.data.tags.get("sweep") == "true"]
+        return parent if parent.info.status != "RUNNING" else None
+
+    return wait_until(ended_parent, 240, "the last job ending the parent run")
+
+
 @on_slurm
 def test_an_unwaited_sweep_is_ended_by_its_last_job(cluster: None, store: dict[str, str],
                                                    tmp_path: Path) -> None:
@@ -389,12 +399,7 @@ def test_an_unwaited_sweep_is_ended_by_its_last_job(cluster: None, store: dict[s
     assert result.returncode == 0, result.stdout + result.stderr
     assert "stays RUNNING" in result.stdout and "COMPLETED" not in result.stdout
     uri = store["MLFLOW_TRACKING_URI"]
-
-    def ended_parent() -> object:
-        [parent] = [r for r in runs_in(uri) if r.data.tags.get("sweep") == "true"]
-        return parent if parent.info.status != "RUNNING" else None
-
-    parent = wait_until(ended_parent, 240, "the last job ending the parent run")
+    parent = _parent_once_ended(uri)
     children = [r for r in runs_in(uri)
                 if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
     assert parent.info.status == "FINISHED", parent.data.tags
@@ -414,12 +419,7 @@ def test_an_unwaited_sweep_whose_jobs_fail_ends_its_parent_failed(
                        env=store, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     uri = store["MLFLOW_TRACKING_URI"]
-
-    def ended_parent() -> object:
-        [parent] = [r for r in runs_in(uri) if r.data.tags.get("sweep") == "true"]
-        return parent if parent.info.status != "RUNNING" else None
-
-    parent = wait_until(ended_parent, 240, "the last job ending the parent run")
+    parent = _parent_once_ended(uri)
     [child] = [r for r in runs_in(uri)
                if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
     assert child.info.status == "FAILED" and "failing on purpose at step 3" in \
