@@ -152,6 +152,33 @@ def test_flush_returns_once_the_rows_are_in_the_store(tmp_path: Path) -> None:
     assert runs_in(uri, "unit")[0].info.status == "FINISHED"
 
 
+def test_the_sender_starts_no_process_to_create_the_run(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child process the sender thread starts waits for its exec on a pipe that a DataLoader
+    worker forked meanwhile by the training thread holds open: the run was not created for
+    minutes (CI, twice). Who and what ran the run (`git rev-parse`) is found by the caller."""
+    import subprocess
+
+    starts: list[str] = []
+    popen_init = subprocess.Popen.__init__
+
+    def recording(self: subprocess.Popen, *args: object, **kwargs: object) -> None:
+        starts.append(threading.current_thread().name)
+        popen_init(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", recording)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    t = tracker(uri, tmp_path / "job")
+    t.start(tags={"world_size": "1"}, run_name="attributed")
+    t.begin_sending()
+    assert t.flush() is True
+    assert "mlflow-sender" not in starts
+    [run] = runs_in(uri, "unit")
+    assert len(run.data.tags["mlflow.source.git.commit"]) == 40
+    assert run.data.tags["mlflow.user"] == run.data.tags["unix_user"]
+    t.finish()
+
+
 def test_typed_records_survive_the_unsent_file(tmp_path: Path) -> None:
     saved = [CreateRun(experiment_id=None, experiment="unit", run_name="r", tags={"a": "1"}),
              ResumeRun(run_id="abc"),

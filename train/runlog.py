@@ -11,7 +11,6 @@ logging level (train/job.py, setup_logging). The metrics themselves are the same
 from __future__ import annotations
 
 import logging
-import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from train.data import DataBundle
 from train.distenv import DistEnv
 from train.progress import Progress
 from train.tracking import NullRun, TrackingIncomplete, how_to_view, records
-from train.tracking.store import REPO_ROOT
+from train.tracking.attribution import source_commit
 from train.trainlog import TrainingLog
 
 log = logging.getLogger("train")
@@ -38,15 +37,6 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
         else:
             flat[name] = str(value)
     return flat
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                             text=True, timeout=5)
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    return out.stdout.strip() if out.returncode == 0 else "unknown"
 
 
 class RunLogger:
@@ -80,7 +70,8 @@ class RunLogger:
                     # Each rank's host, in rank order: where a multi-node job put its ranks.
                     # (MLflow keeps tag values up to 8,000 characters: thousands of ranks cut.)
                     "rank_hostnames": ",".join(r["host"] for r in ranks)[:4000],
-                    "torch_version": str(torch.__version__), "git_commit": git_commit(),
+                    "torch_version": str(torch.__version__),
+                    "git_commit": source_commit() or "unknown",
                     "restarts": str(self.restarts), **tags}
         self.run.start(all_tags, run_name=self.cfg.tracking.run_name,
                        resume_run_id=previous[0] if previous else None)

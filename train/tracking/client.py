@@ -203,10 +203,7 @@ class RunClient:
         experiment_id = record.experiment_id
         if experiment_id is None:  # a local job: the launcher left the experiment to rank 0
             experiment_id = _experiment_id(self._mlflow, record.experiment, self.uri)
-        from train.tracking.attribution import run_tags  # user, source, commit (not "unknown")
-
-        run = self._mlflow.create_run(experiment_id, run_name=record.run_name,
-                                      tags={**run_tags(self.uri), **record.tags})
+        run = self._mlflow.create_run(experiment_id, run_name=record.run_name, tags=record.tags)
         self.run_id, self.experiment_id = run.info.run_id, str(experiment_id)
 
     def _resume(self, run_id: str) -> None:

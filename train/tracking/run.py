@@ -21,6 +21,7 @@ from pathlib import Path
 
 from train.config import TrackingConfig
 from train.tracking import client, errors, unsent
+from train.tracking.attribution import run_tags
 from train.tracking.backend import RUN_FILE, NullRun
 from train.tracking.records import (
     CreateRun,
@@ -92,8 +93,11 @@ class MlflowRun(NullRun):
             return
         if self.cfg.parent_run_id:  # a job of a sweep
             tag_rows.append(("mlflow.parentRunId", self.cfg.parent_run_id))
+        # Who and what ran it, worked out here and not by the sender thread: its `git` child
+        # waited for exec on a pipe that a DataLoader worker forked meanwhile held open - the
+        # run was not created for minutes.
         self._put(CreateRun(experiment_id=self.cfg.experiment_id, experiment=self.cfg.experiment,
-                            run_name=run_name, tags=dict(tag_rows)))
+                            run_name=run_name, tags={**run_tags(self.uri), **dict(tag_rows)}))
 
     def log_params(self, params: Mapping[str, str]) -> None:
         self.rows.add(params=[(k, str(v)) for k, v in params.items()])
