@@ -4,7 +4,7 @@ MLflow creates a store by running its schema migrations one statement at a time:
 fdatasync calls for one new mlflow.db (counted with strace). On an idle local disk that is 1-3 s;
 on a disk busy with other writers (a CI machine, a shared node) or on a network file system
 (Lustre, NFS homes) each sync can take a tenth of a second or more, and the first run of a
-job then waited minutes to exist. So the store is built in a private file beside the real one
+job would wait minutes to exist. So the store is built in a private file beside the real one
 with syncing off (a crash there loses only that file), synced once, and moved into place
 under its real name; MLflow then finds it complete and migrates nothing.
 """
