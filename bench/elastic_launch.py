@@ -1,11 +1,11 @@
-"""The `elastic_launch` variant of train/launch.py that `python -m bench.launcher` compared with
+"""The `elastic_launch` variant of train/launch/local.py that `python -m bench.launcher` compared with
 the hand-written launcher (docs/benchmarks.md, "Local launcher"; kept for repeating that).
 
-Not imported by the service. To measure it, put it in place of train/launch.py in a copy of the
+Not imported by the service. To measure it, put it in place of train/launch/local.py in a copy of the
 tree, e.g.:
 
     mkdir /tmp/elastic && git archive HEAD | tar -x -C /tmp/elastic
-    cp bench/elastic_launch.py /tmp/elastic/train/launch.py
+    cp bench/elastic_launch.py /tmp/elastic/train/launch/local.py
     python -m bench.launcher --tree hand=. --tree elastic=/tmp/elastic
 
 Ranks start under torch's elastic agent (c10d rendezvous on 127.0.0.1:0, no restarts); each
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from train import distenv
+from train.distributed import env as distenv
 
 log = logging.getLogger("train")
 
@@ -71,7 +71,7 @@ def run_in_process(config: dict[str, Any], output_dir: str, command: str) -> dic
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
     try:
-        from train.job import run_rank
+        from train.engine.job import run_rank
 
         return run_rank(config, output_dir, command, own_process=False)
     except Exception as e:
@@ -85,7 +85,7 @@ def run_in_process(config: dict[str, Any], output_dir: str, command: str) -> dic
 def _rank_entry(config: dict[str, Any], output_dir: str, command: str) -> dict[str, float]:
     # The agent runs this in each rank under @record: an exception leaves its traceback in the
     # rank's error file, which root_cause reads.
-    from train.job import run_rank
+    from train.engine.job import run_rank
 
     return run_rank(config, output_dir, command)
 

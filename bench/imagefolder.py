@@ -64,7 +64,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=REPO / ".bench" / "imagefolder.json")
     args = p.parse_args()
     if args.workers is None:
-        from train.data import default_num_workers
+        from train.data.build import default_num_workers
 
         args.workers = default_num_workers(args.nproc, streamed=True)
     return args

@@ -13,7 +13,7 @@ run) from each source tree given (default: this checkout), interleaved, --repeat
 Every process started under the command is tracked; `left` counts those still alive 5 s after
 the command ended (the harness then kills them). Compare launchers by giving one tree per
 variant, e.g. an unpacked older revision (`git archive REV | tar -x -C DIR`), or a copy with
-bench/elastic_launch.py as its train/launch.py:
+bench/elastic_launch.py as its train/launch/local.py:
 
     python -m bench.launcher --tree hand=. --tree elastic=/tmp/elastic --repeats 5
 """

@@ -5,7 +5,7 @@ Run it under torchrun, one process per rank:
     python -m torch.distributed.run --standalone --nproc_per_node=2 bench/plain_ddp.py \
         --model cnn --batch-size 256 --num-samples 8192 --epochs 2 --out /tmp/plain.json
 
-It trains the SAME model (built by train.models from the same ModelConfig) on the same synthetic
+It trains the SAME model (built by train.models.build from the same ModelConfig) on the same synthetic
 CIFAR-shaped data and training split as `python -m train data=synthetic`, with nothing of the
 service around it: a TensorDataset, DistributedSampler + DataLoader, SGD, `loss.item()` every
 step, no validation, no tracking. It stays fp32 on every device. Rank 0 writes a JSON file with
@@ -29,8 +29,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from train.config import ModelConfig
-from train.models import InputSpec, build
+from train.config.groups import ModelConfig
+from train.models.build import InputSpec, build
 
 # What conf/data/synthetic.yaml and DataConfig hold for the synthetic set: the same generator
 # seed and train/val split give the same training samples (and so the same steps per epoch).
@@ -40,7 +40,7 @@ SPLIT_SEED, VAL_FRACTION = 0, 0.1
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="cnn", help="train.models registry name")
+    p.add_argument("--model", default="cnn", help="train.models.build registry name")
     p.add_argument("--width", type=int, default=32)
     p.add_argument("--depth", type=int, default=2)
     p.add_argument("--dropout", type=float, default=0.0)
@@ -55,7 +55,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def synthetic_train_set(num_samples: int) -> TensorDataset:
-    """train/data.py's _synthetic and split(), normalised once up front as a tutorial would."""
+    """train/data/build.py's _synthetic and split(), normalised once up front as a tutorial would."""
     g = torch.Generator().manual_seed(SPLIT_SEED)
     shape = (num_samples, CHANNELS, IMAGE_SIZE, IMAGE_SIZE)
     images = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)

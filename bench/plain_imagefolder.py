@@ -8,7 +8,7 @@ torchvision's ImageFolder (PIL decoding) with the ImageNet-style training pipeli
 service's defaults, as transforms.v2 in the workers (RandomResizedCrop, RandomHorizontalFlip,
 ToDtype float32, Normalize with ImageNet's mean and std); DistributedSampler + set_epoch;
 DataLoader with the given workers, persistent workers and pin_memory on CUDA; the SAME model
-(train.models from the same ModelConfig), SGD as the service's defaults, `loss.item()` every step,
+(train.models.build from the same ModelConfig), SGD as the service's defaults, `loss.item()` every step,
 no validation, no tracking. Rank 0 writes a JSON file with throughput measured as the service
 measures it (global samples of an epoch / that epoch's time on rank 0), the unix time of the
 first optimiser step, and every rank's peak RSS.
@@ -32,8 +32,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 from torchvision.datasets import ImageFolder
 from torchvision.transforms import v2
 
-from train.config import ModelConfig
-from train.models import InputSpec, build
+from train.config.groups import ModelConfig
+from train.models.build import InputSpec, build
 
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 
@@ -42,7 +42,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--root", type=Path, required=True, help="class folders (the training set)")
     p.add_argument("--image-size", type=int, default=64)
-    p.add_argument("--model", default="cnn", help="train.models registry name")
+    p.add_argument("--model", default="cnn", help="train.models.build registry name")
     p.add_argument("--width", type=int, default=32)
     p.add_argument("--depth", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=128, help="GLOBAL batch, split over ranks")

@@ -108,7 +108,7 @@ def parse_args() -> argparse.Namespace:
 
 def model_defaults(name: str) -> dict[str, Any]:
     """conf/model/<name>.yaml over ModelConfig's defaults: what `model=<name>` composes to."""
-    from train.config import ModelConfig
+    from train.config.groups import ModelConfig
 
     path = REPO / "conf" / "model" / f"{name}.yaml"
     option = OmegaConf.load(path) if path.exists() else OmegaConf.create()

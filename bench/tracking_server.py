@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psutil
 
-from train.distenv import free_port
+from train.distributed.env import free_port
 
 
 def measure(server: str, calls: int = 200) -> dict[str, float]:

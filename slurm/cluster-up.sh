@@ -112,7 +112,7 @@ for node in "${NODES[@]}"; do mkdir -p "$STATE/$node"; done
 # Fake GPUs: Slurm's gres/gpu plugin wants a character device per GPU but never opens it (no
 # cgroups here), so each node gets $GPUS_PER_NODE device nodes with NVIDIA's major number and no
 # driver behind them. Slurm then sets CUDA_VISIBLE_DEVICES per task as on a GPU node (tests of
-# train/devices.py's binding). A plain file is rejected ("not a valid character or block
+# train/distributed/devices.py's binding). A plain file is rejected ("not a valid character or block
 # device": the GPUs are then never handed out), so without mknod rights say so and go on.
 for node in "${NODES[@]}"; do
   mkdir -p "$D/dev/$node"

@@ -25,8 +25,8 @@ from pathlib import Path
 import psutil
 
 from tests.conftest import REPO, history, runs_in
-from train import server_auth
-from train.distenv import free_port
+from train.distributed.env import free_port
+from train.security import server_auth
 
 LOGIN_VARS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
 

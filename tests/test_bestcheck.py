@@ -88,8 +88,8 @@ def test_early_stopping_on_two_ranks_and_an_exact_test_split(store: dict[str, st
     sys.path.insert(0, str(REPO / "tests"))
     from userpkg.data import Lines
 
-    from train import models
-    from train.config import ModelConfig
+    from train.config.groups import ModelConfig
+    from train.models import build as models
 
     model = models.build(ModelConfig(width=8), models.InputSpec.of((1, 16, 16), 3)).eval()
     model.load_state_dict(torch.load(out / "model.pt", weights_only=True))
@@ -184,8 +184,8 @@ def test_a_top5_monitor_on_a_custom_data_set_of_three_unnamed_classes_fails_befo
 
 def test_an_image_folders_test_folder_is_sharded_exactly_over_the_ranks(tmp_path: Path) -> None:
     from tests.images import class_names, write_class_folder, write_image_folder
-    from train import data
-    from train.config import DataConfig
+    from train.config.groups import DataConfig
+    from train.data import build as data
 
     root = write_image_folder(tmp_path / "set", 3, 4, 2, size=16)
     write_class_folder(root / "test", class_names(3), 3, size=16, seed=5)  # 9 images
@@ -200,9 +200,9 @@ def test_an_image_folders_test_folder_is_sharded_exactly_over_the_ranks(tmp_path
 
 
 def test_the_monitor_minimises_a_loss_and_carries_its_state_over() -> None:
-    from train.config import TrainerConfig
-    from train.metrics import Reduced
-    from train.monitor import Monitor
+    from train.config.groups import TrainerConfig
+    from train.engine.monitor import Monitor
+    from train.report.metrics import Reduced
 
     cfg = TrainerConfig(monitor="val/loss", early_stopping_patience=2)
     bests: list[float] = []
@@ -222,8 +222,8 @@ def test_mnists_test_files_are_its_test_split_sharded_exactly(tmp_path: Path) ->
     import numpy as np
 
     from tests.test_data_models import write_idx
-    from train import data
-    from train.config import DataConfig
+    from train.config.groups import DataConfig
+    from train.data import build as data
 
     rng = np.random.default_rng(0)
     raw = tmp_path / "MNIST" / "raw"

@@ -14,8 +14,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
 from tests.conftest import REPO, assert_refused, run_train, runs_in
-from train.cluster_config import ClusterConfig, ranks_per_node
-from train.config import (
+from train.config.cluster import ClusterConfig, ranks_per_node
+from train.config.groups import (
     ConfigError,
     DataConfig,
     DistributedConfig,
@@ -26,8 +26,8 @@ from train.config import (
     handed_overrides,
     typed_by_user,
 )
-from train.preflight import validate
-from train.schema import register_schema, to_container, to_typed
+from train.config.schema import register_schema, to_container, to_typed
+from train.launch.preflight import validate
 
 GROUPS = ("model", "data", "optim", "trainer", "distributed", "tracking")
 
@@ -153,7 +153,7 @@ def test_cli_names_the_download_command_for_a_missing_data_set(store: dict[str, 
 
 
 def test_cli_refuses_an_unreachable_tracking_server() -> None:
-    from train.distenv import free_port
+    from train.distributed.env import free_port
 
     out = run_train("trainer.epochs=1",
                     env={"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{free_port()}"}, timeout=120)
@@ -205,7 +205,7 @@ def restated_defaults(path: Path) -> list[str]:
 
 @pytest.mark.parametrize("path", OPTION_FILES, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_yaml_sets_only_what_differs_from_the_dataclass(path: Path) -> None:
-    assert restated_defaults(path) == [], f"{path}: these equal train/config.py's defaults"
+    assert restated_defaults(path) == [], f"{path}: these equal train/config/groups.py's defaults"
 
 
 @pytest.mark.parametrize("path", OPTION_FILES, ids=lambda p: f"{p.parent.name}/{p.stem}")

@@ -19,9 +19,11 @@ from hydra import compose, initialize_config_dir
 
 from tests.conftest import REPO, history, kill_job_after_checkpoints, run_train, runs_in
 from tests.test_slurm import cluster, on_slurm, slurm_job  # noqa: F401 - the fixture
-from train import loop, models, preflight
-from train.config import ConfigError, CustomModelConfig
-from train.schema import register_schema, to_container, to_typed
+from train.config.groups import ConfigError, CustomModelConfig
+from train.config.schema import register_schema, to_container, to_typed
+from train.engine import loop
+from train.launch import preflight
+from train.models import build as models
 
 USER_PATH = str(REPO / "tests")
 """What a user puts on PYTHONPATH: the directory that holds their package (userpkg)."""

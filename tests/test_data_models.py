@@ -10,8 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from train import batches, data, datasets, models, preflight
-from train.config import DataConfig, ModelConfig
+from train.config.groups import DataConfig, ModelConfig
+from train.data import batches, datasets
+from train.data import build as data
+from train.launch import preflight
+from train.models import build as models
 
 
 def write_idx(path: Path, array: np.ndarray) -> None:

@@ -15,7 +15,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.conftest import REPO, history, process_ended, rank_processes, runs_in, wait_until
-from train import distenv
+from train.distributed import env as distenv
 
 TORCHRUN_KEYS = distenv.TORCHRUN_VARS
 
@@ -83,8 +83,12 @@ def _evaluate_on_rank(rank: int, world_size: int, port: int, results: mp.Queue) 
     for key, value in distenv.torchrun_env(rank, rank, world_size, world_size, "127.0.0.1",
                                            port).items():
         os.environ[key] = value
-    from train import data, distributed, loop, metrics, models
-    from train.config import DataConfig, ModelConfig
+    from train.config.groups import DataConfig, ModelConfig
+    from train.data import build as data
+    from train.distributed import process_group as distributed
+    from train.engine import loop
+    from train.models import build as models
+    from train.report import metrics
 
     env = distenv.detect()
     device = torch.device("cpu")

@@ -35,15 +35,16 @@ from tests.conftest import (
     skip_or_fail,
     wait_until,
 )
-from train import app, joblock
-from train.config import ConfigError
+from train import app
+from train.config.groups import ConfigError
+from train.launch import joblock
 
 # -- the job lock (fast: its holder is a real process that imports no torch) -------------------
 
 HOLDER = """
 import subprocess, sys
 from pathlib import Path
-from train import joblock
+from train.launch import joblock
 joblock.take(Path(sys.argv[1]))
 if len(sys.argv) > 2:  # as the local launcher: its ranks hold the directory with it
     rank = subprocess.Popen(["sleep", "60"])
@@ -173,10 +174,10 @@ def test_a_worker_outlives_the_groups_signals_but_not_its_ranks_terminate() -> N
     rank; the rank's own terminate() (DataLoader shutdown, exit) still ends it."""
     import torch
 
-    from train.batches import WorkersBornDeaf
-    from train.stopping import ignore_in_worker
+    from train.data.batches import WorkersBornDeaf
+    from train.distributed.stopping import ignore_in_worker
 
-    # As a rank does at its start (train/job.py): after set_num_threads a forked worker starts
+    # As a rank does at its start (train/engine/job.py): after set_num_threads a forked worker starts
     # a thread of its own before worker_init_fn runs, through which a TERM could kill it.
     torch.set_num_threads(torch.get_num_threads())
     loader = WorkersBornDeaf(list(range(1000)), batch_size=4, num_workers=1,

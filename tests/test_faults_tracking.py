@@ -29,11 +29,13 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from tests.conftest import REPO, history, run_train, runs_in, skip_or_fail
-from train import checkpoint, outbox, preflight
-from train.config import ConfigError, TrackingConfig
-from train.distenv import free_port
-from train.launch import LaunchError
-from train.schema import register_schema, to_container, to_typed
+from train import outbox
+from train.config.groups import ConfigError, TrackingConfig
+from train.config.schema import register_schema, to_container, to_typed
+from train.distributed.env import free_port
+from train.engine import checkpoint
+from train.launch import preflight
+from train.launch.local import LaunchError
 from train.tracking import client, unsent
 from train.tracking.records import ArtifactFile, Batch, EndRun, Text
 from train.tracking.run import MlflowRun
@@ -430,9 +432,9 @@ def test_a_full_output_disk_still_keeps_the_finished_training(
 def test_a_job_whose_end_did_not_reach_the_store_does_not_claim_success(tmp_path: Path) -> None:
     """The run logger of a finished training, over a store that never answered: no FINISHED
     line, but an error that says where the rest is and how to deliver it."""
-    from train.config import TrainConfig
-    from train.progress import Progress
-    from train.runlog import RunLogger
+    from train.config.groups import TrainConfig
+    from train.report.progress import Progress
+    from train.report.runlog import RunLogger
     from train.tracking import TrackingIncomplete
 
     cfg = TrainConfig()

@@ -18,10 +18,13 @@ from torch import nn
 from tests.conftest import history, run_train, runs_in
 from tests.test_custom_model import NET, USER_PATH, typed
 from tests.test_unit_job import SMALL, composed, no_launcher_env  # noqa: F401
-from train import finetune, models, optim, preflight, pretrained
 from train.app import run
-from train.config import ConfigError, ModelConfig, OptimConfig
-from train.state import GradScaler, TrainState
+from train.config.groups import ConfigError, ModelConfig, OptimConfig
+from train.engine import optim
+from train.engine.state import GradScaler, TrainState
+from train.launch import preflight
+from train.models import build as models
+from train.models import finetune, pretrained
 
 RESNET18_FILE = "resnet18-f37072fd.pth"
 """The file name torchvision's ResNet18_Weights.IMAGENET1K_V1 (= DEFAULT) is cached under."""

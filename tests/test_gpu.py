@@ -1,4 +1,4 @@
-"""The CUDA-only branches of train/devices.py, run for real where a GPU exists.
+"""The CUDA-only branches of train/distributed/devices.py, run for real where a GPU exists.
 
 Without CUDA every test here skips with its reason - under CI=true too: no GPU machine serves
 this project's CI, and tests/conftest.py lets the `gpu` marker's skips (and only those) pass.
@@ -60,8 +60,8 @@ def test_sync_batchnorm_trains_resnet18(store: dict[str, str], tmp_path: Path) -
 
 
 def test_in_memory_data_is_kept_and_batched_on_the_gpu() -> None:
-    from train import data
-    from train.config import DataConfig
+    from train.config.groups import DataConfig
+    from train.data import build as data
 
     device = torch.device("cuda", 0)
     bundle = data.build(DataConfig(), rank=0, world_size=1, local_world_size=1, device=device,
@@ -74,7 +74,7 @@ def test_in_memory_data_is_kept_and_batched_on_the_gpu() -> None:
 @pytest.mark.slow
 def test_bf16_compile_channels_last_resnet18_reports_mfu(store: dict[str, str],
                                                           tmp_path: Path) -> None:
-    from train import flops
+    from train.report import flops
 
     # A GPU without a data-sheet entry gets an upper bound of any current GPU's dense bf16 peak,
     # so that train/mfu is still computed (and must then still lie in (0, 1)).

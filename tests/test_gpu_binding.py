@@ -1,4 +1,4 @@
-"""Which GPU each rank binds to (train/devices.py), and slurm/train.sbatch's time-limit requeue.
+"""Which GPU each rank binds to (train/distributed/devices.py), and slurm/train.sbatch's time-limit requeue.
 
 First the choice itself, fast and without Slurm; then the ranks of real `srun` steps on the
 local cluster, whose nodes carry fake GPUs (Slurm GRES on device files, slurm/cluster-up.sh):
@@ -17,10 +17,10 @@ import pytest
 
 from tests.conftest import REPO, history, runs_in, skip_or_fail
 from tests.test_slurm import _wait_for_job, cluster, on_slurm, wait_until  # noqa: F401
-from train.cluster_config import ClusterConfig
-from train.devices import choose_gpu, gpu_for_rank, select_device, visible_gpus
-from train.distenv import DistEnvError
-from train.slurm import requeue_budget
+from train.config.cluster import ClusterConfig
+from train.distributed.devices import choose_gpu, gpu_for_rank, select_device, visible_gpus
+from train.distributed.env import DistEnvError
+from train.launch.submit import requeue_budget
 
 # -- the choice, no Slurm ---------------------------------------------------------------------
 
@@ -71,7 +71,8 @@ def test_the_cpu_needs_no_gpu_binding(monkeypatch: pytest.MonkeyPatch) -> None:
 
 PROBE = """
 import socket
-from train import devices, distenv
+from train.distributed import devices
+from train.distributed import env as distenv
 env = distenv.detect()  # as every rank does: LOCAL_RANK, LOCAL_WORLD_SIZE from SLURM_*
 try:
     index, name, _ = devices.gpu_for_rank(None, env.local_rank, env.local_world_size)

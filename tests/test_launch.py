@@ -15,14 +15,15 @@ import psutil
 import pytest
 
 from tests.conftest import REPO
-from train import launch, stopping
-from train.launch import RankOutcome, root_cause
+from train.distributed import stopping
+from train.launch import local as launch
+from train.launch.local import RankOutcome, root_cause
 
 
 def _error(rank: int, at: float, last_line: str) -> RankOutcome:
     """What a rank sends back when it raises: its traceback, and when."""
     text = ("Traceback (most recent call last):\n"
-            '  File "train/loop.py", line 94, in train_epoch\n'
+            '  File "train/engine/loop.py", line 94, in train_epoch\n'
             f"{last_line}\n")
     return RankOutcome(rank, "error", text, at)
 
@@ -30,7 +31,7 @@ def _error(rank: int, at: float, last_line: str) -> RankOutcome:
 def test_the_earliest_python_error_is_the_root_cause() -> None:
     """Rank 1 raised first; rank 0 then saw its closed connection (and sent later)."""
     outcomes = [_error(0, 100.8, "RuntimeError: Connection closed by peer"),
-                _error(1, 100.2, "train.loop.FailureDrill: failing on purpose at step 3")]
+                _error(1, 100.2, "train.engine.loop.FailureDrill: failing on purpose at step 3")]
     cause = root_cause({0: 1, 1: 1}, outcomes, stopped=set())
     assert cause.startswith("rank 1 failed first:\nTraceback (most recent call last):")
     assert cause.rstrip().endswith("FailureDrill: failing on purpose at step 3")
@@ -64,7 +65,7 @@ def test_without_an_error_or_a_signal_the_exit_codes_are_the_root_cause() -> Non
 
 def test_the_launcher_imports_no_torch() -> None:
     """`--help` and refused configurations answer fast: torch is imported by the ranks."""
-    code = "import sys, train.launch; print('torch' in sys.modules)"
+    code = "import sys, train.launch.local; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                             text=True, timeout=60, check=True)
     assert result.stdout.strip() == "False"
@@ -72,7 +73,8 @@ def test_the_launcher_imports_no_torch() -> None:
 
 ORPHAN = """
 import multiprocessing, os, sys, time
-from train import launch, stopping
+from train.distributed import stopping
+from train.launch import local as launch
 
 def rank(launcher, report):
     launch._end_with(launcher)

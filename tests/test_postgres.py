@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import skip_or_fail
 from tests.servers import ServerProcess, jobs_at_once
-from train.distenv import free_port
+from train.distributed.env import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -137,8 +137,8 @@ def test_fp16_divergence_still_stops_with_rank_and_step(uri: str, tmp_path: Path
 
 def test_channels_last_gives_the_same_gradients_in_process() -> None:
     """Fast: channels_last changes the layout, not the arithmetic (float32 rounding only)."""
-    from train import models
-    from train.config import ModelConfig
+    from train.config.groups import ModelConfig
+    from train.models import build as models
 
     torch.manual_seed(0)
     images, labels = torch.randn(16, 3, 16, 16), torch.randint(0, 10, (16,))
@@ -177,8 +177,8 @@ def test_a_compiled_job_killed_resumes_and_its_checkpoints_serve_eager_jobs(
     # job's own weights predict.
     import mlflow.pytorch
 
-    from train import models
-    from train.config import ModelConfig
+    from train.config.groups import ModelConfig
+    from train.models import build as models
 
     mlflow.set_tracking_uri(uri)
     logged = mlflow.pytorch.load_model(f"runs:/{run.info.run_id}/model").eval()
@@ -228,7 +228,7 @@ def test_the_scaler_skips_an_overflowing_step_and_counts_it() -> None:
     """Fast, in-process: a real overflow (1e38 x the scale is inf in float32) through the real
     GradScaler. The step is not applied, the scale halves, the next step is; the count survives
     a checkpoint's state_dict."""
-    from train.state import GradScaler
+    from train.engine.state import GradScaler
 
     weight = torch.nn.Parameter(torch.ones(3))
     optimizer = torch.optim.SGD([weight], lr=0.1)

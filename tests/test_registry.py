@@ -234,8 +234,8 @@ def test_the_model_card_says_how_images_become_inputs() -> None:
     them; the user's Dataset: its inputs as they come."""
     from types import SimpleNamespace
 
-    from train.config import DataConfig
-    from train.modelcard import describe
+    from train.config.groups import DataConfig
+    from train.report.modelcard import describe
     from train.tracking.registry import description, version_tags
 
     val = SimpleNamespace(scale=255.0, mean=torch.tensor([0.485, 0.456, 0.406]).view(1, -1, 1, 1),
@@ -264,8 +264,9 @@ def test_preflight_exports_a_traceable_model_on_the_meta_device_only(
     """A model torch.export traces is exported on the meta device alone (no memory for its
     weights at pre-flight: torchvision's resnet50 at 224 pixels here); an untraceable one is
     tried on the CPU too before it is refused."""
-    from train import exportable, models
-    from train.config import ConfigError, CustomModelConfig, ModelConfig
+    from train.config.groups import ConfigError, CustomModelConfig, ModelConfig
+    from train.models import build as models
+    from train.models import exportable
 
     devices: list[str] = []
     export = exportable._export

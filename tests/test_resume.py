@@ -137,9 +137,9 @@ def test_rank_0_still_ending_its_run_is_not_stopped_with_the_others(
     from hydra import compose, initialize_config_dir
 
     from tests.conftest import LAUNCHER_VARS, REPO
-    from train import launch
     from train.app import run
-    from train.schema import register_schema
+    from train.config.schema import register_schema
+    from train.launch import local as launch
 
     for key in [*LAUNCHER_VARS, *(k for k in os.environ if k.startswith("SLURM_"))]:
         monkeypatch.delenv(key, raising=False)

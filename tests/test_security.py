@@ -25,10 +25,11 @@ import torch
 
 from tests.conftest import REPO, run_train, runs_in, skip_or_fail
 from tests.servers import ServerProcess
-from train import server, server_auth
+from train import server
 from train.__main__ import private_by_default
-from train.distenv import free_port
-from train.redact import redact
+from train.distributed.env import free_port
+from train.security import server_auth
+from train.security.redact import redact
 
 # ---------------------------------------------------------------- fast: no process started
 
@@ -98,9 +99,9 @@ def test_server_secrets_are_generated_once_private_and_never_on_argv(
 def test_a_control_character_in_a_name_or_cluster_string_is_refused(field: str) -> None:
     from dataclasses import replace
 
-    from train.cluster_config import ClusterConfig
-    from train.config import ConfigError, TrainConfig
-    from train.preflight import validate
+    from train.config.cluster import ClusterConfig
+    from train.config.groups import ConfigError, TrainConfig
+    from train.launch.preflight import validate
 
     evil = "x\nsrun rm -rf ~"
     cfg = TrainConfig(cluster=ClusterConfig(partition="debug"))
@@ -142,8 +143,8 @@ class _Payload:
 
 
 def test_a_planted_cifar_pickle_does_not_run(tmp_path: Path) -> None:
-    from train import datasets
-    from train.config import DataConfig
+    from train.config.groups import DataConfig
+    from train.data import datasets
 
     folder = tmp_path / "cifar-10-batches-py"
     folder.mkdir()

@@ -21,8 +21,8 @@ import pytest
 from tests.conftest import REPO, run_train, runs_in, skip_or_fail, wait_until
 from tests.servers import ServerProcess
 from tests.test_security import command_lines, status_of
-from train import server_auth
-from train.distenv import free_port
+from train.distributed.env import free_port
+from train.security import server_auth
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,5 @@
 """`python -m train +cluster=slurm` against the real local Slurm cluster (slurm/); first, fast
-tests of train/slurm.py's in-job part and request checks, which need no cluster."""
+tests of train/launch/submit.py's in-job part and request checks, which need no cluster."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from typing import Any, TypeVar
 import pytest
 
 from tests.conftest import REPO, history, run_train, runs_in, skip_or_fail, wait_until
-from train import slurm
-from train.cluster_config import ClusterConfig
-from train.config import ConfigError, DistributedConfig, TrainConfig
+from train.config.cluster import ClusterConfig
+from train.config.groups import ConfigError, DistributedConfig, TrainConfig
+from train.launch import submit as slurm
 
 T = TypeVar("T")
 
@@ -228,7 +228,7 @@ def _listed_by_squeue(job_id: str) -> bool:
 def test_the_tracking_server_runs_as_a_slurm_job(cluster: None, tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """slurm/mlflow-server.sbatch on a node; a job elsewhere logs to it by the node's name."""
-    from train.distenv import free_port
+    from train.distributed.env import free_port
 
     env_file, artifacts = tmp_path / "server.env", tmp_path / "artifacts"
     env = {**os.environ, "TRAIN_REPO": str(REPO), "MLFLOW_PORT": str(free_port()),
@@ -241,7 +241,7 @@ def test_the_tracking_server_runs_as_a_slurm_job(cluster: None, tmp_path: Path,
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip().split(";")[0]
     def server_url() -> str | None:  # the env file is written atomically, login included
-        from train.server_auth import read_env_file
+        from train.security.server_auth import read_env_file
 
         values = read_env_file(env_file) if env_file.exists() else {}
         for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
@@ -317,7 +317,7 @@ def test_preflight_refuses_before_submitting(cluster: None, store: dict[str, str
 
 @on_slurm
 def test_preflight_refuses_an_unreachable_tracking_server(cluster: None, tmp_path: Path) -> None:
-    from train.distenv import free_port
+    from train.distributed.env import free_port
 
     uri = f"http://127.0.0.1:{free_port()}"
     result = slurm_job(tmp_path, env={"MLFLOW_TRACKING_URI": uri}, timeout=120)

@@ -22,9 +22,9 @@ from tests.test_slurm import (  # noqa: F401 - cluster is a fixture
     slurm_job,
     wait_until,
 )
-from train import slurm
-from train.cluster_config import ClusterConfig
-from train.config import ConfigError, TrainConfig
+from train.config.cluster import ClusterConfig
+from train.config.groups import ConfigError, TrainConfig
+from train.launch import submit as slurm
 
 TWO_NODES = ("cluster.nodes=2", "cluster.tasks_per_node=1", "cluster.cpus_per_task=1",
              "data.batch_size=64")

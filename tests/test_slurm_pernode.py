@@ -18,9 +18,10 @@ from tests.test_slurm import (  # noqa: F401 - cluster is a fixture
     wait_until,
 )
 from tests.test_slurm_faults import running_an_epoch
-from train import distenv, slurm
-from train.cluster_config import ClusterConfig, slurm_cpus_per_task, slurm_tasks_per_node
-from train.distenv import TORCHRUN_VARS
+from train.config.cluster import ClusterConfig, slurm_cpus_per_task, slurm_tasks_per_node
+from train.distributed import env as distenv
+from train.distributed.env import TORCHRUN_VARS
+from train.launch import submit as slurm
 
 PER_NODE = ("cluster.ranks=per_node", "cluster.nodes=2", "cluster.tasks_per_node=2")
 

@@ -14,9 +14,11 @@ import torch
 
 from tests.conftest import REPO
 from tests.images import class_names, corrupt, write_image_folder
-from train import data, imagefolder, preflight, streaming
-from train.config import ConfigError, DataConfig, TrainConfig
-from train.launch import LaunchError
+from train.config.groups import ConfigError, DataConfig, TrainConfig
+from train.data import build as data
+from train.data import imagefolder, streaming
+from train.launch import preflight
+from train.launch.local import LaunchError
 
 CPU = torch.device("cpu")
 

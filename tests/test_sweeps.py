@@ -19,7 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import HydraContext, RunMode
 
 from tests.conftest import REPO, history, run_train, runs_in
-from train.schema import register_schema
+from train.config.schema import register_schema
 
 # -- in process: the local launcher ------------------------------------------------------------
 
@@ -33,8 +33,7 @@ class Sweep:
         from hydra._internal.callbacks import Callbacks
 
         from hydra_plugins.train_launcher.local_launcher import TrainLocalLauncher
-        from train import sweep
-        from train.tracking import client
+        from train.tracking import client, sweep
 
         self.jobs: list[dict[str, Any]] = []
         self.parents: list[tuple[str, dict[str, str]]] = []

@@ -15,9 +15,11 @@ import torch
 from mlflow import MlflowClient
 
 from tests.conftest import history, runs_in
-from train import flops, models, outbox
-from train.config import ModelConfig, TrackingConfig
-from train.distenv import free_port
+from train import outbox
+from train.config.groups import ModelConfig, TrackingConfig
+from train.distributed.env import free_port
+from train.models import build as models
+from train.report import flops
 from train.tracking import NullRun, open_run, records, unsent
 from train.tracking.records import (
     ArtifactFile,

@@ -22,8 +22,8 @@ from mlflow import MlflowClient
 
 from tests.conftest import REPO, history, run_train, runs_in, wait_until
 from tests.servers import EPOCH_METRICS, ServerProcess, jobs_at_once, tracking_server
-from train import server_auth
-from train.distenv import free_port
+from train.distributed.env import free_port
+from train.security import server_auth
 from train.tracking import errors
 from train.tracking.client import RunClient
 from train.tracking.records import DatasetInput

@@ -6,7 +6,7 @@ import math
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from train import figures
+from train.report import figures
 
 SVG = "{http://www.w3.org/2000/svg}"
 

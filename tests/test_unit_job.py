@@ -15,11 +15,15 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from tests.conftest import LAUNCHER_VARS, REPO, history, runs_in
-from train import checkpoint, distenv, distributed, models, stopping
-from train import state as train_state
 from train.app import run
-from train.config import TrainConfig
-from train.schema import register_schema, to_container, to_typed
+from train.config.groups import TrainConfig
+from train.config.schema import register_schema, to_container, to_typed
+from train.distributed import env as distenv
+from train.distributed import process_group as distributed
+from train.distributed import stopping
+from train.engine import checkpoint
+from train.engine import state as train_state
+from train.models import build as models
 
 SMALL = ("data=synthetic", "data.num_samples=96", "data.val_fraction=0.2", "data.image_size=8",
          "data.batch_size=16", "model=mlp", "model.width=16", "trainer.log_every_n_steps=2",

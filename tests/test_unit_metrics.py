@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from train import distenv, metrics
+from train.distributed import env as distenv
+from train.report import metrics
 
 CPU = torch.device("cpu")
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from train import optim
-from train.config import OptimConfig
+from train.config.groups import OptimConfig
+from train.engine import optim
 
 
 def _model() -> nn.Module:

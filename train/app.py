@@ -19,10 +19,11 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from train import config as config_lib
-from train import distenv, joblock
-from train.config import TrainConfig
-from train.schema import register_schema, to_container, to_typed
+from train.config import groups as config_lib
+from train.config.groups import TrainConfig
+from train.config.schema import register_schema, to_container, to_typed
+from train.distributed import env as distenv
+from train.launch import joblock
 
 register_schema()
 
@@ -37,10 +38,10 @@ after it are not started, rather than one more Ctrl-C per job."""
 
 def job(cfg: DictConfig) -> float | None:
     """Run one job; returns its objective (trainer.objective) for Hydra's sweepers."""
-    from train.config import ConfigError
-    from train.distenv import DistEnvError
-    from train.joblock import JobLockedError
-    from train.launch import JobFailedError, JobStoppedError, LaunchError
+    from train.config.groups import ConfigError
+    from train.distributed.env import DistEnvError
+    from train.launch.joblock import JobLockedError
+    from train.launch.local import JobFailedError, JobStoppedError, LaunchError
 
     global _sweep_stopped_by
     _keep_hydras_short_errors()
@@ -127,7 +128,7 @@ def one_line(error: BaseException) -> str:
 def _typed(cfg: DictConfig) -> tuple[dict, TrainConfig]:
     """The composed config as a plain dict and typed; a key no dataclass has (`+trainer.foo=1`)
     or a value of the wrong type is a ConfigError."""
-    from train.config import ConfigError
+    from train.config.groups import ConfigError
 
     try:
         config = to_container(cfg)
@@ -149,7 +150,7 @@ def run(cfg: DictConfig, output_dir: str, command: str,
     """Run the job this process was asked for; returns the objective for Hydra sweepers.
     `preflighted`: the launcher checked this job already."""
     config, typed = _typed(cfg)
-    from train.preflight import preflight
+    from train.launch.preflight import preflight
 
     if typed.cluster is not None and typed.cluster.ranks == "per_node":
         return objective(typed, _run_node_task(typed, config, output_dir, command))
@@ -157,12 +158,12 @@ def run(cfg: DictConfig, output_dir: str, command: str,
     if external is not None:
         # torchrun / srun / submitit started every rank: each validates, then trains.
         _check_without_preflight(typed, external)
-        from train.job import run_rank
+        from train.engine.job import run_rank
 
         # The job's first rank holds its directory for all of its ranks (they share it).
         with joblock.held(Path(output_dir), holds=distenv.external_rank() == 0):
             return objective(typed, run_rank(config, output_dir, command))
-    from train.launch import run_in_process, start_local_ranks
+    from train.launch.local import run_in_process, start_local_ranks
 
     with joblock.held(Path(output_dir)):  # before anything is checked, created or started
         if not preflighted:
@@ -176,8 +177,8 @@ def run(cfg: DictConfig, output_dir: str, command: str,
 def _check_without_preflight(typed: TrainConfig, world_size: int) -> None:
     """What a process started by Slurm or torchrun checks itself, as no pre-flight ran for it:
     the config on the job's world size, and options only CUDA can serve."""
-    from train import devices
-    from train.preflight import validate
+    from train.distributed import devices
+    from train.launch.preflight import validate
 
     validate(typed, world_size)
     if problem := devices.refuse_without_cuda(typed.distributed):
@@ -189,8 +190,8 @@ def _run_node_task(typed: TrainConfig, config: dict, output_dir: str,
     """The one Slurm task of a node (cluster.ranks=per_node): start and supervise this node's
     ranks with the local launcher, as torchrun would; a failing rank makes this task exit
     non-zero, and srun's --kill-on-bad-exit then ends the other nodes' tasks."""
-    from train.cluster_config import ranks_per_node
-    from train.launch import start_local_ranks
+    from train.config.cluster import ranks_per_node
+    from train.launch.local import start_local_ranks
 
     assert typed.cluster is not None
     per_node = ranks_per_node(typed.cluster)

@@ -21,8 +21,8 @@ import torch
 import yaml
 from torch import nn
 
-from train import models
-from train.schema import to_typed
+from train.config.schema import to_typed
+from train.models import build as models
 
 
 def load_model(run_id: str, tracking_uri: str | None = None) -> nn.Module:

@@ -15,7 +15,7 @@ It builds one `mlflow server` command and execs it; mlflow itself is never impor
   nodes use: this node's names and addresses are added to --allowed-hosts (next to MLflow's
   defaults: localhost and private IP ranges), and `http://<node name>:<port>` to the CORS origins
   so the UI opened at that address may POST (its searches are POSTs);
-- logins on (MLflow's basic-auth app, train/server_auth.py) unless --no-auth: every user of
+- logins on (MLflow's basic-auth app, train/security/server_auth.py) unless --no-auth: every user of
   the node reaches even 127.0.0.1; HTTPS with --certfile/--keyfile;
 - files private (umask 077: store, artifacts and secrets 0600/0700); the backend store URI,
   which may hold a database password, reaches `mlflow server` through its environment (argv
@@ -33,8 +33,8 @@ import socket
 import sys
 from pathlib import Path
 
-from train import server_auth
-from train.redact import redact, split_userinfo
+from train.security import server_auth
+from train.security.redact import redact, split_userinfo
 from train.tracking.store import EMBEDDED_STORE_DIR, sqlite_path
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")

@@ -21,7 +21,7 @@ def refuse(message: object) -> NoReturn:
 
 def job_configs(launcher: Any, job_overrides: Sequence[Sequence[str]]) -> list[Any]:
     """Each job's composed config as TrainConfig, as the job itself will see it."""
-    from train import schema
+    from train.config import schema
 
     assert launcher.hydra_context is not None and launcher.config is not None
     typed = []
@@ -39,11 +39,11 @@ def job_configs(launcher: Any, job_overrides: Sequence[Sequence[str]]) -> list[A
 
 def preflight_jobs(configs: Sequence[Any], on_slurm: bool = False,
                    dry_run: bool = False) -> str | None:
-    """train/preflight.py for all of them; the experiment id (None without tracking or in a
+    """train/launch/preflight.py for all of them; the experiment id (None without tracking or in a
     dry run). A refusal ends the command here."""
-    from train.config import ConfigError
-    from train.launch import LaunchError
-    from train.preflight import preflight
+    from train.config.groups import ConfigError
+    from train.launch.local import LaunchError
+    from train.launch.preflight import preflight
 
     try:
         return preflight(configs, on_slurm=on_slurm, dry_run=dry_run,
@@ -56,8 +56,8 @@ def with_ids(launcher: Any, job_overrides: Sequence[Sequence[str]],
              experiment_id: str | None) -> tuple[list[list[str]], str | None]:
     """Each job's overrides with the ids appended, and the sweep's parent run id (None for one
     job, or without tracking). The sweep callback creates the parent at its first request."""
-    from train.config import handed_overrides
-    from train.sweep import find_callback
+    from train.config.groups import handed_overrides
+    from train.tracking.sweep import find_callback
 
     if experiment_id is None:
         return [list(o) for o in job_overrides], None

@@ -1,7 +1,7 @@
 """The default launcher of `python -m train -m ...` (local sweeps): Hydra's BasicLauncher, which
 runs the jobs one after another in this process, after two steps of ours.
 
-Before the first job starts, every job of the batch is pre-flighted (train/preflight.py): a
+Before the first job starts, every job of the batch is pre-flighted (train/launch/preflight.py): a
 sweep with a refused job starts none and creates no MLflow run. Then each job's overrides get
 the experiment id (created once, here) and, for a sweep, the parent run's id
 (hydra_plugins/train_launcher/checked_jobs.py), so the jobs themselves check nothing twice.

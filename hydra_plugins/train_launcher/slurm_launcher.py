@@ -1,7 +1,7 @@
 """`+cluster=slurm`: hydra-submitit-launcher's Slurm launcher, plus what users need around it.
 
 The stock launcher submits and then blocks on the results in silence. This one pre-flights
-every job before anything is submitted (train/preflight.py), creates the MLflow experiment once
+every job before anything is submitted (train/launch/preflight.py), creates the MLflow experiment once
 and hands its id (and a sweep's parent run id) to every job as overrides
 (checked_jobs.py), can print the sbatch script instead of submitting (dry run), prints the job
 id and log paths, follows the jobs' states, and on failure shows the failing rank's log and
@@ -59,7 +59,8 @@ class TrainSlurmLauncher(SlurmLauncher):
                initial_job_idx: int) -> Sequence[JobReturn]:
         import submitit
 
-        from train import slurm, slurm_follow
+        from train.launch import follow as slurm_follow
+        from train.launch import submit as slurm
 
         sweeper = str(self.config.hydra.sweeper.get("_target_", "BasicSweeper"))
         if not self.wait and "BasicSweeper" not in sweeper:
@@ -117,7 +118,7 @@ class TrainSlurmLauncher(SlurmLauncher):
 
     def _leave_unwaited(self, jobs: Sequence[Any], parent: str | None) -> None:
         if parent is not None:  # a sweep: its last job will end the parent run
-            from train.sweep import find_callback
+            from train.tracking.sweep import find_callback
 
             find_callback(self.hydra_context).left_unwaited(len(jobs))
 
@@ -128,12 +129,12 @@ class TrainSlurmLauncher(SlurmLauncher):
 
     def _executor(self, submitit: Any) -> Any:
         """The executor the stock launcher would build, from the same parameters (with
-        cluster.setup's lines checked: train/slurm.py checked_setup)."""
+        cluster.setup's lines checked: train/launch/submit.py checked_setup)."""
         from pathlib import Path
 
         from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 
-        from train import slurm
+        from train.launch import submit as slurm
 
         assert self.config is not None
         # Concrete, not `${now:...}`: a requeued job must find the same directory (and its
@@ -145,7 +146,7 @@ class TrainSlurmLauncher(SlurmLauncher):
         params["setup"] = slurm.checked_setup(params.get("setup") or [])
         params["srun_args"] = slurm.srun_args(params.get("srun_args") or [])
         # One requeue budget: the job's own (cluster.max_requeues, counted in its checkpoints,
-        # train/slurm.py requeue_after_stop). Each rank replaces submitit's USR2 handler with
+        # train/launch/submit.py requeue_after_stop). Each rank replaces submitit's USR2 handler with
         # its own as it starts, so submitit's count of timeouts is never spent; a second
         # budget would only mislead (hydra.launcher.max_num_timeout is ignored).
         executor = submitit.AutoExecutor(cluster=self._EXECUTOR, folder=params.pop(

@@ -19,7 +19,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from train.redact import redact, split_userinfo
+from train.security.redact import redact, split_userinfo
 from train.tracking.errors import TrackingError
 
 CREDENTIALS_FILE = Path("~/.mlflow/credentials")

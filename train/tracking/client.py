@@ -17,7 +17,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from train.config import TrackingConfig
+from train.config.groups import TrackingConfig
 from train.tracking import registry
 from train.tracking.errors import describe, is_permanent
 from train.tracking.new_store import initialise

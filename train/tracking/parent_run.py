@@ -1,4 +1,4 @@
-"""Single requests for a sweep's parent run (train/sweep.py): create it, read it and its
+"""Single requests for a sweep's parent run (train/tracking/sweep.py): create it, read it and its
 child runs back, log its summary, end it, and register the model of its best job. Each is one
 request through train/tracking/client.py's bounded one-try client."""
 

@@ -71,7 +71,7 @@ class Model:
     model: Any
     input_example: Any
     card: dict[str, Any] | None = None
-    """train/modelcard.py's description: the logged model's metadata and signature."""
+    """train/report/modelcard.py's description: the logged model's metadata and signature."""
     export: bool = False
     """Logged as a torch.export program (loads without the model's Python code), as a model to
     be registered must be; else the pickled module."""

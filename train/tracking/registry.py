@@ -3,18 +3,18 @@ imported lazily).
 
 `log_model` logs the job's final model as the run's artifact `model`, with its signature (input
 tensor shape and dtype, class scores out), an input example, the model card as metadata
-(train/modelcard.py: normalisation, layout, image size, class names) and pip requirements
+(train/report/modelcard.py: normalisation, layout, image size, class names) and pip requirements
 (torch and torchvision pinned at the versions that trained it, nothing of this project).
 
 A model that is to be registered is logged as a torch.export program ("pt2", MLflow 3's default
-format), not pickled: a pickled module names its class (`train.models...` or the user's
+format), not pickled: a pickled module names its class (`train.models.build...` or the user's
 package), so loading it needs that code importable, and unpickling runs whatever the file says.
 The exported program holds the graph of aten operations and the weights: it loads with
 `mlflow.pytorch.load_model("models:/<name>/<version>")` where neither this project nor the
 user's model code is installed, and also with MLFLOW_ALLOW_PICKLE_DESERIALIZATION=false.
 (`code_paths` would ship this package - or the user's - with the model and still unpickle it;
 TorchScript is deprecated and fails on more models than torch.export.) The program is exported
-from a CPU copy in eval mode, with a dynamic batch dimension (train/exportable.py, which
+from a CPU copy in eval mode, with a dynamic batch dimension (train/models/exportable.py, which
 pre-flight asks too where the input shape is known). A model torch.export cannot trace
 is logged pickled instead, as before, and is not registered (the reason in one line and a tag).
 Runs that register nothing keep the pickled module: it loads as the model's own class, which
@@ -97,7 +97,7 @@ def log_model(uri: str, run_id: str, record: Model) -> None:
     the pickled module (its metadata then says why it was not exported)."""
     import mlflow.pytorch
 
-    from train.exportable import exportable
+    from train.models.exportable import exportable
 
     model, example, problem = record.model, record.input_example, None
     if record.export:

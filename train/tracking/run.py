@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from train.config import TrackingConfig
+from train.config.groups import TrackingConfig
 from train.tracking import client, errors, unsent
 from train.tracking.attribution import run_tags
 from train.tracking.backend import RUN_FILE, NullRun

@@ -11,8 +11,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from train.config import TrackingConfig
-from train.redact import redact, split_userinfo
+from train.config.groups import TrackingConfig
+from train.security.redact import redact, split_userinfo
 from train.tracking.auth import login_request, ssl_context  # HTTPS verified as MLflow's client does
 from train.tracking.errors import TrackingError
 

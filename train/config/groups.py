@@ -1,0 +1,324 @@
+"""Typed configuration: one dataclass per config group, with a docstring per field.
+
+train/config/schema.py registers them as Hydra's schema, so every YAML file of a group is merged onto
+these dataclasses: a misspelt key or a value of the wrong type is refused by OmegaConf while
+composing; train/launch/preflight.py's `validate()` then checks what types cannot express (ranges,
+names, divisibility) before any process starts.
+
+The defaults live here and only here: a group's YAML file sets just what differs for its option
+(tests/test_config.py checks that none restates a default). The cluster group's dataclass is
+train/config/cluster.py's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from train.config.cluster import ClusterConfig
+
+
+class ConfigError(ValueError):
+    """A configuration the service refuses; its message is shown to the user as is."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "cnn"
+    """The model: cnn, mlp or resnet18; with `model=torchvision`, any torchvision.models
+    classification builder (resnet50, efficientnet_b0, vit_b_16, ...)."""
+    source: str = "builtin"
+    """Where `name` is looked up: builtin (train/models/build.py) or torchvision (set by the group)."""
+    width: int = 32
+    """cnn: channels of the first conv layer; mlp: hidden units."""
+    depth: int = 2
+    """mlp: hidden layers."""
+    dropout: float = 0.0
+    """Dropout before the classifier."""
+    weights: str | None = None
+    """Start from these weights (fine-tuning): a local state dict file (a previous run's
+    model.pt, a checkpoint step-<N>.pt, any torch.save'd state dict), read with
+    torch.load(weights_only=True); with model=torchvision also DEFAULT or a weights name
+    (IMAGENET1K_V1, ResNet18_Weights.IMAGENET1K_V1) from the local torch hub cache (never
+    downloaded). null = random weights. A resumed job takes its checkpoint's weights instead."""
+    weights_strict: bool = True
+    """Refuse weights whose keys or shapes differ from the model's; false = load what matches
+    and report the rest (e.g. a classifier head of another class count is left new)."""
+    freeze: list[str] = field(default_factory=list)
+    """Module-name prefixes (layer1, features.0, fc.weight) whose parameters are not trained:
+    requires_grad=False and left out of the optimiser."""
+
+
+@dataclass
+class CustomModelConfig:
+    """`model=custom`: the user's own nn.Module, built with hydra.utils.instantiate. Its keys are
+    its constructor's, so it has no schema of its own: `to_typed` makes it from the model dict."""
+
+    target: str
+    """Dotted path of the class (or of a function returning the model): `model._target_`."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """The other model.* keys (`+model.depth=4`): constructor arguments. num_classes,
+    in_channels / channels and image_size are filled from the data where the constructor takes
+    them and they are not set here."""
+    weights: str | None = None
+    """As ModelConfig.weights (`+model.weights=...`; a key reserved, not a constructor
+    argument)."""
+    weights_strict: bool = True
+    """As ModelConfig.weights_strict (reserved)."""
+    freeze: list[str] = field(default_factory=list)
+    """As ModelConfig.freeze (reserved)."""
+
+
+@dataclass
+class DataConfig:
+    name: str = "digits"
+    """The data set: digits, synthetic, mnist, fashion_mnist, cifar10 (held in memory); or
+    imagefolder, custom (streamed from disk by DataLoader workers). Set by the group option."""
+    batch_size: int = 64
+    """GLOBAL batch size, split evenly over all ranks."""
+    val_fraction: float = 0.2
+    """Share of the training split held out for validation (fixed split seed)."""
+    split_seed: int = 0
+    """Seed of the train/val split; the same for every rank and every restart."""
+    root: str = "${oc.env:TRAIN_DATA_ROOT,data}"
+    """Where torchvision data sets live (env TRAIN_DATA_ROOT overrides); imagefolder: the folder
+    of class folders, or of train/ and val/ holding them."""
+    download: bool = False
+    """Download missing torchvision data sets (compute nodes are often offline)."""
+    num_workers: int | None = None
+    """DataLoader workers per rank; null = what the CPUs available to each rank allow (one CPU
+    per rank left to training; in-memory sets up to 4, streamed ones 1 to 8)."""
+    on_device: bool = True
+    """Keep the in-memory data set on the GPU (shuffle, augment and batch there)."""
+    augment: bool = False
+    """Augment training batches: in-memory sets a random crop (pad 4) and horizontal flip on the
+    device; imagefolder the default train_transforms (else training uses the eval ones)."""
+    num_samples: int = 4096
+    """synthetic: number of samples."""
+    channels: int = 3
+    """synthetic: image channels."""
+    image_size: int = 32
+    """synthetic: image height and width; imagefolder: the side of the default transforms'
+    square crop."""
+    num_classes: int = 10
+    """synthetic: number of classes."""
+    mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
+    """imagefolder: per-channel mean of Normalize (ImageNet's), applied on the device."""
+    std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
+    """imagefolder: per-channel standard deviation of Normalize (ImageNet's)."""
+    train_transforms: list[Any] | None = None
+    """imagefolder: transforms.v2 steps for training images, each {_target_:
+    torchvision.transforms.v2.<Name>, <its arguments>}, on the decoded uint8 image (the device
+    then converts and normalises); null = RandomResizedCrop(image_size) + RandomHorizontalFlip
+    (with augment=false: the eval steps)."""
+    eval_transforms: list[Any] | None = None
+    """imagefolder: the same for validation; null = Resize(image_size / 0.875) +
+    CenterCrop(image_size)."""
+    train: Any = None
+    """custom: the training Dataset, {_target_: <dotted path>, <its own arguments>}, built with
+    hydra.utils.instantiate; sample i is (input tensor, integer label)."""
+    val: Any = None
+    """custom: the validation Dataset, as `train`; no _target_ = split off `train` by
+    val_fraction."""
+    test: Any = None
+    """custom: the test Dataset, as `train`, evaluated once after training
+    (trainer.test_on); no _target_ = no test phase."""
+
+
+@dataclass
+class OptimConfig:
+    name: str = "sgd"
+    """sgd or adamw."""
+    lr: float = 0.05
+    """Peak learning rate."""
+    momentum: float = 0.9
+    """sgd: momentum."""
+    nesterov: bool = True
+    """sgd: Nesterov momentum."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """adamw: betas."""
+    weight_decay: float = 5e-4
+    """Decoupled (adamw) or L2 (sgd) weight decay."""
+    schedule: str = "cosine"
+    """cosine (with linear warm-up) or constant."""
+    warmup_epochs: float = 0.0
+    """Linear warm-up length in epochs (fractions allowed)."""
+    min_lr_ratio: float = 0.0
+    """cosine: final lr as a fraction of the peak."""
+    grad_clip: float | None = None
+    """Clip the global gradient norm to this value; null = no clipping."""
+    param_groups: list[dict[str, Any]] = field(default_factory=list)
+    """Parameters trained with their own settings, e.g. [{prefix: layer4, lr_scale: 0.1}]: per
+    group a module-name `prefix`, `lr_scale` (times optim.lr; the schedule scales every group
+    alike) and optionally `weight_decay`. The rest keep optim.lr and optim.weight_decay.
+    Prefixes must match trainable parameters and not overlap."""
+
+
+@dataclass
+class TrainerConfig:
+    epochs: int = 10
+    """Passes over the training set."""
+    max_steps: int | None = None
+    """Stop after this many optimiser steps in all, mid-epoch if need be, when that comes before
+    trainer.epochs end (validation, checkpoint and test then as after a last epoch); the LR
+    schedule ends there. null = trainer.epochs alone."""
+    accumulate_grad_batches: int = 1
+    """Micro-batches whose gradients are summed before each optimiser step. data.batch_size
+    stays the global batch of one optimiser step: each rank's micro-batch is
+    batch_size / (world size x this), and the intermediate micro-steps skip DDP's all-reduce."""
+    seed: int = 0
+    """Seed for weights and shuffling (each rank adds its rank)."""
+    precision: str = "fp32"
+    """fp32, bf16-mixed or fp16-mixed (fp16 uses a GradScaler)."""
+    loss: dict[str, Any] = field(
+        default_factory=lambda: {"_target_": "torch.nn.CrossEntropyLoss"})
+    """The loss, built with hydra.utils.instantiate and called as loss(logits, labels) in
+    training and evaluation (there on fp32 logits); add its arguments with `+`, e.g.
+    +trainer.loss.label_smoothing=0.1."""
+    eval_every: int = 1
+    """Validate every N epochs (and always after the last)."""
+    monitor: str = "val/accuracy"
+    """The validation metric that picks the best checkpoint and drives early stopping:
+    val/accuracy, val/loss or (more than 5 classes) val/accuracy_top5."""
+    monitor_mode: str = "auto"
+    """max or min: which way `monitor` improves; auto = min if its name contains "loss",
+    else max."""
+    save_best: bool = False
+    """Keep the best evaluation's weights in <output dir>/checkpoints/best.pt (never pruned)."""
+    early_stopping_patience: int | None = None
+    """Stop once `monitor` has not improved for this many evaluations; null = never."""
+    test_on: str = "last"
+    """After training, evaluate once on the data set's test split (where it has one) with the
+    last weights, the best (needs save_best=true; they then become the final model), or none."""
+    log_every_n_steps: int = 10
+    """Log train/step_loss every N optimiser steps; the only steps that sync with the host."""
+    channels_last: bool = False
+    """Use channels_last memory format (faster convolutions on recent GPUs)."""
+    compile: bool = False
+    """torch.compile the model."""
+    checkpoint_every: int = 1
+    """Checkpoint every N epochs (0 = only on the time interval and on stop signals)."""
+    checkpoint_interval_min: float | None = 30.0
+    """Also checkpoint when this many minutes passed since the last one (at a logging step)."""
+    keep_checkpoints: int = 2
+    """Newest checkpoints kept in <output dir>/checkpoints."""
+    resume: str = "auto"
+    """auto (continue this output directory's job if it has a checkpoint or run), never, or a
+    checkpoint file or directory."""
+    fail_on_rank: int | None = None
+    """Drill: raise an error on this rank at step `fail_at_step`, to see how a job ends when one
+    rank fails (on a new cluster, say). null = never."""
+    fail_at_step: int = 1
+    """Drill: the optimiser step at which `fail_on_rank` raises; 0 = at start-up, before the
+    job's MLflow run exists."""
+    peak_tflops: float | None = None
+    """Peak TFLOP/s of ONE device for train/mfu; null = known GPUs' data-sheet figure (H100,
+    A100, ...) for the precision in use, and no train/mfu elsewhere (e.g. on CPUs)."""
+    objective: str = "val/accuracy"
+    """Metric the task function returns to Hydra sweepers."""
+    objective_direction: str = "maximize"
+    """maximize or minimize (for sweepers)."""
+
+
+@dataclass
+class DistributedConfig:
+    backend: str = "auto"
+    """auto (nccl with CUDA, else gloo), gloo or nccl."""
+    nproc_per_node: int = 1
+    """Ranks `python -m train` starts on this machine (ignored under torchrun/Slurm)."""
+    timeout_s: int = 120
+    """Collective timeout: a rank stuck longer than this ends the job."""
+    device: str = "auto"
+    """auto (cuda when available), cuda or cpu."""
+    find_unused_parameters: bool = False
+    """DDP: tolerate parameters that get no gradient."""
+    gradient_as_bucket_view: bool = True
+    """DDP: gradients alias the all-reduce buckets (saves memory and a copy)."""
+    static_graph: bool = False
+    """DDP: the graph is the same every step."""
+    bucket_cap_mb: float = 25.0
+    """DDP: all-reduce bucket size."""
+    sync_batchnorm: bool = False
+    """Convert BatchNorm layers to SyncBatchNorm."""
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = True
+    """Record the job as an MLflow run."""
+    uri: str | None = "${oc.env:MLFLOW_TRACKING_URI,null}"
+    """Tracking URI; null = the embedded SQLite store at <repo>/mlruns/mlflow.db."""
+    experiment: str = "train"
+    """MLflow experiment name."""
+    experiment_id: str | None = None
+    """Handed to every job by the launcher (an override), so jobs never race to create the
+    experiment; null = the job finds or creates `experiment` itself."""
+    parent_run_id: str | None = None
+    """Handed to every job of a sweep by the launcher (an override): its parent run."""
+    run_name: str | None = None
+    """MLflow run name; null = MLflow's generated name."""
+    log_model: bool = True
+    """Also log the model with mlflow.pytorch.log_model (the weights are always stored)."""
+    register_model: str | None = None
+    """Register the job's final model as a new version of this registered model in MLflow's
+    Model Registry (needs log_model=true); the run's logged model is then a torch.export program
+    that loads without this project (README "Model registry"). null = no registration."""
+    register_best_of_sweep: bool = False
+    """With register_model, in a sweep: register only the best job (trainer.objective,
+    trainer.objective_direction) when the sweep ends, instead of every job."""
+    system_metrics: bool = False
+    """Log CPU, memory and GPU use of every node at every epoch end (system/<node>/...)."""
+    batch_interval_s: float = 5.0
+    """Metrics, params and tags logged within this many seconds go to MLflow in one request
+    (logging every step then costs one request per interval, not one per step); 0 = at once.
+    Checkpoints and the end of the run send what is waiting at once."""
+    flush_timeout_s: float = 120.0
+    """At a checkpoint and at the end, how long to wait for MLflow to accept what is queued;
+    what it has not taken by the end is saved to <output dir>/mlflow_unsent.jsonl."""
+    checkpoint_flush_s: float = 5.0
+    """At a checkpoint and when the job is stopped by a signal, how long to wait for MLflow to
+    take what is queued: the other ranks wait in a collective meanwhile (distributed.timeout_s)
+    and Slurm kills a stopped job soon. Not taken by then: it stays queued (at a stop, it goes
+    to the unsent file)."""
+
+
+@dataclass
+class TrainConfig:
+    model: Any = field(default_factory=ModelConfig)
+    """ModelConfig (the built-in options) or CustomModelConfig (`model=custom`): untyped in the
+    schema, so that a custom model's own keys compose; each built-in option brings ModelConfig
+    in its defaults list (`/model_schema@_here_`), and `to_typed` types both kinds."""
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    cluster: ClusterConfig | None = None
+
+
+DATASETS_WITHOUT_FILES = frozenset({"digits", "synthetic"})
+"""Data sets that need nothing on disk: bundled with scikit-learn, or generated."""
+
+
+def reads_files(data: DataConfig) -> bool:
+    """Whether the data set must already be on disk (pre-flight checks it is)."""
+    return data.name not in DATASETS_WITHOUT_FILES and not data.download
+
+
+HANDED_KEYS = ("tracking.experiment_id", "tracking.parent_run_id")
+"""Keys the launchers append to each job's overrides; no user types them."""
+
+
+def handed_overrides(experiment_id: str, parent_run_id: str | None) -> list[str]:
+    """What a launcher appends to each job's overrides: the experiment (created once, by the
+    launching process) and, for a sweep, the parent run. Quoted: an id made of digits and one
+    `e` would otherwise be read as a number."""
+    ids = (experiment_id, parent_run_id)
+    return [f"{key}='{value}'" for key, value in zip(HANDED_KEYS, ids, strict=True)
+            if value is not None]
+
+
+def typed_by_user(overrides: Sequence[str]) -> list[str]:
+    """A job's overrides without those a launcher appended (for the command a run records)."""
+    return [o for o in overrides if o.split("=", 1)[0] not in HANDED_KEYS]

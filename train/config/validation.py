@@ -1,0 +1,205 @@
+"""The configuration's own values checked, before anything else (no torch, no mlflow): names
+that must be one of a registry's, numbers that must be positive, the global batch that must
+split over the ranks. Every problem goes into one message. Called by the pre-flight, and by
+every rank of an externally launched job (torchrun, srun), which has no pre-flight."""
+
+from __future__ import annotations
+
+from train.config.groups import ConfigError, CustomModelConfig, TrackingConfig, TrainConfig
+
+# The registries in train/models/build.py and train/data/build.py are keyed by exactly these names; they are
+# repeated here so that validation (and --help) need not import torch.
+MODEL_NAMES = ("cnn", "mlp", "resnet18")
+MODEL_SOURCES = ("builtin", "torchvision")
+DATASET_NAMES = ("digits", "synthetic", "mnist", "fashion_mnist", "cifar10")
+STREAMED_DATASET_NAMES = ("imagefolder", "custom")
+"""train/data/build.py's STREAMED: read from disk batch by batch (train/data/streaming.py)."""
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
+OPTIMIZERS = ("sgd", "adamw")
+SCHEDULES = ("cosine", "constant")
+BACKENDS = ("auto", "gloo", "nccl")
+DIRECTIONS = ("maximize", "minimize")
+MONITORS = ("val/accuracy", "val/loss", "val/accuracy_top5")
+"""The validation metrics a job logs (train/report/trainlog.py; top-5 with more than TOP_K classes)."""
+TOP_K = 5
+"""accuracy_top5 is counted where there are more than this many classes (train/report/metrics.py)."""
+MAX_NAME = 250
+"""Longest experiment and run name: MLflow refuses experiment names over 500 characters and
+run names over 250, at the first request, after the job has started."""
+
+
+MAX_MODEL_NAME = 256
+"""MLflow stores a registered model's name in a column of 256 characters."""
+
+
+def _require(ok: bool, message: str, problems: list[str]) -> None:
+    if not ok:
+        problems.append(message)
+
+
+def validate(cfg: TrainConfig, world_size: int) -> None:
+    """Refuse what the types allow but training cannot use; every problem in one message."""
+    p: list[str] = []
+    _model_and_data(cfg, p)
+    _training(cfg, p)
+    _tracking_and_ranks(cfg, world_size, p)
+    _registry(cfg.tracking, p)
+    from train.config.safe_text import control_character_problems  # reaches a job script
+
+    p += control_character_problems(cfg)
+    if p:
+        raise ConfigError("Refusing to start: " + " ".join(p))
+
+
+def _model_and_data(cfg: TrainConfig, p: list[str]) -> None:
+    if not isinstance(cfg.model, CustomModelConfig):  # model=custom: checked by check_model
+        _require(cfg.model.source in MODEL_SOURCES,
+                 f"model.source={cfg.model.source!r}; choose one of {list(MODEL_SOURCES)}.", p)
+        _require(cfg.model.source != "builtin" or cfg.model.name in MODEL_NAMES,
+                 f"model.name={cfg.model.name!r} is not a model; choose one of "
+                 f"{[*MODEL_NAMES, 'torchvision']} (for a torchvision.models builder: "
+                 f"model=torchvision model.name={cfg.model.name}).", p)
+    from train.models.finetune import group_problems  # no torch: prefixes as written
+
+    p += group_problems(cfg.optim.param_groups, cfg.model.freeze)
+    datasets = [*DATASET_NAMES, *STREAMED_DATASET_NAMES]
+    _require(cfg.data.name in datasets,
+             f"data={cfg.data.name!r} is not a data set; choose one of {datasets}.", p)
+    _require(cfg.data.name != "imagefolder" or len(cfg.data.mean) == len(cfg.data.std) == 3,
+             "data.mean and data.std need 3 values (one per RGB channel).", p)
+
+
+def _training(cfg: TrainConfig, p: list[str]) -> None:
+    _require(cfg.optim.name in OPTIMIZERS,
+             f"optim.name={cfg.optim.name!r}; choose one of {list(OPTIMIZERS)}.", p)
+    _require(cfg.optim.schedule in SCHEDULES,
+             f"optim.schedule={cfg.optim.schedule!r}; choose one of {list(SCHEDULES)}.", p)
+    _require(cfg.trainer.precision in PRECISIONS,
+             f"trainer.precision={cfg.trainer.precision!r}; choose one of {list(PRECISIONS)}.", p)
+    _require(cfg.distributed.backend in BACKENDS,
+             f"distributed.backend={cfg.distributed.backend!r}; choose one of {list(BACKENDS)}.",
+             p)
+    _require(cfg.distributed.device in ("auto", "cuda", "cpu"),
+             f"distributed.device={cfg.distributed.device!r}; choose auto, cuda or cpu.", p)
+    _require(cfg.trainer.objective_direction in DIRECTIONS,
+             f"trainer.objective_direction must be one of {list(DIRECTIONS)}.", p)
+    _require(cfg.optim.lr > 0, f"optim.lr must be positive (got {cfg.optim.lr}).", p)
+    _require(cfg.trainer.epochs > 0, f"trainer.epochs must be positive (got {cfg.trainer.epochs}).",
+             p)
+    _require(cfg.trainer.eval_every > 0, "trainer.eval_every must be positive.", p)
+    _require(cfg.trainer.max_steps is None or cfg.trainer.max_steps > 0,
+             f"trainer.max_steps must be a positive number of optimiser steps, or null (got "
+             f"{cfg.trainer.max_steps}).", p)
+    _best_and_test(cfg, p)
+    _require(cfg.trainer.log_every_n_steps > 0, "trainer.log_every_n_steps must be positive.", p)
+    _require(cfg.trainer.keep_checkpoints > 0, "trainer.keep_checkpoints must be positive.", p)
+    _require(cfg.trainer.checkpoint_every >= 0, "trainer.checkpoint_every cannot be negative.",
+             p)
+    _require(cfg.data.batch_size > 0,
+             f"data.batch_size must be positive (got {cfg.data.batch_size}).", p)
+    _require(cfg.data.num_workers is None or cfg.data.num_workers >= 0,
+             f"data.num_workers must be 0 or more, or null (got {cfg.data.num_workers}).", p)
+    if cfg.data.name == "synthetic":
+        for key in ("num_samples", "channels", "image_size", "num_classes"):
+            _require(getattr(cfg.data, key) > 0,
+                     f"data.{key} must be positive (got {getattr(cfg.data, key)}).", p)
+
+
+def _best_and_test(cfg: TrainConfig, p: list[str]) -> None:
+    t = cfg.trainer
+    _require(t.monitor in MONITORS,
+             f"trainer.monitor={t.monitor!r} is not a metric this job logs; choose one of "
+             f"{list(MONITORS)} (val/accuracy_top5: more than 5 classes).", p)
+    _require(t.monitor_mode in ("auto", "max", "min"),
+             f"trainer.monitor_mode={t.monitor_mode!r}; choose auto, max or min.", p)
+    _require(t.early_stopping_patience is None or t.early_stopping_patience > 0,
+             "trainer.early_stopping_patience must be positive or null.", p)
+    _require(t.test_on in ("last", "best", "none"),
+             f"trainer.test_on={t.test_on!r}; choose last, best or none.", p)
+    _require(t.test_on != "best" or t.save_best,
+             "trainer.test_on=best needs trainer.save_best=true (the best weights are kept "
+             "only then); add it, or use trainer.test_on=last.", p)
+
+
+def monitor_problem(monitor: str, num_classes: int) -> str | None:
+    """Why trainer.monitor is never logged with this many classes (top-5 needs more than
+    TOP_K), or None. Checked by the pre-flight where the classes are known without the data, and
+    by every rank once the data is built."""
+    if monitor != "val/accuracy_top5" or num_classes > TOP_K:
+        return None
+    return (f"trainer.monitor=val/accuracy_top5 needs more than {TOP_K} classes; this data has "
+            f"{num_classes}, so the job never logs it: monitor val/accuracy or val/loss instead.")
+
+
+def _tracking_and_ranks(cfg: TrainConfig, world_size: int, p: list[str]) -> None:
+    _require(0 < len(cfg.tracking.experiment.strip()) <= MAX_NAME,
+             f"tracking.experiment must be a name of 1 to {MAX_NAME} characters (got "
+             f"{len(cfg.tracking.experiment)}).", p)
+    _require(cfg.tracking.run_name is None or len(cfg.tracking.run_name) <= MAX_NAME,
+             f"tracking.run_name can have at most {MAX_NAME} characters.", p)
+    _require(cfg.tracking.checkpoint_flush_s >= 0 and cfg.tracking.flush_timeout_s >= 0,
+             "tracking.checkpoint_flush_s and tracking.flush_timeout_s cannot be negative.", p)
+    _require(0 < cfg.data.val_fraction < 1,
+             f"data.val_fraction must be between 0 and 1 (got {cfg.data.val_fraction}).", p)
+    _require(cfg.distributed.nproc_per_node > 0, "distributed.nproc_per_node must be positive.", p)
+    _require(cfg.distributed.timeout_s > 0, "distributed.timeout_s must be positive.", p)
+    _require(cfg.trainer.peak_tflops is None or cfg.trainer.peak_tflops > 0,
+             "trainer.peak_tflops must be positive or null.", p)
+    _require(cfg.optim.grad_clip is None or cfg.optim.grad_clip > 0,
+             "optim.grad_clip must be positive or null.", p)
+    _batch_split(cfg, world_size, p)
+
+
+def _batch_split(cfg: TrainConfig, world_size: int, p: list[str]) -> None:
+    """The global batch must split into whole micro-batches: world size x accumulation."""
+    k = cfg.trainer.accumulate_grad_batches
+    _require(k >= 1, f"trainer.accumulate_grad_batches must be 1 or more (got {k}).", p)
+    # DDP's no_sync (the accumulation's skipped all-reduces) fails inside the reducer with a
+    # static graph (torch 2.14: "expect_autograd_hooks_ INTERNAL ASSERT FAILED").
+    _require(k <= 1 or not cfg.distributed.static_graph,
+             "trainer.accumulate_grad_batches>1 cannot be combined with "
+             "distributed.static_graph=true (DDP's no_sync fails on a static graph); set "
+             "distributed.static_graph=false.", p)
+    if cfg.data.batch_size <= 0 or world_size <= 0 or k < 1:
+        return
+    unit = world_size * k
+    if cfg.data.batch_size % unit == 0:
+        return
+    suggestion = max(unit, round(cfg.data.batch_size / unit) * unit)
+    over = f"the {world_size} ranks" if k == 1 else (
+        f"{world_size} rank{'s' * (world_size > 1)} x {k} micro-batches "
+        f"(trainer.accumulate_grad_batches={k})")
+    p.append(f"data.batch_size={cfg.data.batch_size} is the GLOBAL batch and must split evenly "
+             f"over {over}; use a multiple of {unit}, e.g. data.batch_size={suggestion}.")
+
+
+def model_name_problem(name: str) -> str | None:
+    """What MLflow's Model Registry (or a models:/<name>/<version> URI) would refuse in a
+    registered model's name, else None. MLflow checks it only at registration, after training."""
+    import posixpath
+
+    if not name.strip():
+        return "is empty"
+    if len(name) > MAX_MODEL_NAME:
+        return f"has {len(name)} characters (at most {MAX_MODEL_NAME})"
+    if bad := sorted({c for c in name if c in "/:?"}):
+        return f"holds {' '.join(bad)} (a models:/<name>/<version> URI could not name it)"
+    if posixpath.normpath(name) != name or name == "." or name.startswith(".."):
+        return "would be read as a path (. or ..)"
+    return None
+
+
+def _registry(t: TrackingConfig, p: list[str]) -> None:
+    if t.register_model is None:
+        _require(not t.register_best_of_sweep, "tracking.register_best_of_sweep=true needs "
+                 "tracking.register_model=<name>: the registered model the sweep's best job "
+                 "becomes a version of.", p)
+        return
+    problem = model_name_problem(t.register_model)
+    _require(problem is None, f"tracking.register_model={t.register_model!r} {problem}: give "
+             "a registered model name without / : or ?, e.g. tracking.register_model="
+             "digits-cnn.", p)
+    _require(t.log_model, "tracking.register_model needs tracking.log_model=true: the "
+             "registered version is the run's logged model.", p)
+    _require(t.enabled, "tracking.register_model needs tracking.enabled=true: the Model "
+             "Registry is MLflow's.", p)

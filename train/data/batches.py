@@ -1,0 +1,228 @@
+"""What every data path shares: the fixed train/val split, a rank's order of samples for an
+epoch, the batches it trains on, the DataLoader that reads them, and the bundle a job gets.
+
+train/data/build.py (in-memory sets) and train/data/streaming.py (sets read from disk) build on these.
+An epoch can start at a batch offset (resuming mid-epoch): the samples before it are never read.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import signal
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler
+
+from train.config.groups import ConfigError
+from train.distributed import devices
+from train.distributed.stopping import ignore_in_worker
+from train.tracking import records
+
+
+@dataclass
+class Split:
+    train_idx: torch.Tensor
+    val_idx: torch.Tensor
+
+
+def split(n: int, val_fraction: float, seed: int) -> Split:
+    """The same train/val split on every rank and every restart."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    n_val = max(1, round(n * val_fraction))
+    return Split(train_idx=perm[n_val:], val_idx=perm[:n_val])
+
+
+def default_num_workers(local_world_size: int, streamed: bool = False) -> int:
+    """Leave one CPU per rank for the training loop itself. In-memory batches need few workers;
+    streamed ones are decoded by them, so they get at least one and up to 8."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cpus = os.cpu_count() or 1
+    spare = cpus // max(1, local_world_size) - 1
+    return min(8, max(1, spare)) if streamed else min(4, max(0, spare))
+
+
+class ShardOrder(Sampler[int]):
+    """A rank's sample positions for one epoch: DistributedSampler's shuffled shard (training)
+    or the shard in order (validation), from batch `start` on."""
+
+    def __init__(self, sampler: DistributedSampler | None, size: int, batch_size: int) -> None:
+        self.sampler, self.size, self.batch_size = sampler, size, batch_size
+        self.start = 0
+
+    def epoch_length(self) -> int:
+        return len(self.sampler) if self.sampler is not None else self.size
+
+    def __len__(self) -> int:
+        return max(0, self.epoch_length() - self.start * self.batch_size)
+
+    def __iter__(self) -> Iterator[int]:
+        order = iter(self.sampler) if self.sampler is not None else iter(range(self.size))
+        return itertools.islice(order, self.start * self.batch_size, None)
+
+
+class Batches:
+    """Iterates (inputs, labels) batches of one shard on `device`: converted to float, scaled by
+    1/`scale` and normalised there, unless `scale` is None (inputs as the Dataset gives them)."""
+
+    def __init__(self, loader: DataLoader | None, order: ShardOrder, device: torch.device,
+                 mean: torch.Tensor | None = None, std: torch.Tensor | None = None,
+                 scale: float | None = None, augment: bool = False,
+                 channels_last: bool = False) -> None:
+        self.loader, self.order, self.device = loader, order, device
+        self.sampler = order.sampler
+        self.mean = mean.to(device) if mean is not None else None
+        self.std = std.to(device) if std is not None else None
+        self.scale, self.augment, self.channels_last = scale, augment, channels_last
+
+    def __len__(self) -> int:
+        """Batches in a whole epoch (also after set_epoch with a start batch)."""
+        return math.ceil(self.order.epoch_length() / self.order.batch_size)
+
+    def samples_in(self, start: int, stop: int) -> int:
+        """Samples in batches [start, stop) of a whole epoch: host arithmetic, no sync."""
+        length, size = self.order.epoch_length(), self.order.batch_size
+        return min(stop * size, length) - min(start * size, length)
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """The epoch's order (the same as before a restart), from batch `start_batch` on: the
+        batches before it are skipped without being read."""
+        if self.sampler is not None:
+            self.sampler.set_epoch(epoch)
+        self.order.start = start_batch
+
+    def raw(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Batches as stored (uint8 or float, any device)."""
+        yield from self.loader  # type: ignore[misc]
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for inputs, labels in self.raw():
+            x = inputs.to(self.device, non_blocking=True)
+            if self.scale is not None:
+                x = x.float().div_(self.scale)
+                if self.mean is not None and self.std is not None:
+                    x = (x - self.mean) / self.std
+            if self.augment:
+                x = crop_and_flip(x)
+            if self.channels_last and x.ndim == 4:
+                x = x.contiguous(memory_format=torch.channels_last)
+            yield x, labels.to(self.device, non_blocking=True)
+
+
+def crop_and_flip(x: torch.Tensor, pad: int = 4) -> torch.Tensor:
+    """Random crop after zero padding and random horizontal flip, per sample, on x's device."""
+    n, _, h, w = x.shape
+    padded = torch.nn.functional.pad(x, (pad, pad, pad, pad))
+    oy = torch.randint(0, 2 * pad + 1, (n, 1, 1), device=x.device)
+    ox = torch.randint(0, 2 * pad + 1, (n, 1, 1), device=x.device)
+    rows = oy + torch.arange(h, device=x.device).view(1, h, 1)
+    cols = ox + torch.arange(w, device=x.device).view(1, 1, w)
+    flip = torch.rand(n, 1, 1, device=x.device) < 0.5
+    cols = torch.where(flip, ox + (w - 1) - torch.arange(w, device=x.device).view(1, 1, w), cols)
+    batch = torch.arange(n, device=x.device).view(n, 1, 1)
+    return padded[batch, :, rows, cols].permute(0, 3, 1, 2)
+
+
+WORKER_START = "fork" if sys.platform == "linux" else None
+"""Workers are forked, whatever started this rank: a local rank is a spawned process, whose
+default would spawn them too, and each would import torch again (seconds per worker, and its
+memory). They never touch CUDA; what they read (file lists, the data set) they share."""
+
+
+SOCKET_PATH_MAX = 107
+"""The longest Unix socket path Linux takes (sun_path: 108 bytes with the closing NUL)."""
+MP_SOCKET_SUFFIX = len("/pymp-12345678/listener-12345678")
+"""What Python's multiprocessing adds to the temporary directory for the socket through which
+a DataLoader worker hands its batch's shared memory to the rank."""
+
+
+def temp_dir_problem(workers: int) -> str | None:
+    """Why `workers` DataLoader workers cannot work here, if they cannot: they hand batches over
+    through a Unix socket made under the temporary directory; with a longer path the socket
+    cannot be made, the worker's batch is lost (a traceback in a background thread) and the
+    rank waits for it forever (measured: a TMPDIR of 85 characters hung the default job)."""
+    temp = tempfile.gettempdir()
+    if workers == 0 or len(temp) + MP_SOCKET_SUFFIX <= SOCKET_PATH_MAX:
+        return None
+    return (f"the temporary directory {temp} ({len(temp)} characters, from TMPDIR) is too long "
+            f"for the sockets DataLoader workers pass batches through (at most "
+            f"{SOCKET_PATH_MAX - MP_SOCKET_SUFFIX} characters): set TMPDIR to a shorter "
+            "directory, e.g. TMPDIR=/tmp, or use data.num_workers=0.")
+
+
+def check_temp_dir(workers: int) -> None:
+    """Every rank, before it makes workers: on a Slurm node, no pre-flight saw its TMPDIR."""
+    if (problem := temp_dir_problem(workers)) is not None:
+        raise ConfigError(problem)
+
+
+def loader(dataset: torch.utils.data.Dataset, order: ShardOrder, workers: int,
+           device: torch.device, collate: Callable[[Any], Any]) -> DataLoader:
+    """Batches of `order` read by `workers` processes (kept for the whole job). The workers
+    ignore stop signals: their rank stops them after its stop checkpoint."""
+    check_temp_dir(workers)
+    return WorkersBornDeaf(dataset, batch_sampler=BatchSampler(order, order.batch_size,
+                                                                drop_last=False),
+                            collate_fn=collate, num_workers=workers,
+                            persistent_workers=workers > 0, pin_memory=devices.pin_memory(device),
+                            worker_init_fn=ignore_in_worker,
+                            multiprocessing_context=WORKER_START if workers > 0 else None)
+
+
+class WorkersBornDeaf(DataLoader):
+    """Workers forked with TERM blocked: a worker starts threads of its own before
+    `worker_init_fn` runs (seen under Slurm: 2 of its 5 threads), and a process-directed TERM
+    (Slurm's scancel signals every process of the step) went to one of those and killed the
+    worker before its rank could checkpoint. Forked with it blocked, every thread of the
+    worker has it blocked, and `ignore_in_worker` decides who may end the worker."""
+
+    def _get_iterator(self) -> Any:
+        if self.num_workers == 0:
+            return super()._get_iterator()
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            return super()._get_iterator()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+@dataclass
+class DataBundle:
+    train: Batches
+    val: Batches
+    num_train: int
+    num_val: int
+    class_names: list[str]
+    input_shape: tuple[int, ...]
+    """One sample's shape as the model gets it, e.g. (3, 64, 64)."""
+    describe: Callable[[str], records.DatasetInput] = field(repr=False)
+    """What dataset_record returns."""
+    test: Batches | None = None
+    """This rank's strided shard of the test split; None: the data set has none."""
+    num_test: int = 0
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    @property
+    def channels(self) -> int:
+        return self.input_shape[0]
+
+    @property
+    def image_size(self) -> int:
+        return self.input_shape[-1]
+
+    def dataset_record(self, name: str) -> records.DatasetInput:
+        """The training split as the run's MLflow input: for in-memory sets a digest of the
+        tensors, for streamed ones of the file list (ImageFolder) or of the length and first
+        samples (custom)."""
+        return self.describe(name)

@@ -1,0 +1,138 @@
+"""The torch.distributed process group: the only module that initialises or tears it down.
+
+Also the few collectives the loop needs, and how the first failing rank's error reaches rank 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from train.distributed import devices
+from train.distributed.env import DistEnv
+
+_FAILURE_KEY = "train/first_failure"
+_ANSWERING_KEY = "train/answering/"
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe",
+              "timed out waiting", "connection refused", "socket timeout")
+"""What gloo/nccl say when a peer stopped answering: the survivor's own error says nothing of
+which peer that was."""
+
+
+# Device and backend choice live with the rest of what CUDA decides (train/distributed/devices.py).
+select_device = devices.select_device
+select_backend = devices.select_backend
+
+
+def init(env: DistEnv, backend: str, device: torch.device, timeout_s: int) -> None:
+    """Initialise the default process group; the CUDA device is set first, as NCCL requires."""
+    devices.prepare(device)
+    dist.init_process_group(backend=backend, init_method="env://", rank=env.rank,
+                            world_size=env.world_size, timeout=timedelta(seconds=timeout_s),
+                            device_id=devices.group_device(device))
+
+
+def shutdown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def gather_to_main(obj: Any) -> list[Any] | None:
+    """Every rank's `obj` on rank 0 (in rank order); None on the other ranks."""
+    rank = dist.get_rank()
+    out: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def gather_to_all(obj: Any) -> list[Any]:
+    """Every rank's `obj` on every rank (in rank order)."""
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def publish_failure(env: DistEnv, exc: BaseException) -> None:
+    """Leave the first failing rank's error in the job's store so rank 0 can report it.
+
+    Peers of a failed rank only see "connection closed"; the store (hosted by rank 0) keeps
+    what actually went wrong. Best effort: the store may already be gone.
+    """
+    if not dist.is_initialized():
+        return
+    text = f"rank {env.rank} on {socket.gethostname()}: {type(exc).__name__}: {exc}"
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.compare_set(_FAILURE_KEY, "", text)
+    except Exception:  # noqa: BLE001 - reporting must never mask the original error
+        pass
+
+
+def first_failure(wait_s: float = 2.0) -> str | None:
+    """The error the first failing rank published, if any (waits briefly for it)."""
+    if not dist.is_initialized():
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if store.check([_FAILURE_KEY]):
+                return store.get(_FAILURE_KEY).decode()
+            time.sleep(0.1)
+    except Exception:  # noqa: BLE001
+        return None
+    return None
+
+
+def failure_reason(env: DistEnv, exc: BaseException, node_of: Callable[[int], str],
+                   wait_s: float = 3.0) -> tuple[str, list[int]]:
+    """The job's root cause as this rank knows it, and the ranks that stopped answering.
+
+    A rank whose own error is a lost peer does not publish it: it says it still answers and
+    waits up to `wait_s` for the others, so the error names the rank (and node) that did not,
+    or the real error a living peer published. When rank 0 (hosting the store) is gone, it is
+    the one that stopped answering.
+    """
+    own = f"rank {env.rank} on {socket.gethostname()}: {type(exc).__name__}: {exc}"
+    if not dist.is_initialized() or not any(p in str(exc).lower() for p in _PEER_LOST):
+        publish_failure(env, exc)
+        return first_failure() or own, []
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"{_ANSWERING_KEY}{env.rank}", "1")
+        keys = [f"{_ANSWERING_KEY}{r}" for r in range(env.world_size)]
+        deadline = time.monotonic() + wait_s
+        while not store.check(keys) and time.monotonic() < deadline:
+            if store.check([_FAILURE_KEY]):  # a living peer's real error
+                return store.get(_FAILURE_KEY).decode(), []
+            time.sleep(0.1)
+        silent = [r for r, key in enumerate(keys) if not store.check([key])]
+    except Exception:  # noqa: BLE001 - the store lives in rank 0's process
+        silent = [0] if env.rank != 0 else []
+    if not silent:
+        publish_failure(env, exc)
+        return first_failure() or own, []
+    names = ", ".join(f"rank {r} on {node_of(r)}" for r in silent)
+    text = f"{names} stopped answering (its process or node died); rank {env.rank} saw: {exc}"
+    with contextlib.suppress(Exception):
+        dist.distributed_c10d._get_default_store().compare_set(_FAILURE_KEY, "", text)
+    return text, silent
+
+
+def barrier() -> None:
+    dist.barrier()
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if `flag` is true on any (one small collective)."""
+    value = devices.collective_tensor(torch.tensor([1 if flag else 0], dtype=torch.int64),
+                                      dist.get_backend())
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())

@@ -1,0 +1,115 @@
+"""A rank's training state: the DDP-wrapped model, optimiser, LR schedule, grad scaler and where
+training stands. Built the same way on every rank; checkpoints save and restore it."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from train.config.groups import TrainConfig
+from train.distributed import devices
+from train.engine import optim
+from train.models import build as models
+from train.models import finetune, pretrained
+
+log = logging.getLogger("train")
+
+
+class GradScaler(torch.amp.GradScaler):
+    """fp16's loss scaler that also counts the optimiser steps it skipped.
+
+    A step whose scaled gradients overflowed (inf/NaN) is not applied and the scale backs off
+    (halves); that is the only time the scale falls, so a fall is a skipped step. The count is a
+    tensor on the device, so counting costs no host sync; it is read at logging steps and epoch
+    ends (train/engine/loop.py), and kept in checkpoints with the rest of the scaler's state.
+    """
+
+    def __init__(self, device: torch.device, enabled: bool) -> None:
+        super().__init__(device.type, enabled=enabled)
+        self._skipped = torch.zeros((), dtype=torch.int64, device=device)
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        if not self.is_enabled() or self._scale is None:
+            super().update(new_scale)
+            return
+        before = self._scale.clone()
+        super().update(new_scale)
+        if new_scale is None:
+            self._skipped += (self._scale < before).squeeze().long()
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped so far in this job (restarts included); a host sync."""
+        return int(self._skipped.item())
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        return {**state, "skipped_steps": self.skipped_steps} if state else state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        self._skipped.fill_(int(state_dict.pop("skipped_steps", 0)))
+        super().load_state_dict(state_dict)
+
+
+@dataclass
+class TrainState:
+    model: nn.Module
+    """What the loop calls: DDP around the model (and torch.compile around that if asked)."""
+    module: nn.Module
+    """The bare model: what checkpoints, the saved weights and evaluation use."""
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scaler: GradScaler
+    epoch: int = 0
+    step: int = 0
+    batch_in_epoch: int = 0
+    """Batches of `epoch` already trained (resuming mid-epoch)."""
+    partial_totals: list[float] | None = None
+    """This rank's sums over those batches."""
+
+    def learning_rates(self, base_lr: float) -> dict[str, float]:
+        """`lr`: optim.lr (`base_lr`) as scheduled now, and `lr/<prefix>`: each
+        optim.param_groups group's. One schedule scales every group, so its factor can be read
+        off any group - the first is a named group's when every parameter is in one."""
+        now = self.scheduler.get_last_lr()
+        rates = {"lr": base_lr * now[0] / self.scheduler.base_lrs[0]}
+        for group, lr in zip(self.optimizer.param_groups, now, strict=True):
+            if group.get("prefix"):
+                rates[f"lr/{group['prefix']}"] = lr
+        return rates
+
+
+def build(cfg: TrainConfig, spec: models.InputSpec, steps_per_epoch: int,
+          device: torch.device, resuming: bool = False) -> TrainState:
+    """The model on `device` in DDP, with its optimiser, schedule and scaler. Seed the RNG
+    first: every rank must start from the same weights. model.weights are loaded unless
+    `resuming` (the checkpoint's weights win); model.freeze's parameters are frozen before
+    DDP and the optimiser see them."""
+    module = models.build(cfg.model, spec)
+    if resuming and cfg.model.weights:
+        log.info("model.weights=%s not loaded: the checkpoint's weights are resumed",
+                 cfg.model.weights)
+    elif cfg.model.weights:
+        pretrained.load(module, cfg.model, spec.num_classes)
+    finetune.freeze(module, cfg.model.freeze)
+    module = devices.sync_batchnorm(module, cfg.distributed.sync_batchnorm)
+    module = module.to(device)
+    if cfg.trainer.channels_last:
+        module = module.to(memory_format=torch.channels_last)
+    ddp: nn.Module = DDP(module, device_ids=devices.ddp_device_ids(device),
+                         find_unused_parameters=cfg.distributed.find_unused_parameters,
+                         gradient_as_bucket_view=cfg.distributed.gradient_as_bucket_view,
+                         static_graph=cfg.distributed.static_graph,
+                         bucket_cap_mb=cfg.distributed.bucket_cap_mb)
+    if cfg.trainer.compile:
+        ddp = torch.compile(ddp)  # type: ignore[assignment]
+    optimizer = optim.build_optimizer(cfg.optim, module)
+    scheduler = optim.build_scheduler(cfg.optim, optimizer, steps_per_epoch, cfg.trainer.epochs,
+                                      cfg.trainer.max_steps)
+    scaler = GradScaler(device, enabled=cfg.trainer.precision == "fp16-mixed")
+    return TrainState(ddp, module, optimizer, scheduler, scaler)

@@ -1,0 +1,303 @@
+"""Local ranks: one rank in this process, or N rank processes started and supervised here.
+
+Light at import (no torch, torchvision or mlflow): `--help`, `--cfg` and a refused configuration
+answer in well under a second, and the N ranks import torch in parallel rather than after this
+process has. That is why torch's `elastic_launch` does not start them: it needs torch here
+first, which put the first training step 0.6-3.6 s later in each of 11 paired runs, and it
+reports only the first rank it sees exit (docs/benchmarks.md, "Local launcher"). What it does
+well is done here too: ranks end with their launcher, and the first failing rank's traceback
+is the error. A Slurm node's one task (cluster.ranks=per_node) starts its node's ranks here as
+well, for the same reasons and so that a per-node job stops, fails and reports as a local one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import queue
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from train.distributed import env as distenv
+from train.distributed import stopping
+from train.distributed.stopping import Preempted
+from train.launch import joblock
+
+if TYPE_CHECKING:
+    from multiprocessing.synchronize import Event
+
+log = logging.getLogger("train")
+
+GRACE_S = 15.0
+"""After one rank fails, how long the others get to notice (closed connections), mark the run
+FAILED and exit, before they are stopped. Rank 0, once it has begun ending its run, gets up to
+tracking.flush_timeout_s more: on a busy machine the run may not even exist yet (its sender
+starts at the first step), and stopping rank 0 then would leave no run at all."""
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+class LaunchError(RuntimeError):
+    """Something the user must fix before the job can start."""
+
+
+class JobFailedError(RuntimeError):
+    """A rank failed; the message names the root cause."""
+
+
+class JobStoppedError(RuntimeError):
+    """The job was stopped by a signal after its ranks saved a checkpoint; the run is KILLED."""
+
+    def __init__(self, signal_name: str, output_dir: str) -> None:
+        super().__init__(
+            f"stopped by {signal_name} after saving a checkpoint in {output_dir}/checkpoints; "
+            f"the same command with hydra.run.dir={output_dir} resumes it")
+        self.signal_name = signal_name
+        self.output_dir = output_dir
+        number = getattr(signal.Signals, signal_name, None)
+        self.exit_code = 128 + int(number) if number is not None else 1
+        """As a shell reports a process ended by that signal."""
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        # Pickled back to the login node in a per-node Slurm task's result (cluster.ranks=
+        # per_node): the default would call __init__ with the message alone.
+        return JobStoppedError, (self.signal_name, self.output_dir)
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """What a rank sent back before exiting: its result, its error's traceback, or the signal
+    that stopped it."""
+
+    rank: int
+    kind: Literal["error", "result", "stopped"]
+    payload: Any
+    at: float
+    """time.time() when it was sent: the earliest error is the root cause."""
+
+
+def run_in_process(config: dict[str, Any], output_dir: str, command: str) -> dict[str, float]:
+    """A one-rank job in this process: no second interpreter to start (seconds saved per job,
+    and per job of a local sweep). Its torchrun-style variables are removed again afterwards,
+    so that the next job of a sweep is launched afresh."""
+    env = distenv.torchrun_env(0, 0, 1, 1, "127.0.0.1", distenv.free_port())
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        from train.engine.job import run_rank
+
+        return run_rank(config, output_dir, command, own_process=False)
+    except Preempted as e:
+        raise JobStoppedError(e.signal_name, output_dir) from None
+    except Exception as e:
+        # As from several ranks: the job failed, with the error and where it happened.
+        raise JobFailedError("the training job failed; rank 0 failed:\n"
+                             + "".join(traceback.format_exception(e))) from None
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def start_local_ranks(config: dict[str, Any], output_dir: str, command: str, nproc: int,
+                      node: distenv.NodeRanks | None = None) -> dict[str, float]:
+    """Start `nproc` ranks on this machine and supervise them until all end; their final
+    metrics (rank 0's where it runs here). A rank that fails makes the others fail at their
+    next collective (their connections to it close); any still running GRACE_S later is
+    stopped. The root cause (root_cause) is the JobFailedError's message. TERM, HUP, INT or
+    USR2 here reach the ranks: their coordinated stop (a checkpoint, the run KILLED), then
+    JobStoppedError. `node`: this machine's share of a multi-node job (a Slurm node's one
+    task, cluster.ranks=per_node); None = the whole job is here."""
+    node = node or distenv.this_machine(nproc)
+    ctx = mp.get_context("spawn")  # a fresh interpreter: no state of this process carried over
+    _start_resource_tracker()
+    outcomes: mp.Queue = ctx.Queue()
+    ranks = [node.rank(local) for local in range(nproc)]
+    ending = [ctx.Event() for _ in range(nproc)]  # set by rank 0 as it begins to end its run
+    procs = [ctx.Process(target=_rank_entry, name=f"rank {ranks[local]}", args=(
+        config, output_dir, command, os.getpid(), node.env(local), outcomes, ending[local]))
+        for local in range(nproc)]
+    started = time.time()
+    with stopping.PassOn(procs) as forwarding:
+        for p in procs:
+            p.start()
+        joblock.add_ranks(Path(output_dir), [p.pid for p in procs if p.pid is not None])
+        try:
+            _supervise(procs, ending, float(config["tracking"]["flush_timeout_s"]) + GRACE_S)
+        finally:
+            stopped = {ranks[local] for local in _stop(procs)}
+    results = _drain(outcomes)
+    exits = {ranks[local]: p.exitcode for local, p in enumerate(procs)}
+    done = {o.rank for o in results if o.kind in ("result", "stopped")}
+    for rank, code in exits.items():
+        if code != 0 and rank in done:
+            # Its work was done and delivered; only the interpreter's teardown failed.
+            log.warning("rank %d exited with code %s after finishing its work", rank, code)
+    if all(code == 0 or rank in done for rank, code in exits.items()):
+        stops = {o.rank: o.payload for o in results if o.kind == "stopped"}
+        if stops:  # rank 0's signal names the stop (the others may only know of a request)
+            raise JobStoppedError(stops.get(0) or next(iter(stops.values())), output_dir)
+        # The same on every rank: rank 0's, or on another node its first rank's.
+        return next((o.payload for o in sorted(results, key=lambda o: o.rank)
+                     if o.kind == "result"), {})
+    stopped |= forwarding.signalled_ranks(exits)
+    _end_abandoned_run(output_dir, started, exits, results, stopped,
+                       {ranks[local]: p.pid for local, p in enumerate(procs)})
+    raise JobFailedError(f"the training job failed; {root_cause(exits, results, stopped)}")
+
+
+def _start_resource_tracker() -> None:
+    """multiprocessing's helper process (it unlinks the queue's semaphores) ignores INT and
+    TERM but would die of a closed terminal's HUP, and its successor then prints KeyErrors:
+    started with HUP ignored, it inherits that."""
+    from multiprocessing import resource_tracker
+
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+
+def _end_abandoned_run(output_dir: str, started: float, exits: dict[int, int | None],
+                       results: list[RankOutcome], stopped: set[int],
+                       pids: dict[int, int | None]) -> None:
+    """Rank 0 alone ends the run. If it died without a word, its run would stay RUNNING; if
+    another rank was killed, rank 0 blamed the closed connection it saw. Either way this
+    process knows better: it ends the run FAILED with the rank that died."""
+    killed = sorted((rank, -code) for rank, code in exits.items()
+                    if code is not None and code < 0 and rank not in stopped)
+    reported = {o.rank for o in results}
+    if killed:
+        rank, number = killed[0]
+        cause = f"rank {rank} (pid {pids[rank]}) killed by {_signal_name(number)}"
+    elif 0 in exits and 0 not in reported:  # hung and stopped, or gone without a word
+        lines = root_cause(exits, results, stopped).strip().splitlines()
+        cause = lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
+    else:
+        return
+    from train.tracking import abandoned
+
+    abandoned.end_with_cause(Path(output_dir), started, cause)
+
+
+def _rank_entry(config: dict[str, Any], output_dir: str, command: str, launcher: int,
+                env: dict[str, str], outcomes: mp.Queue, ending: Event) -> None:
+    _end_with(launcher)
+    os.environ.update(env)
+    rank = int(env["RANK"])
+    try:
+        from train.engine.job import run_rank
+
+        metrics = run_rank(config, output_dir, command, ending_run=ending.set)
+        outcome = RankOutcome(rank, "result", metrics, time.time())
+    except Preempted as e:
+        outcome = RankOutcome(rank, "stopped", e.signal_name, time.time())
+    except BaseException as e:
+        outcome = RankOutcome(rank, "error", "".join(traceback.format_exception(e)), time.time())
+    outcomes.put(outcome)
+    # The rank's work is done: spare the interpreter's final garbage collection over every
+    # object torch, mlflow and pyarrow made (~2 s on rank 0 here); memory goes back to the OS
+    # anyway, and atexit handlers and plain deallocation still run.
+    gc.freeze()
+    if outcome.kind == "error":
+        raise SystemExit(1)
+
+
+def _end_with(launcher: int) -> None:
+    """This rank gets TERM when the launching process dies, even by SIGKILL: the coordinated
+    stop (a checkpoint, the run KILLED) instead of training on unsupervised.
+
+    TERM, not INT as before: Python may not heed an INT (a launcher started in the background
+    by a non-interactive shell passes INT on as ignored), and an INT made the run FAILED with
+    a bare KeyboardInterrupt and no checkpoint. Stop signals that come while the rank starts
+    are kept (stopping.note_early) rather than killing it unannounced."""
+    stopping.note_early()
+    with contextlib.suppress(AttributeError, OSError):  # Linux only; elsewhere: best effort
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != launcher:  # it died before the line above
+        raise SystemExit(1)
+
+
+def _supervise(procs: list[mp.Process], ending: list[Event] | None = None,
+               ending_s: float = 0.0) -> None:
+    """Until every rank has exited, or GRACE_S after the first one failed; if a rank still
+    running then has set its `ending` event (rank 0 ending its run), up to `ending_s` more."""
+    deadline: float | None = None
+    extended = False
+    while any(p.is_alive() for p in procs):
+        # Bounded waits: exit codes are polled even if a sentinel is never signalled.
+        wait = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
+        multiprocessing.connection.wait([p.sentinel for p in procs if p.is_alive()], wait)
+        if deadline is None and any(p.exitcode not in (None, 0) for p in procs):
+            deadline = time.monotonic() + GRACE_S
+        if deadline is not None and time.monotonic() >= deadline:
+            if extended or not any(p.is_alive() and e.is_set()
+                                   for p, e in zip(procs, ending or [], strict=False)):
+                return
+            extended, deadline = True, time.monotonic() + ending_s
+
+
+def _stop(procs: list[mp.Process]) -> set[int]:
+    """SIGTERM to the ranks still running, SIGKILL 5 s later; returns their indices in
+    `procs` (local ranks)."""
+    stopped = {rank for rank, p in enumerate(procs) if p.is_alive()}
+    for rank in stopped:
+        procs[rank].terminate()
+    for p in procs:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return stopped
+
+
+def _drain(outcomes: mp.Queue) -> list[RankOutcome]:
+    results: list[RankOutcome] = []
+    with contextlib.suppress(queue.Empty):
+        while True:
+            results.append(outcomes.get(timeout=0.2))
+    return results
+
+
+def root_cause(exits: dict[int, int | None], outcomes: list[RankOutcome],
+               stopped: set[int]) -> str:
+    """Why the job failed, from every rank's exit code and what the ranks sent back.
+
+    A rank killed by a signal that did not come from this launcher caused the rest (the others
+    only noticed its closed connections); else the earliest Python error; else the exit codes.
+    """
+    errors = sorted((o for o in outcomes if o.kind == "error"), key=lambda o: (o.at, o.rank))
+    killed = sorted((rank, -code) for rank, code in exits.items()
+                    if code is not None and code < 0 and rank not in stopped)
+    if killed:
+        cause = f"rank {killed[0][0]} was killed by {_signal_name(killed[0][1])}"
+        if errors:
+            cause += f"; then rank {errors[0].rank} stopped: {_last_line(errors[0].payload)}"
+        return cause
+    if errors:
+        return f"rank {errors[0].rank} failed first:\n{errors[0].payload}"
+    return ", ".join(f"rank {rank} exited with code {code}" for rank, code in sorted(exits.items())
+                     if code and rank not in stopped) or "no rank reported why"
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _last_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else ""

@@ -1,0 +1,2 @@
+"""What a run records and prints, apart from MLflow itself: params and tags, progress, metrics
+as exact sums, figures, FLOPs, the model card. Sends through the tracking wing's backend."""

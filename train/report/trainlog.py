@@ -1,0 +1,97 @@
+"""What the training loop reports as it goes, on every rank alike: the progress bar, logging
+steps, fp16's loss scale, epoch metrics, a new best evaluation and the test phase's metrics.
+
+Part of the job's run logger (train/report/runlog.py holds one as `RunLogger.training`), over the same
+backend: rank 0's MlflowRun, every other rank's do-nothing NullRun. It keeps what summary.json
+reports of training (the final metrics, each epoch's throughput, the first step's time).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+from train.config.groups import TrainConfig
+from train.report import flops, system_stats
+from train.report.metrics import Reduced, StepSync
+from train.report.progress import Progress
+from train.tracking import NullRun
+
+log = logging.getLogger("train")
+T = TypeVar("T")
+SHOWN = ("train/loss", "train/accuracy", "val/loss", "val/accuracy", "train/samples_per_sec",
+         "train/mfu", "epoch_time_s")
+
+
+class TrainingLog:
+    def __init__(self, cfg: TrainConfig, run: NullRun, progress: Progress) -> None:
+        self.cfg, self.run, self.bar = cfg, run, progress
+        self.throughput: flops.Throughput | None = None
+        """Set once the model exists (train/engine/job.py); train/tflops_per_sec and train/mfu."""
+        self.final_metrics: dict[str, float] = {}
+        self.by_epoch: list[dict[str, float]] = []  # each epoch this start trained
+        self.first_step_at: float | None = None
+
+    def progress(self, batches: Iterable[T], epoch: int) -> Iterator[T]:
+        return self.bar.over(batches, epoch, len(batches))  # type: ignore[arg-type]
+
+    def first_step(self) -> None:
+        self.first_step_at = time.time()
+        self.run.begin_sending()  # training is under way: MLflow may take its share now
+
+    def step(self, step: int, sync: StepSync) -> None:
+        self.run.log_metrics({"train/step_loss": sync.mean_loss,
+                              "train/step_time_max_s": sync.slowest_s,
+                              "train/step_time_min_s": sync.fastest_s}, step)
+        self.bar.show(loss=sync.mean_loss)
+
+    def grad_scaler(self, step: int, skipped_steps: int, loss_scale: float) -> None:
+        """fp16: optimiser steps skipped so far (their gradients overflowed) and the loss scale."""
+        self.run.log_metrics({"train/skipped_steps": float(skipped_steps),
+                              "train/loss_scale": loss_scale}, step)
+
+    def epoch(self, epoch: int, *, train: Reduced, val: Reduced | None, train_time_s: float,
+              epoch_time_s: float, lrs: dict[str, float],
+              nodes: list[Any] | None = None) -> None:
+        """`lrs`: `lr` and each optim.param_groups group's `lr/<prefix>` (TrainState)."""
+        values = {"train/loss": train.loss, "train/accuracy": train.accuracy,
+                  "train/samples": float(train.samples),
+                  "train/samples_per_sec": train.samples / train_time_s,
+                  **lrs, "epoch_time_s": epoch_time_s,
+                  **(self.throughput.metrics(train.samples, train_time_s)
+                     if self.throughput else {})}
+        if val is not None:
+            values.update({"val/loss": val.loss, "val/accuracy": val.accuracy,
+                           "val/samples": float(val.samples)})
+        for split, reduced in (("train", train), ("val", val)):
+            if reduced is not None and reduced.accuracy_top5 is not None:  # > 5 classes
+                values[f"{split}/accuracy_top5"] = reduced.accuracy_top5
+        if nodes:
+            self.run.log_metrics(system_stats.as_metrics(nodes), step=epoch)
+        self.run.log_metrics(values, step=epoch)
+        self.final_metrics.update(values)
+        self.by_epoch.append({"samples_per_sec": values["train/samples_per_sec"],
+                              "epoch_time_s": epoch_time_s,
+                              "tracking_thread_cpu_s": self.run.cpu_seconds})
+        shown = "  ".join(f"{k}={v:.4g}" for k, v in values.items() if k in SHOWN)
+        log.info("epoch %d/%d  %s", epoch + 1, self.cfg.trainer.epochs, shown)
+
+    def best(self, epoch: int, monitor: str, value: float, path: Path | None) -> None:
+        """A new best evaluation (written to `path` with trainer.save_best)."""
+        self.run.log_metrics({f"best/{monitor}": value}, step=epoch)
+        self.run.set_tags({"best_epoch": str(epoch)})
+        log.info("best %s so far: %.4g at epoch %d%s", monitor, value, epoch + 1,
+                 f" ({path})" if path else "")
+
+    def test(self, epoch: int, result: Reduced) -> None:
+        """The test phase's metrics, once, at the last epoch's step."""
+        values = {"test/loss": result.loss, "test/accuracy": result.accuracy,
+                  "test/samples": float(result.samples)}
+        if result.accuracy_top5 is not None:
+            values["test/accuracy_top5"] = result.accuracy_top5
+        self.run.log_metrics(values, step=epoch)
+        self.final_metrics.update(values)
+        log.info("test: %s", "  ".join(f"{k}={v:.4g}" for k, v in values.items()))
