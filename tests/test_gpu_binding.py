@@ -20,7 +20,7 @@ from tests.test_slurm import _wait_for_job, cluster, on_slurm, wait_until  # noq
 from train.config.cluster import ClusterConfig
 from train.distributed.devices import choose_gpu, gpu_for_rank, select_device, visible_gpus
 from train.distributed.env import DistEnvError
-from train.launch.submit import requeue_budget
+from train.distributed.slurm import requeue_budget
 
 # -- the choice, no Slurm ---------------------------------------------------------------------
 

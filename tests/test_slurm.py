@@ -1,5 +1,5 @@
 """`python -m train +cluster=slurm` against the real local Slurm cluster (slurm/); first, fast
-tests of train/launch/submit.py's in-job part and request checks, which need no cluster."""
+tests of train/distributed/slurm.py (in a job) and train/launch/submit.py's request checks, which need no cluster."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import pytest
 from tests.conftest import REPO, history, run_train, runs_in, skip_or_fail, wait_until
 from train.config.cluster import ClusterConfig
 from train.config.groups import ConfigError, DistributedConfig, TrainConfig
+from train.distributed import slurm as in_job
 from train.launch import submit as slurm
 
 T = TypeVar("T")
@@ -45,39 +46,39 @@ def fake_scontrol(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_a_time_limit_requeues_until_the_budget_is_spent(fake_scontrol: Path) -> None:
-    assert slurm.requeue_after_stop("SIGUSR2", 0, 3) == 1
-    assert slurm.requeue_after_stop("SIGUSR2", 2, 3) == 3
-    assert slurm.requeue_after_stop("SIGUSR2", 3, 3) is None  # spent: not requeued
+    assert in_job.requeue_after_stop("SIGUSR2", 0, 3) == 1
+    assert in_job.requeue_after_stop("SIGUSR2", 2, 3) == 3
+    assert in_job.requeue_after_stop("SIGUSR2", 3, 3) is None  # spent: not requeued
     assert fake_scontrol.read_text().splitlines() == ["requeue 41", "requeue 41"]
 
 
 def test_requeue_targets_the_array_task_and_only_after_usr2(
         fake_scontrol: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert slurm.requeue_after_stop("SIGTERM", 0, 3) is None  # Slurm requeues it itself
+    assert in_job.requeue_after_stop("SIGTERM", 0, 3) is None  # Slurm requeues it itself
     assert not fake_scontrol.exists()
     monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "40")
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "1")
-    assert slurm.requeue_target() == "40_1"
-    assert slurm.requeue_after_stop("SIGUSR2", 0, 1) == 1
+    assert in_job.requeue_target() == "40_1"
+    assert in_job.requeue_after_stop("SIGUSR2", 0, 1) == 1
     assert fake_scontrol.read_text().splitlines() == ["requeue 40_1"]
 
 
 def test_outside_slurm_nothing_is_requeued_or_tagged(fake_scontrol: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SLURM_JOB_ID")
-    assert slurm.requeue_after_stop("SIGUSR2", 0, 3) is None
-    assert slurm.slurm_tags(["node1"]) == {}
+    assert in_job.requeue_after_stop("SIGUSR2", 0, 3) is None
+    assert in_job.slurm_tags(["node1"]) == {}
     assert not fake_scontrol.exists()
 
 
 def test_slurm_tags_name_the_job_and_its_nodes(fake_scontrol: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SLURM_JOB_PARTITION", "debug")
-    assert slurm.slurm_tags(["node2", "node1", "node2"]) == {
+    assert in_job.slurm_tags(["node2", "node1", "node2"]) == {
         "slurm.job_id": "41", "slurm.nodes": "node1,node2", "slurm.partition": "debug"}
     monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "40")
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "0")
-    tags = slurm.slurm_tags(["node1"])
+    tags = in_job.slurm_tags(["node1"])
     assert tags["slurm.job_id"] == "40" and tags["slurm.array_task_id"] == "0"
 
 

@@ -24,6 +24,7 @@ from tests.test_slurm import (  # noqa: F401 - cluster is a fixture
 )
 from train.config.cluster import ClusterConfig
 from train.config.groups import ConfigError, TrainConfig
+from train.distributed.slurm import time_limit_note
 from train.launch import submit as slurm
 
 TWO_NODES = ("cluster.nodes=2", "cluster.tasks_per_node=1", "cluster.cpus_per_task=1",
@@ -43,7 +44,7 @@ def test_a_stop_signal_at_the_start_is_refused_and_one_early_warned(
 
 
 def test_the_time_limit_note_names_the_checkpoint_and_the_command() -> None:
-    note = slurm.time_limit_note(Path("/o/checkpoints/step-40.pt"),
+    note = time_limit_note(Path("/o/checkpoints/step-40.pt"),
                                  "python -m train +cluster=slurm trainer.resume=auto")
     assert note == ("time limit reached, checkpoint /o/checkpoints/step-40.pt saved; resume with "
                     "python -m train +cluster=slurm trainer.resume=/o/checkpoints/step-40.pt")

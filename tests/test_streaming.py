@@ -134,12 +134,12 @@ def test_validation_shards_hold_every_image_once(flat_root: Path, world_size: in
 
 def test_the_data_set_record_names_the_file_list(flat_root: Path, tmp_path: Path) -> None:
     cfg = folder_config(flat_root)
-    record = shards(cfg, 1)[0].dataset_record("imagefolder-train")
-    assert record == shards(cfg, 1)[0].dataset_record("imagefolder-train")
+    record = shards(cfg, 1)[0].description()
+    assert record == shards(cfg, 1)[0].description()
     assert (record.num_rows, record.features_shape) == (24, [24, 3, 16, 16])
     copy = shutil.copytree(flat_root, tmp_path / "copy")
     shutil.copy(copy / "class_00" / "00000.jpg", copy / "class_00" / "extra.jpg")
-    assert shards(folder_config(copy), 1)[0].dataset_record("x").digest != record.digest
+    assert shards(folder_config(copy), 1)[0].description().digest != record.digest
 
 
 def test_transforms_make_the_configured_crops() -> None:
@@ -238,7 +238,7 @@ def test_a_custom_dataset_gives_classes_shape_and_split(userpkg_on_path: None, t
     bundle = data.build(custom_config(target, size=12), 0, 1, 1, CPU, seed=0)
     assert (bundle.class_names, bundle.input_shape) == (names, (1, 12, 12))
     assert (bundle.num_train, bundle.num_val) == (24, 6)
-    assert bundle.dataset_record("x").features_shape == [24, 1, 12, 12]
+    assert bundle.description().features_shape == [24, 1, 12, 12]
     separate = data.build(custom_config(target, val=target), 0, 1, 1, CPU, seed=0)
     assert (separate.num_train, separate.num_val) == (30, 12)
     assert sum(len(labels) for _, labels in separate.val) == 12

@@ -8,6 +8,7 @@ import json
 import re
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -17,10 +18,11 @@ from mlflow import MlflowClient
 from tests.conftest import history, runs_in
 from train import outbox
 from train.config.groups import ModelConfig, TrackingConfig
+from train.data.batches import describe_tensors
 from train.distributed.env import free_port
 from train.models import build as models
 from train.report import flops
-from train.tracking import NullRun, open_run, records, unsent
+from train.tracking import NullRun, open_run, unsent
 from train.tracking.records import (
     ArtifactFile,
     Batch,
@@ -78,8 +80,9 @@ def test_a_store_never_reached_leaves_a_file_that_creates_the_run_later(tmp_path
     weights = job / "model.pt"
     torch.save({"w": torch.ones(2)}, weights)
     t.log(ArtifactFile(path=str(weights), artifact_path="weights"))
-    dataset = records.dataset_input("digits-train", images=torch.zeros(4, 1, 8, 8),
-                                    labels=torch.zeros(4), rows=torch.arange(3))
+    described = describe_tensors(images=torch.zeros(4, 1, 8, 8), labels=torch.zeros(4),
+                                 rows=torch.arange(3))
+    dataset = DatasetInput(name="digits-train", **asdict(described))
     t.log(dataset)
     t.log(Model(model=torch.nn.Linear(2, 2), input_example=None))  # cannot wait in a file
     t.finish(error="rank 1 on node2: ValueError: boom")

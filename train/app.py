@@ -23,6 +23,7 @@ from train.config import groups as config_lib
 from train.config.groups import TrainConfig
 from train.config.schema import register_schema, to_container, to_typed
 from train.distributed import env as distenv
+from train.errors import ConfigError, LaunchError, StoppedBySignal, TrainError
 from train.launch import joblock
 
 register_schema()
@@ -38,11 +39,6 @@ after it are not started, rather than one more Ctrl-C per job."""
 
 def job(cfg: DictConfig) -> float | None:
     """Run one job; returns its objective (trainer.objective) for Hydra's sweepers."""
-    from train.config.groups import ConfigError
-    from train.distributed.env import DistEnvError
-    from train.launch.joblock import JobLockedError
-    from train.launch.local import JobFailedError, JobStoppedError, LaunchError
-
     global _sweep_stopped_by
     _keep_hydras_short_errors()
     hydra_cfg = HydraConfig.get()
@@ -54,18 +50,14 @@ def job(cfg: DictConfig) -> float | None:
         command = " ".join(["python -m train", *overrides])
         return run(cfg, hydra_cfg.runtime.output_dir, command,
                    preflighted=launched_by_us(hydra_cfg))
-    except (ConfigError, DistEnvError, LaunchError, JobLockedError, JobFailedError,
-            JobStoppedError) as e:
+    except TrainError as e:
         if hydra_cfg.mode == RunMode.MULTIRUN:
-            if isinstance(e, JobStoppedError):
+            if isinstance(e, StoppedBySignal):
                 _sweep_stopped_by = e.signal_name
             raise  # Hydra marks this job FAILED; the other jobs of the sweep go on
         # A single job: the message alone, no stack of Hydra frames around it.
-        if isinstance(e, JobStoppedError):
-            print(f"\n{e}\n", file=sys.stderr)
-            raise SystemExit(e.exit_code) from None
-        print(f"\nerror: {e}\n", file=sys.stderr)
-        raise SystemExit(1 if isinstance(e, JobFailedError) else 2) from None
+        print(f"\n{e.terminal_line()}\n", file=sys.stderr)
+        raise SystemExit(e.exit_code) from None
 
 
 _hydra_main = hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")(job)
@@ -128,8 +120,6 @@ def one_line(error: BaseException) -> str:
 def _typed(cfg: DictConfig) -> tuple[dict, TrainConfig]:
     """The composed config as a plain dict and typed; a key no dataclass has (`+trainer.foo=1`)
     or a value of the wrong type is a ConfigError."""
-    from train.config.groups import ConfigError
-
     try:
         config = to_container(cfg)
         return config, to_typed(config)
@@ -182,7 +172,7 @@ def _check_without_preflight(typed: TrainConfig, world_size: int) -> None:
 
     validate(typed, world_size)
     if problem := devices.refuse_without_cuda(typed.distributed):
-        raise config_lib.ConfigError(problem)
+        raise ConfigError(problem)
 
 
 def _run_node_task(typed: TrainConfig, config: dict, output_dir: str,

@@ -12,6 +12,8 @@ from typing import Any, NoReturn
 
 from omegaconf import open_dict
 
+from train.errors import TrainError
+
 
 def refuse(message: object) -> NoReturn:
     """One clear message and exit code 2: nothing has started or been submitted."""
@@ -32,7 +34,7 @@ def job_configs(launcher: Any, job_overrides: Sequence[Sequence[str]]) -> list[A
             del cfg["hydra"]
         try:  # e.g. model=custom without model._target_
             typed.append(schema.to_typed(schema.to_container(cfg)))
-        except schema.ConfigError as e:
+        except TrainError as e:
             refuse(e)
     return typed
 
@@ -41,14 +43,12 @@ def preflight_jobs(configs: Sequence[Any], on_slurm: bool = False,
                    dry_run: bool = False) -> str | None:
     """train/launch/preflight.py for all of them; the experiment id (None without tracking or in a
     dry run). A refusal ends the command here."""
-    from train.config.groups import ConfigError
-    from train.launch.local import LaunchError
     from train.launch.preflight import preflight
 
     try:
         return preflight(configs, on_slurm=on_slurm, dry_run=dry_run,
                          prepare_tracking=not dry_run)
-    except (ConfigError, LaunchError) as e:
+    except TrainError as e:
         refuse(e)
 
 

@@ -23,6 +23,7 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLaunche
 from omegaconf import OmegaConf, open_dict
 
 from hydra_plugins.train_launcher import checked_jobs
+from train.errors import StoppedBySignal
 
 
 @dataclass
@@ -112,7 +113,7 @@ class TrainSlurmLauncher(SlurmLauncher):
         error = ret._return_value
         # A rank's stop (Preempted), or a per-node task's whose ranks stopped (JobStoppedError).
         if ret.status == JobStatus.FAILED and isinstance(error, BaseException) and \
-                type(error).__name__ not in ("Preempted", "JobStoppedError"):
+                not isinstance(error, StoppedBySignal):
             raise error
         return ret
 

@@ -17,10 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from train.config.cluster import ClusterConfig
-
-
-class ConfigError(ValueError):
-    """A configuration the service refuses; its message is shown to the user as is."""
+from train.errors import ConfigError as ConfigError  # re-exported
 
 
 @dataclass

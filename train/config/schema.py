@@ -17,7 +17,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from train.config.cluster import ranks_per_node, slurm_cpus_per_task, slurm_tasks_per_node
-from train.config.groups import ConfigError, CustomModelConfig, ModelConfig, TrainConfig
+from train.config.groups import CustomModelConfig, ModelConfig, TrainConfig
+from train.errors import ConfigError
 
 
 def register_schema() -> None:

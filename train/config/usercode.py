@@ -14,8 +14,10 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from train.errors import TrainError
 
-class UserCodeError(ValueError):
+
+class UserCodeError(TrainError, ValueError):
     """A `_target_` that cannot be imported or built; the message is one line for the user."""
 
 

@@ -5,7 +5,8 @@ every rank of an externally launched job (torchrun, srun), which has no pre-flig
 
 from __future__ import annotations
 
-from train.config.groups import ConfigError, CustomModelConfig, TrackingConfig, TrainConfig
+from train.config.groups import CustomModelConfig, TrackingConfig, TrainConfig
+from train.errors import ConfigError
 
 # The registries in train/models/build.py and train/data/build.py are keyed by exactly these names; they are
 # repeated here so that validation (and --help) need not import torch.
@@ -59,7 +60,7 @@ def _model_and_data(cfg: TrainConfig, p: list[str]) -> None:
                  f"model.name={cfg.model.name!r} is not a model; choose one of "
                  f"{[*MODEL_NAMES, 'torchvision']} (for a torchvision.models builder: "
                  f"model=torchvision model.name={cfg.model.name}).", p)
-    from train.models.finetune import group_problems  # no torch: prefixes as written
+    from train.config.prefixes import group_problems
 
     p += group_problems(cfg.optim.param_groups, cfg.model.freeze)
     datasets = [*DATASET_NAMES, *STREAMED_DATASET_NAMES]

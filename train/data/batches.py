@@ -7,6 +7,7 @@ An epoch can start at a batch offset (resuming mid-epoch): the samples before it
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 import os
@@ -20,10 +21,9 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler
 
-from train.config.groups import ConfigError
 from train.distributed import devices
 from train.distributed.stopping import ignore_in_worker
-from train.tracking import records
+from train.errors import ConfigError
 
 
 @dataclass
@@ -194,6 +194,30 @@ class WorkersBornDeaf(DataLoader):
             signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
+@dataclass(frozen=True)
+class DataDescription:
+    """What a training split holds, as plain data: a digest of its content and its shape."""
+
+    digest: str
+    """8 hex digits of a SHA-256 over the data (and which rows are in the split)."""
+    num_rows: int
+    features_shape: list[int]
+    features_dtype: str
+
+
+def describe_tensors(images: torch.Tensor, labels: torch.Tensor,
+                     rows: torch.Tensor) -> DataDescription:
+    """A split of an in-memory data set: its shape and a digest of the data and of which rows
+    belong to the split. Reads views of the tensors: no copy on the CPU."""
+    digest = hashlib.sha256()
+    for tensor in (images, labels, rows):
+        digest.update(tensor.detach().cpu().contiguous().numpy().data)
+    n = len(rows)
+    return DataDescription(digest=digest.hexdigest()[:8], num_rows=n,
+                           features_shape=[n, *map(int, images.shape[1:])],
+                           features_dtype=str(images.dtype).removeprefix("torch."))
+
+
 @dataclass
 class DataBundle:
     train: Batches
@@ -203,8 +227,8 @@ class DataBundle:
     class_names: list[str]
     input_shape: tuple[int, ...]
     """One sample's shape as the model gets it, e.g. (3, 64, 64)."""
-    describe: Callable[[str], records.DatasetInput] = field(repr=False)
-    """What dataset_record returns."""
+    describe: Callable[[], DataDescription] = field(repr=False)
+    """What `description` returns (worked out when asked: it reads the data)."""
     test: Batches | None = None
     """This rank's strided shard of the test split; None: the data set has none."""
     num_test: int = 0
@@ -221,8 +245,8 @@ class DataBundle:
     def image_size(self) -> int:
         return self.input_shape[-1]
 
-    def dataset_record(self, name: str) -> records.DatasetInput:
-        """The training split as the run's MLflow input: for in-memory sets a digest of the
-        tensors, for streamed ones of the file list (ImageFolder) or of the length and first
-        samples (custom)."""
-        return self.describe(name)
+    def description(self) -> DataDescription:
+        """The training split, described: for in-memory sets a digest of the tensors, for
+        streamed ones of the file list (ImageFolder) or of the length and first samples
+        (custom). The run records it as its MLflow input (train/report/runlog.py)."""
+        return self.describe()

@@ -26,12 +26,12 @@ from train.data.batches import (
     ShardOrder,
     Split,
     default_num_workers,
+    describe_tensors,
     loader,
     split,
 )
 from train.data.datasets import DATASETS, test_set
 from train.distributed import devices
-from train.tracking import records
 
 STREAMED = ("imagefolder", "custom")
 """Data sets read from disk batch by batch (train/data/streaming.py); the others are in memory."""
@@ -136,4 +136,4 @@ def build(cfg: DataConfig, rank: int, world_size: int, local_world_size: int,
         val=batches(val_set, None, False),
         num_train=len(parts.train_idx), num_val=len(parts.val_idx),
         class_names=data.class_names, input_shape=tuple(map(int, data.images.shape[1:])),
-        describe=lambda name: records.dataset_input(name, data.images, data.labels, train_index))
+        describe=lambda: describe_tensors(data.images, data.labels, train_index))

@@ -14,9 +14,10 @@ from pathlib import Path
 import torch
 
 from train.config.groups import DataConfig, reads_files
+from train.errors import TrainError
 
 
-class DataMissingError(FileNotFoundError):
+class DataMissingError(TrainError, FileNotFoundError):
     """A data set is not on disk and data.download=false."""
 
 

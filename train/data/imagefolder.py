@@ -17,12 +17,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from train.errors import TrainError
+
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 """torchvision's IMG_EXTENSIONS (any case)."""
 LAYOUT = "root/<class>/<image>, or root/train/<class>/<image> and root/val/<class>/<image>"
 
 
-class LayoutError(ValueError):
+class LayoutError(TrainError, ValueError):
     """data.root is not an ImageFolder data set; the message says what to change."""
 
 

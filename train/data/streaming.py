@@ -32,10 +32,11 @@ from torch.utils.data import ConcatDataset, DataLoader, Dataset, DistributedSamp
 from torch.utils.data import default_collate as collate_samples
 
 from train.config import usercode
-from train.config.groups import ConfigError, DataConfig
+from train.config.groups import DataConfig
 from train.data import batches as batching
 from train.data import imagefolder, userdata
-from train.tracking import records
+from train.data.batches import DataDescription
+from train.errors import ConfigError
 
 log = logging.getLogger("train")
 RESIZE_RATIO = 0.875
@@ -180,7 +181,7 @@ class Source:
     val: Dataset
     class_names: list[str]
     input_shape: tuple[int, ...]
-    describe: Callable[[str], records.DatasetInput]
+    describe: Callable[[], DataDescription]
     summary: str
     collate: Callable[[list[Any]], Any] = collate_readable
     normalise: dict[str, Any] = field(default_factory=dict)
@@ -212,9 +213,9 @@ def imagefolder_source(cfg: DataConfig) -> Source:
         raise ConfigError(f"data.mean and data.std need {shape[0]} values (one per channel).")
     rows = len(train)  # type: ignore[arg-type]
 
-    def describe(name: str) -> records.DatasetInput:
-        return records.DatasetInput(name=name, digest=digest.hexdigest()[:8], num_rows=rows,
-                                    features_shape=[rows, *shape], features_dtype="uint8")
+    def describe() -> DataDescription:
+        return DataDescription(digest=digest.hexdigest()[:8], num_rows=rows,
+                               features_shape=[rows, *shape], features_dtype="uint8")
 
     test = (None if layout.test is None
             else ImageFiles(layout.test, transforms(cfg, train=False)))
@@ -256,14 +257,14 @@ def custom_source(cfg: DataConfig, workers: int) -> Source:
         names = userdata.class_names(train_set, _read_labels(whole, workers))
     rows = len(train)  # type: ignore[arg-type]
 
-    def describe(name: str) -> records.DatasetInput:
+    def describe() -> DataDescription:
         digest = hashlib.sha256(f"{target}\0{rows}".encode())
         for i in range(min(4, rows)):  # the length and the first samples name the data
             inputs, label = train[i]
             digest.update(np.ascontiguousarray(np.asarray(inputs)).tobytes() + b"%d" % int(label))
-        return records.DatasetInput(name=name, digest=digest.hexdigest()[:8], num_rows=rows,
-                                    features_shape=[rows, *shape],
-                                    features_dtype=str(train[0][0].dtype).removeprefix("torch."))
+        return DataDescription(digest=digest.hexdigest()[:8], num_rows=rows,
+                               features_shape=[rows, *shape],
+                               features_dtype=str(train[0][0].dtype).removeprefix("torch."))
 
     test = (userdata.build(cfg.test, "data.test") if cfg.test and cfg.test.get("_target_")
             else None)

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from train.config import usercode
-from train.config.groups import ConfigError
+from train.errors import ConfigError
 
 
 def build(spec: dict[str, Any] | None, key: str) -> Any:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from train.config.groups import DistributedConfig
-from train.distributed.env import DistEnvError
+from train.errors import DistEnvError
 
 log = logging.getLogger(__name__)
 

@@ -21,6 +21,8 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from train.errors import DistEnvError as DistEnvError  # re-exported
+
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                  "MASTER_PORT")
 
@@ -35,10 +37,6 @@ master node may hold the port: a sweep's array task failed with EADDRINUSE."""
 LAUNCHER_VAR = "TRAIN_LAUNCHER"
 """Set by the local launcher for its ranks when it is a Slurm node's task: the run's
 `launcher` tag then says so instead of "torchrun"."""
-
-
-class DistEnvError(RuntimeError):
-    """The launch environment is inconsistent."""
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
+from train.errors import StoppedBySignal
+
 log = logging.getLogger("train")
 
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
@@ -31,12 +33,17 @@ _noted_early: str | None = None
 """A stop signal received before StopSignals was entered (a rank still starting)."""
 
 
-class Preempted(Exception):
+class Preempted(StoppedBySignal):
     """The job was asked to stop (time limit, preemption, requeue); a checkpoint was saved."""
 
     def __init__(self, signal_name: str) -> None:
         super().__init__(f"stopped by {signal_name} after saving a checkpoint")
         self.signal_name = signal_name
+
+    def __reduce__(self) -> tuple[type, tuple[str]]:
+        # Pickled back to the login node in a Slurm rank's result (submitit): the default
+        # would call __init__ with the message as the signal's name.
+        return Preempted, (self.signal_name,)
 
 
 def note_early() -> None:

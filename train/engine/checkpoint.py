@@ -26,6 +26,7 @@ import torch
 from train.config.groups import TrainerConfig
 from train.engine import safewrite
 from train.engine.state import TrainState
+from train.errors import TrainError
 from train.report.metrics import Totals
 
 log = logging.getLogger("train")
@@ -159,7 +160,7 @@ def load_newest(paths: list[Path]) -> Resumed | None:
     return None
 
 
-class CheckpointMismatch(ValueError):
+class CheckpointMismatch(TrainError, ValueError):
     """A checkpoint this job cannot continue from (another model, data shape, optimiser, or a
     mid-epoch position on another world size); refused before any run is touched."""
 

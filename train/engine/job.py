@@ -27,18 +27,19 @@ import torch
 from omegaconf import OmegaConf
 
 from train import tracking
-from train.config.groups import ConfigError, TrainConfig
+from train.config.groups import TrainConfig
 from train.config.schema import to_typed
 from train.config.validation import monitor_problem
 from train.data import build as data_lib
 from train.distributed import env as distenv
 from train.distributed import process_group as distributed
+from train.distributed import slurm
 from train.distributed.devices import device_name
 from train.distributed.stopping import Preempted, StopSignals
 from train.engine import checkpoint, loop
 from train.engine import monitor as monitor_lib
 from train.engine import state as train_state
-from train.launch import submit as slurm
+from train.errors import ConfigError
 from train.models import build as models
 from train.report import flops
 from train.report.figures import per_class_accuracy, render_confusion

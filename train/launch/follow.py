@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from train.config.groups import typed_by_user
-from train.launch import submit as slurm
+from train.distributed.slurm import time_limit_note
+from train.errors import StoppedBySignal
 
 TERMINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                    "PREEMPTED", "BOOT_FAIL", "DEADLINE")
@@ -136,14 +137,13 @@ def time_limit_stop(rank0: Any) -> str | None:
     """The note of a job that stopped at its time limit (USR2) and was not requeued."""
     error = getattr(rank0, "_return_value", None)
     # Preempted from a rank; JobStoppedError from a per-node task (cluster.ranks=per_node).
-    if type(error).__name__ not in ("Preempted", "JobStoppedError") or \
-            "SIGUSR2" not in str(error):
+    if not isinstance(error, StoppedBySignal) or error.signal_name != "SIGUSR2":
         return None
     out = output_dir(rank0)
     newest = sorted((out / "checkpoints").glob("step-*.pt"),
                     key=lambda p: int(p.stem.split("-")[1]) if p.stem[5:].isdigit() else -1)
     command = " ".join(["python -m train", *typed_by_user(rank0.overrides or [])])
-    return slurm.time_limit_note(newest[-1] if newest else None, command)
+    return time_limit_note(newest[-1] if newest else None, command)
 
 
 def report_finished(returns: Sequence[Any]) -> None:

@@ -25,11 +25,9 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from train.errors import JobLockedError as JobLockedError  # re-exported
+
 LOCK_FILE = "job.lock"
-
-
-class JobLockedError(RuntimeError):
-    """Another live job holds the output directory."""
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from train.distributed import env as distenv
 from train.distributed import stopping
 from train.distributed.stopping import Preempted
+from train.errors import JobFailedError as JobFailedError
+from train.errors import JobStoppedError as JobStoppedError
+from train.errors import LaunchError as LaunchError  # re-exported
 from train.launch import joblock
 
 if TYPE_CHECKING:
@@ -43,33 +46,6 @@ FAILED and exit, before they are stopped. Rank 0, once it has begun ending its r
 tracking.flush_timeout_s more: on a busy machine the run may not even exist yet (its sender
 starts at the first step), and stopping rank 0 then would leave no run at all."""
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-class LaunchError(RuntimeError):
-    """Something the user must fix before the job can start."""
-
-
-class JobFailedError(RuntimeError):
-    """A rank failed; the message names the root cause."""
-
-
-class JobStoppedError(RuntimeError):
-    """The job was stopped by a signal after its ranks saved a checkpoint; the run is KILLED."""
-
-    def __init__(self, signal_name: str, output_dir: str) -> None:
-        super().__init__(
-            f"stopped by {signal_name} after saving a checkpoint in {output_dir}/checkpoints; "
-            f"the same command with hydra.run.dir={output_dir} resumes it")
-        self.signal_name = signal_name
-        self.output_dir = output_dir
-        number = getattr(signal.Signals, signal_name, None)
-        self.exit_code = 128 + int(number) if number is not None else 1
-        """As a shell reports a process ended by that signal."""
-
-    def __reduce__(self) -> tuple[type, tuple[str, str]]:
-        # Pickled back to the login node in a per-node Slurm task's result (cluster.ranks=
-        # per_node): the default would call __init__ with the message alone.
-        return JobStoppedError, (self.signal_name, self.output_dir)
 
 
 @dataclass(frozen=True)

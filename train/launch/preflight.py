@@ -12,20 +12,14 @@ import os
 from collections.abc import Sequence
 
 from train.config import groups as config_lib
-from train.config.groups import (
-    ConfigError,
-    CustomModelConfig,
-    DataConfig,
-    TrainConfig,
-    TrainerConfig,
-)
+from train.config.groups import CustomModelConfig, DataConfig, TrainConfig, TrainerConfig
 
 # Re-exported: callers and tests reach validation through the pre-flight.
 from train.config.validation import DATASET_NAMES as DATASET_NAMES
 from train.config.validation import MODEL_NAMES as MODEL_NAMES
 from train.config.validation import monitor_problem
 from train.config.validation import validate as validate
-from train.launch.local import LaunchError
+from train.errors import ConfigError, LaunchError
 
 
 def preflight(cfgs: Sequence[TrainConfig], on_slurm: bool = False, dry_run: bool = False,

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch.export import Dim
 
-from train.config.groups import ConfigError
+from train.errors import ConfigError
 
 
 def _export(model: torch.nn.Module, example: torch.Tensor) -> None:

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from train.config.groups import CustomModelConfig, ModelConfig
+from train.errors import TrainError
 
 log = logging.getLogger("train")
 PREFIXES = ("module.", "_orig_mod.")
@@ -40,7 +41,7 @@ REPORTED = 50
 """Keys named in a non-strict load's report, per kind."""
 
 
-class WeightsError(ValueError):
+class WeightsError(TrainError, ValueError):
     """Weights that cannot be found, read or fitted to the model; one line for the user."""
 
 

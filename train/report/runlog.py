@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +95,8 @@ class RunLogger:
         log.info("data: %s, %d classes", ", ".join(f"{k}={v}" for k, v in params.items()),
                  bundle.num_classes)
         if not self.restarts:  # recorded by the first start
-            self.run.log(bundle.dataset_record(f"{self.cfg.data.name}-train"))
+            self.run.log(records.DatasetInput(name=f"{self.cfg.data.name}-train",
+                                              **asdict(bundle.description())))
         self.model_card = modelcard.describe(bundle.val, self.cfg.data, bundle.input_shape,
                                              bundle.class_names)
 

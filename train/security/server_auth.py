@@ -21,13 +21,15 @@ import shlex
 import stat
 from pathlib import Path
 
+from train.errors import TrainError
+
 ADMIN = "admin"
 SECRETS_FILE = "server-auth.env"
 AUTH_CONFIG = "basic_auth.ini"
 AUTH_DB = "basic_auth.db"
 
 
-class AuthSetupError(RuntimeError):
+class AuthSetupError(TrainError, RuntimeError):
     """The login files cannot be used safely; the message says what to do."""
 
 

@@ -3,8 +3,10 @@ module level: `is_permanent` imports it only to recognise MLflow's exceptions)."
 
 from __future__ import annotations
 
+from train.errors import TrainError
 
-class TrackingError(RuntimeError):
+
+class TrackingError(TrainError, RuntimeError):
     """The tracking store cannot be used; the message says why and what to do."""
 
 

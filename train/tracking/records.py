@@ -11,7 +11,6 @@ kept there either (it registers the `Model`, which cannot wait). No mlflow or to
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -52,7 +51,8 @@ class Table:
 
 @dataclass
 class DatasetInput:
-    """The run's training data: what MLflow shows as its input (see `dataset_input`)."""
+    """The run's training data: what MLflow shows as its input (the data wing's
+    `DataDescription` under a name)."""
 
     KIND: ClassVar[str] = "dataset"
     name: str
@@ -120,19 +120,6 @@ Record = Loggable | CreateRun | ResumeRun | EndRun
 SAVABLE: dict[str, type[Any]] = {cls.KIND: cls for cls in (
     CreateRun, ResumeRun, ArtifactFile, Text, Table, DatasetInput, EndRun)}
 """The records an unsent file may hold, by the name it writes them under."""
-
-
-def dataset_input(name: str, images: Any, labels: Any, rows: Any,
-                  context: str = "training") -> DatasetInput:
-    """Describe a split of an in-memory data set (tensors): its name, shape and a digest of the
-    data and of which rows belong to the split. Reads views of the tensors: no copy on the CPU."""
-    digest = hashlib.sha256()
-    for tensor in (images, labels, rows):
-        digest.update(tensor.detach().cpu().contiguous().numpy().data)
-    n = len(rows)
-    return DatasetInput(name=name, digest=digest.hexdigest()[:8], num_rows=n,
-                        features_shape=[n, *map(int, images.shape[1:])],
-                        features_dtype=str(images.dtype).removeprefix("torch."), context=context)
 
 
 # -- rows --------------------------------------------------------------------------------------

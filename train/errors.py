@@ -1,0 +1,86 @@
+"""What the user is told when a job cannot start or did not finish: one error hierarchy.
+
+Every error the service itself raises for the user derives from `TrainError`, which carries the
+exit code and knows its one line for the terminal. `app.job` catches `TrainError` once; the
+Hydra launchers (hydra_plugins/train_launcher) and the Slurm follower test `isinstance`, never
+class names. Wings raise these (or their own subclasses, e.g. `UserCodeError`, `WeightsError`,
+`TrackingError`), so a new refusal needs no new `except` anywhere.
+
+Imports nothing: any wing may raise these, and `--help` stays fast.
+"""
+
+from __future__ import annotations
+
+import signal
+
+
+class TrainError(Exception):
+    """A failure the user can act on; its message says what is wrong and what to do."""
+
+    exit_code: int = 2
+    """2: refused before anything started (bad input, as argparse and Hydra use it)."""
+
+    def terminal_line(self) -> str:
+        """What the terminal shows of it: one line (a root cause may add its traceback)."""
+        return f"error: {self}"
+
+
+class ConfigError(TrainError, ValueError):
+    """A configuration the service refuses; its message is shown to the user as is."""
+
+
+class DistEnvError(TrainError, RuntimeError):
+    """The launch environment (RANK, SLURM_*, ...) is inconsistent, or a device cannot be
+    bound as it says."""
+
+
+class LaunchError(TrainError, RuntimeError):
+    """Something the user must fix before the job can start (a sweep stopped, a checkpoint
+    that cannot be used, a store that cannot be reached)."""
+
+
+class SubmitError(TrainError, RuntimeError):
+    """The job cannot be submitted to Slurm as asked; nothing was submitted."""
+
+
+class JobLockedError(TrainError, RuntimeError):
+    """Another live job holds the output directory."""
+
+
+class JobFailedError(TrainError, RuntimeError):
+    """A rank failed; the message names the root cause (the first failing rank's error)."""
+
+    exit_code = 1
+
+
+class StoppedBySignal(TrainError):
+    """Asked to stop (time limit, preemption, requeue, Ctrl-C) after saving a checkpoint: no
+    failure. Raised by a rank (`Preempted`) or by a launcher whose ranks stopped
+    (`JobStoppedError`); a Slurm task that ends with one exits 0."""
+
+    signal_name: str = ""
+
+    @property
+    def exit_code(self) -> int:  # type: ignore[override]
+        """As a shell reports a process ended by that signal."""
+        number = getattr(signal.Signals, self.signal_name, None)
+        return 128 + int(number) if number is not None else 1
+
+    def terminal_line(self) -> str:
+        return str(self)
+
+
+class JobStoppedError(StoppedBySignal, RuntimeError):
+    """The job was stopped by a signal after its ranks saved a checkpoint; the run is KILLED."""
+
+    def __init__(self, signal_name: str, output_dir: str) -> None:
+        super().__init__(
+            f"stopped by {signal_name} after saving a checkpoint in {output_dir}/checkpoints; "
+            f"the same command with hydra.run.dir={output_dir} resumes it")
+        self.signal_name = signal_name
+        self.output_dir = output_dir
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        # Pickled back to the login node in a per-node Slurm task's result (cluster.ranks=
+        # per_node): the default would call __init__ with the message alone.
+        return JobStoppedError, (self.signal_name, self.output_dir)
