@@ -147,7 +147,7 @@ class TrainSlurmLauncher(SlurmLauncher):
         params["setup"] = slurm.checked_setup(params.get("setup") or [])
         params["srun_args"] = slurm.srun_args(params.get("srun_args") or [])
         # One requeue budget: the job's own (cluster.max_requeues, counted in its checkpoints,
-        # train/launch/submit.py requeue_after_stop). Each rank replaces submitit's USR2 handler with
+        # train/distributed/slurm.py requeue_after_stop). Each rank replaces submitit's USR2 handler with
         # its own as it starts, so submitit's count of timeouts is never spent; a second
         # budget would only mislead (hydra.launcher.max_num_timeout is ignored).
         executor = submitit.AutoExecutor(cluster=self._EXECUTOR, folder=params.pop(

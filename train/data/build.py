@@ -24,7 +24,6 @@ from train.data.batches import (
     Batches,
     DataBundle,
     ShardOrder,
-    Split,
     default_num_workers,
     describe_tensors,
     loader,
@@ -32,6 +31,7 @@ from train.data.batches import (
 )
 from train.data.datasets import DATASETS, test_set
 from train.distributed import devices
+from train.distributed.env import DistEnv
 
 STREAMED = ("imagefolder", "custom")
 """Data sets read from disk batch by batch (train/data/streaming.py); the others are in memory."""
@@ -78,62 +78,80 @@ class ResidentBatches(Batches):
             yield self.subset.images[rows], self.subset.labels[rows]
 
 
-def build(cfg: DataConfig, rank: int, world_size: int, local_world_size: int,
-          device: torch.device, seed: int, channels_last: bool = False,
-          resident: bool | None = None, micro_batches: int = 1) -> DataBundle:
-    """This rank's shards, in batches of data.batch_size / (world size x `micro_batches`), the
-    micro-batch of trainer.accumulate_grad_batches (validation reads the same size: it fits
-    where training does); `resident` (default: data.on_device on a GPU) keeps an in-memory
-    data set on `device` and batches it there."""
+def build(cfg: DataConfig, env: DistEnv, device: torch.device, seed: int, *,
+          channels_last: bool = False, resident: bool | None = None,
+          micro_batches: int = 1) -> DataBundle:
+    """This rank's shards (its place in the job: `env`), in batches of data.batch_size /
+    (world size x `micro_batches`), the micro-batch of trainer.accumulate_grad_batches
+    (validation reads the same size: it fits where training does); `resident` (default:
+    data.on_device on a GPU) keeps an in-memory data set on `device` and batches it there."""
+    per_rank = cfg.batch_size // (env.world_size * micro_batches)
     if cfg.name in STREAMED:
         from train.data import streaming
 
-        return streaming.build(cfg, rank, world_size, local_world_size, device, seed,
-                               channels_last, micro_batches)
+        return streaming.build(cfg, env, device, seed, per_rank, channels_last)
+    keep = devices.keep_data_on_device(cfg.on_device, device) if resident is None else resident
+    return _in_memory(cfg, env, _Reader(cfg, env, device, per_rank, channels_last, keep), seed)
+
+
+class _Reader:
+    """How an in-memory set's shards become batches on this rank: gathered on the device
+    (`keep_on_device`) or read by a DataLoader, normalised by the training split's statistics."""
+
+    def __init__(self, cfg: DataConfig, env: DistEnv, device: torch.device, per_rank: int,
+                 channels_last: bool, keep_on_device: bool) -> None:
+        self.device, self.per_rank, self.keep_on_device = device, per_rank, keep_on_device
+        self.workers = 0 if keep_on_device else (
+            cfg.num_workers if cfg.num_workers is not None
+            else default_num_workers(env.local_world_size))
+        self.normalise: dict[str, Any] = {"channels_last": channels_last}
+
+    def place(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        return [t.to(self.device) if self.keep_on_device else t for t in tensors]
+
+    def batches(self, subset: _Subset, sampler: DistributedSampler | None,
+                augment: bool) -> Batches:
+        norm = {**self.normalise, "augment": augment}
+        order = ShardOrder(sampler, len(subset), self.per_rank)
+        if self.keep_on_device:
+            return ResidentBatches(subset, order, self.device, **norm)
+        return Batches(loader(subset, order, self.workers, self.device, _identity), order,
+                       self.device, **norm)
+
+
+def _in_memory(cfg: DataConfig, env: DistEnv, reader: _Reader, seed: int) -> DataBundle:
+    """A built-in set held in memory: DistributedSampler's shard for training, a strided one
+    for validation (rank r validates samples r, r+W, r+2W, ...: each once, no padding)."""
     data = DATASETS[cfg.name](cfg)
     parts = split(len(data.labels), cfg.val_fraction, cfg.split_seed)
     train_images = data.images[parts.train_idx].float().div_(data.scale)
     # Per-channel statistics of the training split: the same on every rank.
-    mean = train_images.mean(dim=(0, 2, 3)).view(1, -1, 1, 1)
-    std = train_images.std(dim=(0, 2, 3)).clamp_min(1e-6).view(1, -1, 1, 1)
+    reader.normalise.update(
+        mean=train_images.mean(dim=(0, 2, 3)).view(1, -1, 1, 1),
+        std=train_images.std(dim=(0, 2, 3)).clamp_min(1e-6).view(1, -1, 1, 1), scale=data.scale)
     del train_images
-
-    keep_on_device = (devices.keep_data_on_device(cfg.on_device, device) if resident is None
-                      else resident)
-    images, labels = data.images, data.labels
-    train_index = parts.train_idx  # the record describes the split on the host
-    if keep_on_device:
-        images, labels = images.to(device), labels.to(device)
-        parts = Split(parts.train_idx.to(device), parts.val_idx.to(device))
-    workers = 0 if keep_on_device else (
-        cfg.num_workers if cfg.num_workers is not None else default_num_workers(local_world_size))
-    per_rank = cfg.batch_size // (world_size * micro_batches)
-
-    def batches(subset: _Subset, sampler: DistributedSampler | None, augment: bool) -> Batches:
-        norm = {"mean": mean, "std": std, "scale": data.scale, "channels_last": channels_last,
-                "augment": augment}
-        order = ShardOrder(sampler, len(subset), per_rank)
-        if keep_on_device:
-            return ResidentBatches(subset, order, device, **norm)
-        return Batches(loader(subset, order, workers, device, _identity), order, device, **norm)
-
-    train_set = _Subset(images, labels, parts.train_idx)
-    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
-                                 seed=seed, drop_last=False)
-    # Strided shard: rank r validates samples r, r+W, r+2W, ... - each exactly once, no padding.
-    val_set = _Subset(images, labels, parts.val_idx[rank::world_size])
-    test, num_test = None, 0
-    if (tests := test_set(cfg)) is not None:  # strided too: every test sample exactly once
-        t_images, t_labels = tests.images, tests.labels
-        if keep_on_device:
-            t_images, t_labels = t_images.to(device), t_labels.to(device)
-        shard = torch.arange(rank, len(t_labels), world_size, device=t_labels.device)
-        test = batches(_Subset(t_images, t_labels, shard), None, False)
-        num_test = len(t_labels)
+    images, labels, train_idx, val_idx = reader.place(data.images, data.labels,
+                                                      parts.train_idx, parts.val_idx)
+    train_set = _Subset(images, labels, train_idx)
+    sampler = DistributedSampler(train_set, num_replicas=env.world_size, rank=env.rank,
+                                 shuffle=True, seed=seed, drop_last=False)
+    val_set = _Subset(images, labels, val_idx[env.rank::env.world_size])
+    test, num_test = _in_memory_test(cfg, env, reader)
     return DataBundle(
         test=test, num_test=num_test,
-        train=batches(train_set, sampler, cfg.augment),
-        val=batches(val_set, None, False),
+        train=reader.batches(train_set, sampler, cfg.augment),
+        val=reader.batches(val_set, None, False),
         num_train=len(parts.train_idx), num_val=len(parts.val_idx),
         class_names=data.class_names, input_shape=tuple(map(int, data.images.shape[1:])),
-        describe=lambda: describe_tensors(data.images, data.labels, train_index))
+        # the description reads the split on the host
+        describe=lambda: describe_tensors(data.images, data.labels, parts.train_idx))
+
+
+def _in_memory_test(cfg: DataConfig, env: DistEnv, reader: _Reader) -> tuple[Batches | None, int]:
+    """The test split's strided shard (every test sample on exactly one rank) and its size;
+    (None, 0) for a data set without one."""
+    if (tests := test_set(cfg)) is None:
+        return None, 0
+    images, labels = reader.place(tests.images, tests.labels)
+    shard = torch.arange(env.rank, len(labels), env.world_size, device=labels.device)
+    return reader.batches(_Subset(images, labels, shard), None, False), len(labels)

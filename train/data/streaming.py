@@ -36,6 +36,7 @@ from train.config.groups import DataConfig
 from train.data import batches as batching
 from train.data import imagefolder, userdata
 from train.data.batches import DataDescription
+from train.distributed.env import DistEnv
 from train.errors import ConfigError
 
 log = logging.getLogger("train")
@@ -272,16 +273,15 @@ def custom_source(cfg: DataConfig, workers: int) -> Source:
                   summary=f"custom {target}: {rows} training, {len(val)} validation samples")
 
 
-def build(cfg: DataConfig, rank: int, world_size: int, local_world_size: int,
-          device: torch.device, seed: int, channels_last: bool = False,
-          micro_batches: int = 1) -> batching.DataBundle:
-    """This rank's streamed shards: DistributedSampler's for training, a strided slice of the
-    validation set (every sample on exactly one rank) for validation; in micro-batches of
-    data.batch_size / (world size x `micro_batches`)."""
+def build(cfg: DataConfig, env: DistEnv, device: torch.device, seed: int, per_rank: int,
+          channels_last: bool = False) -> batching.DataBundle:
+    """This rank's streamed shards (`per_rank` samples a batch): DistributedSampler's for
+    training, a strided slice of the validation set (every sample on exactly one rank) for
+    validation."""
+    rank, world_size = env.rank, env.world_size
     workers = (cfg.num_workers if cfg.num_workers is not None
-               else batching.default_num_workers(local_world_size, streamed=True))
+               else batching.default_num_workers(env.local_world_size, streamed=True))
     source = imagefolder_source(cfg) if cfg.name == "imagefolder" else custom_source(cfg, workers)
-    per_rank = cfg.batch_size // (world_size * micro_batches)
     sampler = DistributedSampler(source.train, num_replicas=world_size, rank=rank, shuffle=True,
                                  seed=seed, drop_last=False)
     shard = Rows(source.val, torch.arange(rank, len(source.val), world_size))  # type: ignore[arg-type]

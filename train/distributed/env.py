@@ -54,6 +54,12 @@ class DistEnv:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @classmethod
+    def on_one_node(cls, rank: int, world_size: int) -> DistEnv:
+        """Rank `rank` of `world_size` ranks on this machine, as the local launcher starts
+        them (for code that builds a rank's share without a process group, e.g. tests)."""
+        return cls(rank, rank, world_size, world_size, "127.0.0.1", 0, "torchrun")
+
 
 def torchrun_env(rank: int, local_rank: int, world_size: int, local_world_size: int,
                  master_addr: str, master_port: int) -> dict[str, str]:

@@ -2,13 +2,15 @@
 
 `run_rank` is what every process runs, however it was started: by the local launcher, by
 torchrun, by srun or by submitit. Every rank runs the same code; what only rank 0 does is
-decided here and nowhere else:
-- it talks to MLflow (`tracking.open_run` gives the other ranks the do-nothing NullRun);
-- it prints the story (the other ranks log warnings and errors only: `setup_logging`);
-- it writes the job's files: checkpoints (train/engine/checkpoint.py, after gathering every rank's
-  state), model.pt, confusion_matrix.svg and summary.json (`_write_outputs`);
-- after a stop before a Slurm time limit, it requeues the job; as the last job of an unwaited
-  sweep, it ends the sweep's parent run.
+decided by the part that owns it, never by an `if` here:
+- MLflow: `tracking.open_run` gives rank 0 its MlflowRun and every other rank the do-nothing
+  NullRun (the RunLogger talks to either);
+- the story: rank 0 logs at INFO, the others warnings and errors only (`setup_logging`);
+- files: checkpoints (train/engine/checkpoint.py gathers every rank's state to rank 0),
+  best.pt, model.pt, the figures and summary.json (train/engine/outputs.py, `JobOutputs`);
+- a stop or a failure: the requeue, the time-limit note, the sweep's end
+  (train/engine/ending.py, `JobEnding`).
+This file reads top to bottom as the job's script.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import resource
 import socket
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,14 +42,14 @@ from train.distributed.stopping import Preempted, StopSignals
 from train.engine import checkpoint, loop
 from train.engine import monitor as monitor_lib
 from train.engine import state as train_state
+from train.engine.ending import JobEnding
+from train.engine.outputs import JobOutputs
 from train.errors import ConfigError
 from train.models import build as models
 from train.report import flops
-from train.report.figures import per_class_accuracy, render_confusion
 from train.report.metrics import Reduced
 from train.report.progress import Progress
 from train.report.runlog import RunLogger
-from train.tracking import sweep
 
 log = logging.getLogger("train")
 
@@ -82,41 +85,6 @@ def _previous_run(cfg: TrainConfig, out: Path,
     if cfg.trainer.resume != "never" and (run_id := tracking.recorded_run_id(out)):
         return run_id, 0
     return None
-
-
-def _write_outputs(out: Path, state: train_state.TrainState, bundle: data_lib.DataBundle,
-                   final_val: Reduced | None, logger: RunLogger, peaks: list[float],
-                   tested: Reduced | None = None) -> None:
-    """Rank 0's files beside the job's outputs, and the same in the run."""
-    files: dict[str, Path] = {}
-    table = None
-    names = bundle.class_names
-    if final_val is not None and final_val.confusion is not None:
-        files[""] = render_confusion(final_val.confusion, names, out / "confusion_matrix.svg")
-        table = per_class_accuracy(final_val.confusion, names)
-    if tested is not None and tested.confusion is not None:
-        svg = render_confusion(tested.confusion, names, out / "test_confusion_matrix.svg")
-        logger.test_outputs(svg, per_class_accuracy(tested.confusion, names))
-    files["weights"] = checkpoint.save_weights(state.module.state_dict(), out / "model.pt",
-                                               checkpoint.directory(out))
-    example = next(iter(bundle.val))[0][:4].cpu().numpy()  # batch > 1: any size loads back
-    logger.log_outputs(files, table, state.module, example)
-    (out / "summary.json").write_text(json.dumps(logger.summary(peaks), indent=2))
-
-
-def _best_writer(cfg: TrainConfig, out: Path, state: train_state.TrainState,
-                 logger: RunLogger) -> Any:
-    """Rank 0's reaction to a new best evaluation: best.pt (trainer.save_best) and the run's
-    best/<monitor> metric and best_epoch tag."""
-    def on_best(best: monitor_lib.Best) -> None:
-        path = None
-        if cfg.trainer.save_best:
-            path = checkpoint.save_best(checkpoint.directory(out), state.module.state_dict(),
-                                        {"epoch": best.epoch, "step": best.step,
-                                         "monitor": best.monitor, "mode": best.mode,
-                                         "value": best.value})
-        logger.training.best(best.epoch, best.monitor, best.value, path)
-    return on_best
 
 
 def _final_model_and_test(cfg: TrainConfig, out: Path, state: train_state.TrainState,
@@ -156,24 +124,38 @@ def finished_already(cfg: TrainConfig, out: Path) -> dict[str, Any] | None:
     return summary if done >= cfg.trainer.epochs and as_far else None
 
 
-def _train(cfg: TrainConfig, config: dict[str, Any], env: distenv.DistEnv, out: Path,
-           command: str, device: torch.device, backend: str, logger: RunLogger,
-           stop: StopSignals) -> dict[str, float]:
+@dataclass(frozen=True)
+class Job:
+    """What one rank knows of its job before training: the config (typed, and as composed),
+    its place in the job, its output directory, the command that started it, its device."""
+
+    cfg: TrainConfig
+    config: dict[str, Any]
+    env: distenv.DistEnv
+    out: Path
+    command: str
+    device: torch.device
+    backend: str
+
+
+def _train(job: Job, logger: RunLogger, stop: StopSignals,
+           ending: JobEnding) -> dict[str, float]:
+    cfg, env, out, device = job.cfg, job.env, job.out, job.device
     if (done := _final_metrics_if_done(cfg, out, logger)) is not None:
         return done
     resumed = checkpoint.find(cfg.trainer.resume, out)
     if resumed is not None:  # before the run: a checkpoint it cannot use touches no run
-        checkpoint.check_compatible(resumed, config, env.world_size)
+        checkpoint.check_compatible(resumed, job.config, env.world_size)
     # The run exists before anything that can fail on one node (data, model): such a failure
     # then shows in MLflow as a FAILED run with the failing rank's error.
     ranks = distributed.gather_to_all(_rank_info(device))
-    tags = {"command": command, "output_dir": str(out),
+    tags = {"command": job.command, "output_dir": str(out),
             **slurm.slurm_tags([r["host"] for r in ranks])}
-    logger.start(config, ranks, env, backend, tags, OmegaConf.to_yaml(config),
+    logger.start(job.config, ranks, env, job.backend, tags, OmegaConf.to_yaml(job.config),
                  _previous_run(cfg, out, resumed))
     accumulate = cfg.trainer.accumulate_grad_batches
-    bundle = data_lib.build(cfg.data, env.rank, env.world_size, env.local_world_size, device,
-                            cfg.trainer.seed, cfg.trainer.channels_last, micro_batches=accumulate)
+    bundle = data_lib.build(cfg.data, env, device, cfg.trainer.seed,
+                            channels_last=cfg.trainer.channels_last, micro_batches=accumulate)
     logger.log_data(bundle)
     if problem := monitor_problem(cfg.trainer.monitor, bundle.num_classes):
         raise ConfigError(problem)  # a custom data set's classes, known only now
@@ -188,10 +170,9 @@ def _train(cfg: TrainConfig, config: dict[str, Any], env: distenv.DistEnv, out: 
     torch.manual_seed(cfg.trainer.seed + env.rank)  # different augmentation per rank
     if resumed is not None:
         checkpoint.restore(state, resumed, env.rank, env.world_size)
-    if env.is_main:  # the one writer: refuse now rather than after an epoch's work
-        checkpoint.check_room_for_one(checkpoint.directory(out), state)
-    monitor = monitor_lib.Monitor(cfg.trainer, _best_writer(cfg, out, state, logger)
-                                  if env.is_main else None)
+    outputs = JobOutputs(cfg, env, out, logger)
+    outputs.check_room(state)
+    monitor = monitor_lib.Monitor(cfg.trainer, outputs.best_writer(state))
     if resumed is not None:
         monitor.load_state_dict(resumed.state.get("monitor"))
     checkpointer = checkpoint.Checkpointer(
@@ -204,13 +185,10 @@ def _train(cfg: TrainConfig, config: dict[str, Any], env: distenv.DistEnv, out: 
     if monitor.stop_reason:
         logger.stopped_early(monitor.stop_reason)
     tested = _final_model_and_test(cfg, out, state, bundle, device, logger)
-    peaks = distributed.gather_to_all(peak_rss_mb())
-    if env.is_main:
-        _write_outputs(out, state, bundle, final_val, logger, peaks, tested)
+    outputs.write_final(state, bundle, final_val, distributed.gather_to_all(peak_rss_mb()),
+                        tested)
     logger.finish()
-    if env.is_main:
-        sweep.end_parent_if_last(cfg.tracking, cfg.trainer.objective,
-                                 cfg.trainer.objective_direction)
+    ending.finished()
     return dict(logger.training.final_metrics)
 
 
@@ -252,44 +230,18 @@ def run_rank(config: dict[str, Any], output_dir: str, command: str, own_process:
                         cfg.data.batch_size)
     logger = RunLogger(cfg, tracking.open_run(cfg.tracking, out, env.is_main), progress)
     logger.output_dir = str(out)
+    job = Job(cfg, config, env, out, command, device, backend)
+    ending = JobEnding(cfg, env, out, command, logger)
     try:  # from the process group on: a job that fails in it has ended too (sweep, below)
         distributed.init(env, backend, device, cfg.distributed.timeout_s)
         loop.fail_drill(cfg.trainer, 0, env.rank)
         with StopSignals() as stop:
-            return _train(cfg, config, env, out, command, device, backend, logger, stop)
+            return _train(job, logger, stop, ending)
     except Preempted as stopped:
-        log.warning("rank %d: %s", env.rank, stopped)
-        budget = slurm.requeue_budget(cfg.cluster, env.launcher)
-        final = budget is None or not slurm.will_requeue(stopped.signal_name, logger.restarts,
-                                                         budget)
-        if env.is_main and budget is not None and stopped.signal_name == "SIGUSR2" and final:
-            newest = checkpoint.candidates(checkpoint.directory(out))
-            note = slurm.time_limit_note(newest[0] if newest else None, command)
-            log.error("%s", note)
-            logger.run.set_tags({"stop_reason": note})
-        logger.finish(stopped_by=stopped.signal_name)
-        if env.is_main and final:
-            _end_sweep_if_last(cfg, logger, out, f"stopped by {stopped.signal_name}")
-        if env.is_main and budget is not None:
-            slurm.requeue_after_stop(stopped.signal_name, logger.restarts, budget)
+        ending.stopped(stopped)
         raise
     except BaseException as exc:
-        reason, silent = distributed.failure_reason(env, exc, slurm.node_of_rank)
-        if env.is_main and ending_run is not None:
-            ending_run()
-        logger.finish(error=reason)
-        if env.is_main:
-            _end_sweep_if_last(cfg, logger, out, reason)
-        if env.is_main and silent and cfg.cluster is not None:
-            slurm.end_job_after_lost_peer(reason)
+        ending.failed(exc, ending_run)
         raise
     finally:
         distributed.shutdown()
-
-
-def _end_sweep_if_last(cfg: TrainConfig, logger: RunLogger, out: Path, ended: str) -> None:
-    """Rank 0 of a job that failed or stopped for good: a sweep left unwaited counts it as
-    ended (also one that failed before its run existed) and its last job ends the parent."""
-    sweep.end_parent_if_last(cfg.tracking, cfg.trainer.objective,
-                             cfg.trainer.objective_direction,
-                             None if logger.run.run_id else (str(out), ended))

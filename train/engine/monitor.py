@@ -51,14 +51,18 @@ class Best:
     value: float
 
 
+OnBest = Callable[[Best], None]
+"""What happens at a new best evaluation (train/engine/outputs.py: rank 0 writes best.pt)."""
+
+
 class Monitor:
     """trainer.monitor over the evaluations: best value, its epoch, and patience used up.
 
-    `on_best(best)` is called when an evaluation improves on the best so far (train/engine/job.py
+    `on_best(best)` is called when an evaluation improves on the best so far (train/engine/outputs.py
     gives rank 0 one that writes best.pt and logs it; the other ranks none)."""
 
     def __init__(self, cfg: TrainerConfig,
-                 on_best: Callable[[Best], None] | None = None) -> None:
+                 on_best: OnBest | None = None) -> None:
         self.name, self.mode = cfg.monitor, direction(cfg.monitor, cfg.monitor_mode)
         self.patience = cfg.early_stopping_patience
         self.on_best = on_best

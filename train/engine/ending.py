@@ -1,0 +1,75 @@
+"""How a rank's job ends when it does not finish: stopped by a signal, or failed. The rules
+that decide what happens next live here, each deciding its own rank-0 part:
+- the run ends KILLED (stopped) or FAILED (with the first failing rank's error);
+- under Slurm, a stop before the time limit requeues the job (cluster.max_requeues); one that
+  will not be requeued says how to resume, in the terminal and in the run;
+- a job whose peer died silently cancels its Slurm job (Slurm would requeue it by itself);
+- the last job of a sweep left unwaited ends the sweep's parent run.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from train.config.groups import TrainConfig
+from train.distributed import process_group as distributed
+from train.distributed import slurm
+from train.distributed.env import DistEnv
+from train.distributed.stopping import Preempted
+from train.engine import checkpoint
+from train.report.runlog import RunLogger
+from train.tracking import sweep
+
+log = logging.getLogger("train")
+
+
+class JobEnding:
+    def __init__(self, cfg: TrainConfig, env: DistEnv, out: Path, command: str,
+                 logger: RunLogger) -> None:
+        self.cfg, self.env, self.out, self.command, self.logger = cfg, env, out, command, logger
+
+    def stopped(self, stopped: Preempted) -> None:
+        """After the ranks agreed on a stop and saved their checkpoint."""
+        log.warning("rank %d: %s", self.env.rank, stopped)
+        budget = slurm.requeue_budget(self.cfg.cluster, self.env.launcher)
+        final = budget is None or not slurm.will_requeue(stopped.signal_name,
+                                                         self.logger.restarts, budget)
+        main = self.env.is_main
+        if main and budget is not None and stopped.signal_name == "SIGUSR2" and final:
+            newest = checkpoint.candidates(checkpoint.directory(self.out))
+            note = slurm.time_limit_note(newest[0] if newest else None, self.command)
+            log.error("%s", note)
+            self.logger.run.set_tags({"stop_reason": note})
+        self.logger.finish(stopped_by=stopped.signal_name)
+        if main and final:
+            self._end_sweep_if_last(f"stopped by {stopped.signal_name}")
+        if main and budget is not None:
+            slurm.requeue_after_stop(stopped.signal_name, self.logger.restarts, budget)
+
+    def failed(self, exc: BaseException, ending_run: Callable[[], None] | None) -> None:
+        """Any other way out: the run FAILED with the first failing rank's error."""
+        reason, silent = distributed.failure_reason(self.env, exc, slurm.node_of_rank)
+        main = self.env.is_main
+        if main and ending_run is not None:
+            ending_run()
+        self.logger.finish(error=reason)
+        if main:
+            self._end_sweep_if_last(reason)
+        if main and silent and self.cfg.cluster is not None:
+            slurm.end_job_after_lost_peer(reason)
+
+    def finished(self) -> None:
+        """After the run ended FINISHED: the last job of an unwaited sweep ends its parent."""
+        if self.env.is_main:
+            sweep.end_parent_if_last(self.cfg.tracking, self.cfg.trainer.objective,
+                                     self.cfg.trainer.objective_direction)
+
+    def _end_sweep_if_last(self, ended: str) -> None:
+        """A sweep left unwaited counts this job as ended (also one that failed before its run
+        existed) and its last job ends the parent."""
+        cfg = self.cfg
+        sweep.end_parent_if_last(cfg.tracking, cfg.trainer.objective,
+                                 cfg.trainer.objective_direction,
+                                 None if self.logger.run.run_id else (str(self.out), ended))
