@@ -1,7 +1,9 @@
-"""The `elastic_launch` variant of train/launch/local.py that `python -m bench.launcher` compared with
+"""The `elastic_launch` variant of train/launch/local.py that `python -m bench.launcher` compared
+with
 the hand-written launcher (docs/benchmarks.md, "Local launcher"; kept for repeating that).
 
-Not imported by the service. To measure it, put it in place of train/launch/local.py in a copy of the
+Not imported by the service. To measure it, put it in place of train/launch/local.py in a copy of
+the
 tree, e.g.:
 
     mkdir /tmp/elastic && git archive HEAD | tar -x -C /tmp/elastic

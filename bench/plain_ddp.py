@@ -5,7 +5,8 @@ Run it under torchrun, one process per rank:
     python -m torch.distributed.run --standalone --nproc_per_node=2 bench/plain_ddp.py \
         --model cnn --batch-size 256 --num-samples 8192 --epochs 2 --out /tmp/plain.json
 
-It trains the SAME model (built by train.models.build from the same ModelConfig) on the same synthetic
+It trains the SAME model (built by train.models.build from the same ModelConfig) on the same
+synthetic
 CIFAR-shaped data and training split as `python -m train data=synthetic`, with nothing of the
 service around it: a TensorDataset, DistributedSampler + DataLoader, SGD, `loss.item()` every
 step, no validation, no tracking. It stays fp32 on every device. Rank 0 writes a JSON file with
@@ -55,7 +56,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def synthetic_train_set(num_samples: int) -> TensorDataset:
-    """train/data/build.py's _synthetic and split(), normalised once up front as a tutorial would."""
+    """train/data/build.py's _synthetic and split(), normalised once up front as a tutorial
+    would."""
     g = torch.Generator().manual_seed(SPLIT_SEED)
     shape = (num_samples, CHANNELS, IMAGE_SIZE, IMAGE_SIZE)
     images = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)

@@ -8,7 +8,8 @@ torchvision's ImageFolder (PIL decoding) with the ImageNet-style training pipeli
 service's defaults, as transforms.v2 in the workers (RandomResizedCrop, RandomHorizontalFlip,
 ToDtype float32, Normalize with ImageNet's mean and std); DistributedSampler + set_epoch;
 DataLoader with the given workers, persistent workers and pin_memory on CUDA; the SAME model
-(train.models.build from the same ModelConfig), SGD as the service's defaults, `loss.item()` every step,
+(train.models.build from the same ModelConfig), SGD as the service's defaults, `loss.item()` every
+step,
 no validation, no tracking. Rank 0 writes a JSON file with throughput measured as the service
 measures it (global samples of an epoch / that epoch's time on rank 0), the unix time of the
 first optimiser step, and every rank's peak RSS.

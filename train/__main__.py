@@ -5,7 +5,8 @@ the job makes (and for Slurm jobs, which inherit both the umask and the environm
 - umask 077: outputs, checkpoints, stores and logs are the user's alone (TRAIN_GROUP_READABLE=1:
   027, for a team that shares its outputs on purpose);
 - a password in the tracking URI (MLFLOW_TRACKING_URI or a `tracking.uri=` override) moves to
-  the environment MLflow's client reads (train/security/redact.py), so it is never logged as a param, in
+  the environment MLflow's client reads (train/security/redact.py), so it is never logged as a
+  param, in
   config.yaml, mlflow_run.json, a checkpoint or a log line.
 """
 

@@ -1,7 +1,8 @@
 """`+cluster=slurm`: hydra-submitit-launcher's Slurm launcher, plus what users need around it.
 
 The stock launcher submits and then blocks on the results in silence. This one pre-flights
-every job before anything is submitted (train/launch/preflight.py), creates the MLflow experiment once
+every job before anything is submitted (train/launch/preflight.py), creates the MLflow experiment
+once
 and hands its id (and a sweep's parent run id) to every job as overrides
 (checked_jobs.py), can print the sbatch script instead of submitting (dry run), prints the job
 id and log paths, follows the jobs' states, and on failure shows the failing rank's log and
@@ -147,7 +148,8 @@ class TrainSlurmLauncher(SlurmLauncher):
         params["setup"] = slurm.checked_setup(params.get("setup") or [])
         params["srun_args"] = slurm.srun_args(params.get("srun_args") or [])
         # One requeue budget: the job's own (cluster.max_requeues, counted in its checkpoints,
-        # train/distributed/slurm.py requeue_after_stop). Each rank replaces submitit's USR2 handler with
+        # train/distributed/slurm.py requeue_after_stop). Each rank replaces submitit's USR2
+        # handler with
         # its own as it starts, so submitit's count of timeouts is never spent; a second
         # budget would only mislead (hydra.launcher.max_num_timeout is ignored).
         executor = submitit.AutoExecutor(cluster=self._EXECUTOR, folder=params.pop(

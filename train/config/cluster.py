@@ -1,5 +1,6 @@
 """The `cluster` config group (`+cluster=slurm`): the Slurm resources of a job, and how they
-become what Slurm is asked for. A dataclass with a docstring per field, like train/config/groups.py's
+become what Slurm is asked for. A dataclass with a docstring per field, like
+train/config/groups.py's
 (whose TrainConfig holds it); conf/cluster/slurm.yaml maps it onto submitit's launcher through
 the resolvers train/config/schema.py registers from the functions below.
 """

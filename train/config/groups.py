@@ -1,6 +1,7 @@
 """Typed configuration: one dataclass per config group, with a docstring per field.
 
-train/config/schema.py registers them as Hydra's schema, so every YAML file of a group is merged onto
+train/config/schema.py registers them as Hydra's schema, so every YAML file of a group is merged
+onto
 these dataclasses: a misspelt key or a value of the wrong type is refused by OmegaConf while
 composing; train/launch/preflight.py's `validate()` then checks what types cannot express (ranges,
 names, divisibility) before any process starts.
@@ -26,7 +27,8 @@ class ModelConfig:
     """The model: cnn, mlp or resnet18; with `model=torchvision`, any torchvision.models
     classification builder (resnet50, efficientnet_b0, vit_b_16, ...)."""
     source: str = "builtin"
-    """Where `name` is looked up: builtin (train/models/build.py) or torchvision (set by the group)."""
+    """Where `name` is looked up: builtin (train/models/build.py) or torchvision (set by the
+    group)."""
     width: int = 32
     """cnn: channels of the first conv layer; mlp: hidden units."""
     depth: int = 2

@@ -1,4 +1,5 @@
-"""From composed config to typed config: the dataclasses of train/config/groups.py registered as Hydra's
+"""From composed config to typed config: the dataclasses of train/config/groups.py registered as
+Hydra's
 schema, and the composed config turned into TrainConfig objects (a `???` left unset, or a key
 no model takes, is one clear ConfigError).
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from train.config.groups import CustomModelConfig, TrackingConfig, TrainConfig
 from train.errors import ConfigError
 
-# The registries in train/models/build.py and train/data/build.py are keyed by exactly these names; they are
-# repeated here so that validation (and --help) need not import torch.
+# The registries in train/models/build.py and train/data/build.py are keyed by exactly these names;
+# they are repeated here so that validation (and --help) need not import torch.
 MODEL_NAMES = ("cnn", "mlp", "resnet18")
 MODEL_SOURCES = ("builtin", "torchvision")
 DATASET_NAMES = ("digits", "synthetic", "mnist", "fashion_mnist", "cifar10")
@@ -21,9 +21,11 @@ SCHEDULES = ("cosine", "constant")
 BACKENDS = ("auto", "gloo", "nccl")
 DIRECTIONS = ("maximize", "minimize")
 MONITORS = ("val/accuracy", "val/loss", "val/accuracy_top5")
-"""The validation metrics a job logs (train/report/trainlog.py; top-5 with more than TOP_K classes)."""
+"""The validation metrics a job logs (train/report/trainlog.py; top-5 with more than TOP_K
+classes)."""
 TOP_K = 5
-"""accuracy_top5 is counted where there are more than this many classes (train/report/metrics.py)."""
+"""accuracy_top5 is counted where there are more than this many classes
+(train/report/metrics.py)."""
 MAX_NAME = 250
 """Longest experiment and run name: MLflow refuses experiment names over 500 characters and
 run names over 250, at the first request, after the job has started."""

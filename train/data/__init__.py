@@ -1,5 +1,6 @@
 """Data: built-in sets held in memory, files streamed from disk, the user's Datasets; the split,
-each rank's share, the DataLoader, and a description of the data (no MLflow: tracking records it)."""
+each rank's share, the DataLoader, and a description of the data (no MLflow: tracking records
+it)."""
 
 
 def __getattr__(name: str) -> object:  # a name of the old module this wing replaced

@@ -1,7 +1,8 @@
 """What every data path shares: the fixed train/val split, a rank's order of samples for an
 epoch, the batches it trains on, the DataLoader that reads them, and the bundle a job gets.
 
-train/data/build.py (in-memory sets) and train/data/streaming.py (sets read from disk) build on these.
+train/data/build.py (in-memory sets) and train/data/streaming.py (sets read from disk) build on
+these.
 An epoch can start at a batch offset (resuming mid-epoch): the samples before it are never read.
 """
 

@@ -106,7 +106,8 @@ CIFAR10_META = "batches.meta"
 
 def _cifar10(cfg: DataConfig) -> ImageSet:
     """CIFAR-10's training batches, read with an unpickler that builds plain arrays only
-    (train/security/safe_pickle.py): torchvision's reader unpickles whatever is in data.root. A site's
+    (train/security/safe_pickle.py): torchvision's reader unpickles whatever is in data.root. A
+    site's
     own copy in the same format reads the same way (torchvision insists on the official md5).
     A download goes through torchvision, which checks the md5 of what it fetched."""
     import numpy as np

@@ -1,7 +1,8 @@
 """Data sets streamed from disk: read, decoded and transformed batch by batch in DataLoader
 workers, never held whole in memory. Chosen by the data set: `data=imagefolder`, `data=custom`.
 
-- imagefolder: the layout under data.root (train/data/imagefolder.py); each worker decodes its images
+- imagefolder: the layout under data.root (train/data/imagefolder.py); each worker decodes its
+images
   (PIL, as torchvision's ImageFolder does) into uint8 tensors and applies the
   transforms.v2 steps of data.train_transforms / data.eval_transforms (default: ImageNet-style
   RandomResizedCrop + flip for training, Resize + CenterCrop for evaluation). Batches travel as

@@ -5,7 +5,8 @@ backend a rank uses, cuDNN's autotuner, SyncBatchNorm, pinned memory, whether an
 set lives on the device, the device's name and memory. docs/architecture.md ("CUDA") lists
 which of them run on the CPU in tests and which only on a GPU (tests/test_gpu.py).
 
-`cuda_only_requests` is what pre-flight refuses on a machine without CUDA (train/launch/preflight.py):
+`cuda_only_requests` is what pre-flight refuses on a machine without CUDA
+(train/launch/preflight.py):
 such an option would otherwise start every rank, create a run and then fail inside it.
 """
 

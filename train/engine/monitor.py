@@ -58,7 +58,8 @@ OnBest = Callable[[Best], None]
 class Monitor:
     """trainer.monitor over the evaluations: best value, its epoch, and patience used up.
 
-    `on_best(best)` is called when an evaluation improves on the best so far (train/engine/outputs.py
+    `on_best(best)` is called when an evaluation improves on the best so far
+    (train/engine/outputs.py
     gives rank 0 one that writes best.pt and logs it; the other ranks none)."""
 
     def __init__(self, cfg: TrainerConfig,

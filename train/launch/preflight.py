@@ -224,7 +224,8 @@ def check_monitor(cfg: TrainConfig, classes: int | None) -> None:
 
 def check_registrable(cfg: TrainConfig, known: tuple[tuple[int, ...], int] | None,
                       checked: set[str]) -> None:
-    """tracking.register_model: torch.export traces the model (train/models/exportable.py), where its
+    """tracking.register_model: torch.export traces the model (train/models/exportable.py), where
+    its
     input is `known` before the data is read; once per model and input of a sweep."""
     name = cfg.tracking.register_model
     if name and known and (key := repr((cfg.model, known))) not in checked:

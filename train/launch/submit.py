@@ -65,7 +65,8 @@ def check_request(cfg: TrainConfig) -> int:
     if c.gpus_per_node > 0 and per_node != c.gpus_per_node:
         problems.append(f"cluster.tasks_per_node={per_node} but cluster.gpus_per_node="
                         f"{c.gpus_per_node}: a GPU job runs one rank per GPU.")
-    d = cfg.distributed  # what only CUDA serves, on nodes asked for no GPU (train/distributed/devices.py)
+    d = cfg.distributed  # what only CUDA serves, on nodes asked for no GPU
+    # (train/distributed/devices.py)
     cuda_only = [o for o, on in (("distributed.backend=nccl", d.backend == "nccl"),
                                  ("distributed.device=cuda", d.device == "cuda"),
                                  ("distributed.sync_batchnorm=true", d.sync_batchnorm)) if on]

@@ -4,8 +4,8 @@ artifacts, and the lines on the console.
 Every rank holds a RunLogger and calls it at the same points; only its backend differs. Rank 0's
 is `tracking.MlflowRun` (a background thread: training never waits on MLflow), every other
 rank's is `tracking.NullRun`, which does nothing, and their console lines are dropped by the
-logging level (train/engine/job.py, setup_logging). The metrics themselves are the same on every rank
-(train/report/metrics.py reduces them to all ranks).
+logging level (train/engine/job.py, setup_logging). The metrics themselves are the same on every
+rank (train/report/metrics.py reduces them to all ranks).
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ class RunLogger:
         self.stop_reason: str | None = None
         """Why training ended before trainer.epochs (early stopping), for summary.json."""
         self.model_card: dict[str, Any] | None = None
-        """What the logged model expects and returns (train/report/modelcard.py), once the data exists."""
+        """What the logged model expects and returns (train/report/modelcard.py), once the data
+        exists."""
 
     def start(self, config: Mapping[str, Any], ranks: list[dict[str, str]], env: DistEnv,
               backend: str, tags: Mapping[str, str], config_yaml: str,
@@ -137,7 +138,8 @@ class RunLogger:
             card = self.model_card and {**self.model_card, "input": {
                 **self.model_card["input"], "dtype": str(example.dtype)}}
             self.run.log(records.Model(model, example, card, export=bool(tracking.register_model)))
-        # A sweep's jobs with register_best_of_sweep leave it to the sweep's end (train/tracking/sweep.py).
+        # A sweep's jobs with register_best_of_sweep leave it to the sweep's end
+        # (train/tracking/sweep.py).
         if tracking.register_model and not (tracking.register_best_of_sweep
                                             and tracking.parent_run_id):
             self.run.log(records.RegisterModel(tracking.register_model))

@@ -1,7 +1,8 @@
 """What the training loop reports as it goes, on every rank alike: the progress bar, logging
 steps, fp16's loss scale, epoch metrics, a new best evaluation and the test phase's metrics.
 
-Part of the job's run logger (train/report/runlog.py holds one as `RunLogger.training`), over the same
+Part of the job's run logger (train/report/runlog.py holds one as `RunLogger.training`), over the
+same
 backend: rank 0's MlflowRun, every other rank's do-nothing NullRun. It keeps what summary.json
 reports of training (the final metrics, each epoch's throughput, the first step's time).
 """
