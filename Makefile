@@ -12,7 +12,7 @@ SERVER_HOST ?= 127.0.0.1
 PYTEST_ARGS ?=
 # pytest-xdist workers: most tests wait on processes, servers and Slurm, not the CPU.
 PYTEST_WORKERS ?= 2
-# One test file per work unit, all Slurm cluster tests in one (tests/conftest.py, work_unit).
+# One test file per work unit, all of tests/cluster/ in one (tests/conftest.py, work_unit).
 PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile
 
 .PHONY: setup train test test-fast lint ui mlflow-server bench cluster-up cluster-down clean
@@ -31,12 +31,14 @@ $(STAMP): pyproject.toml
 train: setup
 	$(PY) -m train distributed.nproc_per_node=2
 
+# Every kind: tests/unit, tests/e2e (real processes), tests/cluster (the local Slurm cluster);
+# the slowest tests listed at the end, so that where the time goes stays visible.
 test: setup
-	$(PY) -m pytest $(PARALLEL) $(PYTEST_ARGS)
+	$(PY) -m pytest $(PARALLEL) --durations=15 $(PYTEST_ARGS)
 
-# The quick half of the suite: no multi-process end-to-end runs, no Slurm, no browser.
+# The quick layer: tests/unit/ alone (in process: no subprocess, no Slurm, no browser), < 60 s.
 test-fast: setup
-	$(PY) -m pytest -m "not slow" $(PARALLEL) $(PYTEST_ARGS)
+	$(PY) -m pytest $(PARALLEL) --durations=5 $(PYTEST_ARGS) tests/unit
 
 lint: setup
 	$(VENV)/bin/ruff check train tests bench hydra_plugins

@@ -1,7 +1,22 @@
-"""Shared test helpers: run the real CLI in a subprocess and read the real MLflow store back."""
+"""Shared test helpers: a config composed with Hydra's compose API, the real CLI run in a
+subprocess, the real MLflow store read back; and the layout of the tests by kind.
+
+- tests/unit/: in process - no CLI, rank, launcher, server or lock holder started
+  (`make test-fast`, under a minute);
+- tests/e2e/: real processes - `python -m train`, torchrun, spawned ranks, lock holders,
+  servers, the browser - and the tests that wait on real stores for long (marked `slow`);
+- tests/cluster/: the local Slurm cluster (marked `slow` and `slurm`; one work unit, one
+  session-scoped cluster: tests/cluster/conftest.py).
+
+The markers follow from the directory (pytest_collection_modifyitems), so no test can lack
+one. Helpers shared by several kinds live here or in a top-level module (servers.py,
+images.py); a heavier kind may import a lighter kind's helpers (e2e from unit, cluster from
+e2e or unit), never the other way round.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -9,12 +24,14 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+USER_PATH = str(REPO / "tests")
+"""What a user puts on PYTHONPATH: the directory that holds their package (tests/userpkg)."""
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                  "MASTER_PORT", "SUBMITIT_EXECUTOR", "CUDA_VISIBLE_DEVICES")
 IN_CI = os.environ.get("CI", "").lower() == "true"
@@ -29,7 +46,7 @@ def skip_or_fail(reason: str) -> None:
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     # Belt and braces: a skip from anywhere (a plain pytest.skip) also fails CI - except a
-    # `gpu` test's: no CI machine of this project has CUDA (tests/test_gpu.py).
+    # `gpu` test's: no CI machine of this project has CUDA (tests/{unit,e2e}/test_gpu.py).
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     skipped = len([r for r in reporter.stats.get("skipped", [])
                    if "gpu" not in getattr(r, "keywords", {})]) if reporter else 0
@@ -38,20 +55,25 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = 1
 
 
-SLURM_UNIT = "slurm-cluster"
+KINDS = {"unit": (), "e2e": ("slow",), "cluster": ("slow", "slurm")}
+"""tests/<kind>/ and the markers every test there gets."""
+SLURM_UNIT = "tests/cluster"
+
+
+def kind_of(nodeid: str) -> str | None:
+    """unit, e2e or cluster: the directory under tests/ (None: a test outside all three)."""
+    parts = Path(nodeid.partition("::")[0]).parts
+    return parts[1] if len(parts) > 2 and parts[0] == "tests" and parts[1] in KINDS else None
 
 
 def work_unit(nodeid: str) -> str:
     """What `make test` (pytest-xdist, `-n 2 --dist loadfile`) sends to one worker as a whole:
     a test file, so that a module's fixtures (a server, a browser, a trained model) are made
-    once; and every test that uses the local Slurm cluster - those in tests/test_slurm*.py and
-    those with "slurm" or "sbatch" in their name - as one unit: the cluster fixture starts and
-    stops the cluster and finds the queue empty at its end, so those tests never run side by
-    side. pytest_collection_modifyitems holds every cluster test to this naming."""
-    path, _, name = nodeid.partition("::")
-    if Path(path).name.startswith("test_slurm") or "slurm" in name or "sbatch" in name:
-        return SLURM_UNIT
-    return path
+    once; and every test in tests/cluster/ as one unit, so that the session-scoped cluster
+    fixture starts the local Slurm cluster once, on one worker, and no two cluster tests run
+    side by side (each must leave the queue empty: tests/cluster/conftest.py)."""
+    path = nodeid.partition("::")[0]
+    return SLURM_UNIT if kind_of(nodeid) == "cluster" else path
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which a plain pytest run lacks
@@ -67,15 +89,56 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     return ByWorkUnit(config, log)
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each test gets its kind's markers; a test outside tests/{unit,e2e,cluster}/, a `slow`
+    one in tests/unit/ or a Slurm one outside tests/cluster/ stops the run at collection."""
     for item in items:
-        on_cluster = "cluster" in getattr(item, "fixturenames", ()) or \
-            item.get_closest_marker("slurm") is not None
-        if on_cluster and work_unit(item.nodeid) != SLURM_UNIT:
+        kind = kind_of(item.nodeid)
+        if kind is None:
             raise pytest.UsageError(
-                f"{item.nodeid} uses the Slurm cluster: put it in tests/test_slurm*.py or name "
-                "it *slurm* or *sbatch*, so that `make test` runs it in the one worker that "
-                "uses the cluster (tests/conftest.py, work_unit).")
+                f"{item.nodeid}: every test lives in tests/unit/ (in process), tests/e2e/ (real "
+                "processes) or tests/cluster/ (the local Slurm cluster): tests/conftest.py.")
+        for marker in KINDS[kind]:
+            item.add_marker(marker)
+        if kind == "unit" and item.get_closest_marker("slow") is not None:
+            raise pytest.UsageError(
+                f"{item.nodeid} is marked slow: move it to tests/e2e/, which `make test-fast` "
+                "leaves out (tests/unit/ is the quick layer).")
+        if kind != "cluster" and item.get_closest_marker("slurm") is not None:
+            raise pytest.UsageError(
+                f"{item.nodeid} uses the Slurm cluster: put it in tests/cluster/, so that "
+                "`make test` runs it in the one worker that has the cluster "
+                "(tests/conftest.py, work_unit).")
+
+
+@contextlib.contextmanager
+def hydra_conf() -> Iterator[None]:
+    """Hydra initialised on conf/ with the schema registered, as `python -m train` has it."""
+    from hydra import initialize_config_dir
+
+    from train.config.schema import register_schema
+
+    register_schema()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        yield
+
+
+def composed(*overrides: str, return_hydra_config: bool = False) -> Any:
+    """The config `python -m train <overrides>` composes (a DictConfig), through Hydra's
+    compose API: in process, in milliseconds."""
+    from hydra import compose
+
+    with hydra_conf():
+        return compose(config_name="train", overrides=list(overrides),
+                       return_hydra_config=return_hydra_config)
+
+
+def typed(*overrides: str) -> Any:
+    """composed(), as the job sees it: a TrainConfig."""
+    from train.config.schema import to_container, to_typed
+
+    return to_typed(to_container(composed(*overrides)))
 
 
 def run_train(*overrides: str, env: dict[str, str] | None = None, timeout: float = 300,
@@ -162,6 +225,21 @@ def no_leaked_tracking_uri(monkeypatch: pytest.MonkeyPatch) -> None:
     in-process test would point every later subprocess at its (deleted) store."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "")  # recorded, so the original comes back
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
+
+
+@pytest.fixture
+def no_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No torchrun or Slurm variables: a job run in this process starts as on a login node."""
+    for key in LAUNCHER_VARS:
+        monkeypatch.delenv(key, raising=False)
+    for key in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(key)
+
+
+@pytest.fixture
+def user_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process sees the user's package, as `PYTHONPATH=tests` gives the CLI."""
+    monkeypatch.syspath_prepend(USER_PATH)
 
 
 @pytest.fixture

@@ -1,169 +1,20 @@
-"""`python -m train +cluster=slurm` against the real local Slurm cluster (slurm/); first, fast
-tests of train/distributed/slurm.py (in a job) and train/launch/submit.py's request checks, which need no cluster."""
+"""`python -m train +cluster=slurm` against the real local Slurm cluster (slurm/). Without a
+cluster: tests/unit/test_slurm.py."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import subprocess
-import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, history, run_train, runs_in, skip_or_fail, wait_until
-from train.config.cluster import ClusterConfig
-from train.config.groups import ConfigError, DistributedConfig, TrainConfig
-from train.distributed import slurm as in_job
-from train.launch import submit as slurm
-
-T = TypeVar("T")
+from tests.cluster.conftest import listed_by_squeue, slurm_job, wait_for_job
+from tests.conftest import REPO, history, run_train, runs_in, wait_until
 
 
-def on_slurm(test: T) -> T:
-    """The marks of a test that runs `python -m train +cluster=slurm` or Slurm's commands."""
-    return pytest.mark.slow(pytest.mark.slurm(test))
-
-
-# -- no cluster needed -------------------------------------------------------------------------
-
-@pytest.fixture
-def fake_scontrol(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """`scontrol` on PATH that writes its arguments to a file; a Slurm job's environment."""
-    calls = tmp_path / "scontrol.calls"
-    script = tmp_path / "bin" / "scontrol"
-    script.parent.mkdir()
-    script.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\n")
-    script.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{script.parent}{os.pathsep}{os.environ['PATH']}")
-    for key in [k for k in os.environ if k.startswith("SLURM_")]:
-        monkeypatch.delenv(key)
-    monkeypatch.setenv("SLURM_JOB_ID", "41")
-    return calls
-
-
-def test_a_time_limit_requeues_until_the_budget_is_spent(fake_scontrol: Path) -> None:
-    assert in_job.requeue_after_stop("SIGUSR2", 0, 3) == 1
-    assert in_job.requeue_after_stop("SIGUSR2", 2, 3) == 3
-    assert in_job.requeue_after_stop("SIGUSR2", 3, 3) is None  # spent: not requeued
-    assert fake_scontrol.read_text().splitlines() == ["requeue 41", "requeue 41"]
-
-
-def test_requeue_targets_the_array_task_and_only_after_usr2(
-        fake_scontrol: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert in_job.requeue_after_stop("SIGTERM", 0, 3) is None  # Slurm requeues it itself
-    assert not fake_scontrol.exists()
-    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "40")
-    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "1")
-    assert in_job.requeue_target() == "40_1"
-    assert in_job.requeue_after_stop("SIGUSR2", 0, 1) == 1
-    assert fake_scontrol.read_text().splitlines() == ["requeue 40_1"]
-
-
-def test_outside_slurm_nothing_is_requeued_or_tagged(fake_scontrol: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("SLURM_JOB_ID")
-    assert in_job.requeue_after_stop("SIGUSR2", 0, 3) is None
-    assert in_job.slurm_tags(["node1"]) == {}
-    assert not fake_scontrol.exists()
-
-
-def test_slurm_tags_name_the_job_and_its_nodes(fake_scontrol: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SLURM_JOB_PARTITION", "debug")
-    assert in_job.slurm_tags(["node2", "node1", "node2"]) == {
-        "slurm.job_id": "41", "slurm.nodes": "node1,node2", "slurm.partition": "debug"}
-    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "40")
-    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "0")
-    tags = in_job.slurm_tags(["node1"])
-    assert tags["slurm.job_id"] == "40" and tags["slurm.array_task_id"] == "0"
-
-
-def test_the_request_is_checked_with_the_shared_ranks_per_node() -> None:
-    cfg = TrainConfig(cluster=ClusterConfig(nodes=2, gpus_per_node=4))
-    assert slurm.check_request(cfg) == 8
-    cfg.cluster = ClusterConfig(gpus_per_node=2, tasks_per_node=1, time_min=0)
-    with pytest.raises(ConfigError, match="a GPU job runs one rank per GPU.*time_min"):
-        slurm.check_request(cfg)
-
-
-def test_cuda_only_options_on_nodes_without_gpus_are_refused_before_submitting() -> None:
-    """Issue 17: a job asked for no GPU cannot serve nccl, device=cuda or SyncBatchNorm; the
-    request is refused on the login node instead of failing in the job after hours queued."""
-    cfg = TrainConfig(cluster=ClusterConfig(gpus_per_node=0),
-                      distributed=DistributedConfig(sync_batchnorm=True, backend="nccl"))
-    with pytest.raises(ConfigError, match=r"distributed.backend=nccl "
-                       r"distributed.sync_batchnorm=true needs GPUs, but cluster.gpus_per_node=0"):
-        slurm.check_request(cfg)
-    cfg.cluster = ClusterConfig(gpus_per_node=1, tasks_per_node=1)
-    assert slurm.check_request(cfg) == 1
-
-
-# -- the local cluster ---------------------------------------------------------------------------
-
-ROOT_SKIP = 3  # cluster-up.sh's exit code when it cannot run here (not root)
-
-
-def _cluster_answers() -> bool:
-    """The cluster is up: its controller answers and lists nodes, in any state. (Not "some
-    node idle": on a shared cluster whose nodes are all busy, that made the fixture start the
-    cluster again and then take it down under everyone else's jobs.)"""
-    if shutil.which("sinfo") is None:
-        return False
-    out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=20)
-    return out.returncode == 0 and bool(out.stdout.split())
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[None]:
-    """The local 2-node cluster: started for these tests, stopped after (unless already up)."""
-    already_up = _cluster_answers()
-    if not already_up:
-        up = subprocess.run(["bash", str(REPO / "slurm" / "cluster-up.sh")], capture_output=True,
-                            text=True, timeout=600)
-        if up.returncode == ROOT_SKIP:
-            skip_or_fail(f"the local Slurm cluster needs root: {up.stdout}{up.stderr}")
-        assert up.returncode == 0, f"cluster-up failed:\n{up.stdout}\n{up.stderr}"
-    yield
-    # A job whose follower just saw it end may still be completing (state CG) for a moment: the
-    # queue must empty within 30 s, or the job was left behind.
-    deadline = time.monotonic() + 30
-    while (leftover := subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True,
-                                      text=True)).stdout.strip() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    if not already_up:
-        down = subprocess.run(["bash", str(REPO / "slurm" / "cluster-down.sh")],
-                              capture_output=True, text=True, timeout=120)
-        assert down.returncode == 0, down.stdout + down.stderr
-        assert not _cluster_processes(), f"left behind by cluster-down: {_cluster_processes()}"
-    assert leftover.stdout.strip() == "", f"jobs left behind: {leftover.stdout}"
-
-
-def _cluster_processes() -> list[str]:
-    """Live daemons and job steps of the local cluster (zombies are gone in all that matters)."""
-    import psutil
-
-    daemons = {"munged", "mariadbd", "slurmdbd", "slurmctld", "slurmd", "slurmstepd"}
-    found = []
-    for p in psutil.process_iter(["name", "cmdline", "status"]):
-        if p.info["status"] != psutil.STATUS_ZOMBIE and (
-                p.info["name"] in daemons or "train-slurm" in " ".join(p.info["cmdline"] or [])):
-            found.append(f"{p.pid} {p.info['name']}")
-    return found
-
-
-def slurm_job(tmp_path: Path, *overrides: str, env: dict[str, str] | None = None,
-              timeout: float = 420) -> subprocess.CompletedProcess[str]:
-    flags = [o for o in overrides if o == "-m"]  # argparse wants flags before the overrides
-    overrides = tuple(o for o in overrides if o != "-m")
-    return run_train(*flags, "+cluster=slurm", "cluster.partition=debug", "cluster.time_min=10",
-                     f"hydra.sweep.dir={tmp_path}/sweep", *overrides, env=env, timeout=timeout)
-
-
-@on_slurm
 def test_two_nodes_four_ranks_make_one_run(cluster: None, store: dict[str, str],
                                            tmp_path: Path) -> None:
     result = slurm_job(tmp_path, "cluster.nodes=2", "cluster.tasks_per_node=2",
@@ -184,7 +35,6 @@ def test_two_nodes_four_ranks_make_one_run(cluster: None, store: dict[str, str],
     assert history(uri, run.info.run_id, "train/samples") == [(0, 1440.0), (1, 1440.0)]
 
 
-@on_slurm
 def test_the_plain_sbatch_template_runs_the_same_code(cluster: None, store: dict[str, str],
                                                       tmp_path: Path) -> None:
     """slurm/train.sbatch: srun starts the ranks, which read SLURM_* themselves."""
@@ -196,7 +46,7 @@ def test_the_plain_sbatch_template_runs_the_same_code(cluster: None, store: dict
          "tracking.log_model=false"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert submitted.returncode == 0, submitted.stderr
-    state = _wait_for_job(submitted.stdout.strip().split(";")[0], timeout=300)
+    state = wait_for_job(submitted.stdout.strip().split(";")[0], timeout=300)
     logs = "".join(p.read_text() for p in sorted(out.glob("rank-*.log")))
     assert state == "COMPLETED", logs
     assert sorted(p.name for p in out.glob("rank-*.log")) == [f"rank-{i}.log" for i in range(4)]
@@ -209,23 +59,10 @@ def test_the_plain_sbatch_template_runs_the_same_code(cluster: None, store: dict
     assert history(uri, run.info.run_id, "val/samples") == [(0, 359.0)]
 
 
-def _wait_for_job(job_id: str, timeout: float) -> str:
-    """The job's final state, polled twice a second (`sbatch --wait` polls every 10 s)."""
-    def final_state() -> str | None:
-        out = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "State", "-j", job_id],
-                             capture_output=True, text=True).stdout.split()
-        ended = out and out[0] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
-        return out[0] if ended else None
-
-    return wait_until(final_state, timeout, f"job {job_id} ending")
 
 
-def _listed_by_squeue(job_id: str) -> bool:
-    return bool(subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True,
-                               text=True).stdout.strip())
 
 
-@on_slurm
 def test_the_tracking_server_runs_as_a_slurm_job(cluster: None, tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """slurm/mlflow-server.sbatch on a node; a job elsewhere logs to it by the node's name."""
@@ -263,10 +100,10 @@ def test_the_tracking_server_runs_as_a_slurm_job(cluster: None, tmp_path: Path,
         assert list(artifacts.rglob("config.yaml"))  # uploaded through the server
     finally:
         subprocess.run(["scancel", job_id], check=False)
-        _wait_for_job(job_id, timeout=60)
+        wait_for_job(job_id, timeout=60)
         # sacct says CANCELLED while squeue still lists it (the fixture checks none is left)
         with contextlib.suppress(AssertionError):
-            wait_until(lambda: not _listed_by_squeue(job_id), 60, f"job {job_id} leaving squeue")
+            wait_until(lambda: not listed_by_squeue(job_id), 60, f"job {job_id} leaving squeue")
 
 
 def _answers(url: str) -> bool:
@@ -279,7 +116,6 @@ def _answers(url: str) -> bool:
         return False
 
 
-@on_slurm
 def test_dry_run_prints_the_script_and_submits_nothing(cluster: None, tmp_path: Path) -> None:
     before = subprocess.run(["sacct", "-n", "-X", "-o", "JobID"], capture_output=True,
                             text=True).stdout
@@ -297,7 +133,6 @@ def test_dry_run_prints_the_script_and_submits_nothing(cluster: None, tmp_path: 
     assert after == before
 
 
-@on_slurm
 @pytest.mark.parametrize(("overrides", "expected"), [
     (("cluster.gpus_per_node=2", "cluster.tasks_per_node=1"), "a GPU job runs one rank per GPU"),
     (("cluster.nodes=2", "cluster.tasks_per_node=2", "data.batch_size=30"),
@@ -316,7 +151,6 @@ def test_preflight_refuses_before_submitting(cluster: None, store: dict[str, str
     assert runs_in(store["MLFLOW_TRACKING_URI"]) == []
 
 
-@on_slurm
 def test_preflight_refuses_an_unreachable_tracking_server(cluster: None, tmp_path: Path) -> None:
     from train.distributed.env import free_port
 
@@ -326,7 +160,6 @@ def test_preflight_refuses_an_unreachable_tracking_server(cluster: None, tmp_pat
     assert "cannot be reached" in result.stderr and "Submitted" not in result.stdout
 
 
-@on_slurm
 def test_preflight_without_slurm_commands(tmp_path: Path) -> None:
     """A login node without Slurm on PATH (no cluster needed for this one)."""
     bare_path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)
@@ -336,7 +169,6 @@ def test_preflight_without_slurm_commands(tmp_path: Path) -> None:
     assert "sbatch is not on PATH" in result.stderr
 
 
-@on_slurm
 def test_an_optuna_search_cannot_leave_its_trials_unwaited(tmp_path: Path) -> None:
     result = slurm_job(tmp_path, "-m", "+hparams_search=optuna_digits", "cluster.wait=false",
                        timeout=120)
@@ -345,7 +177,6 @@ def test_an_optuna_search_cannot_leave_its_trials_unwaited(tmp_path: Path) -> No
     assert "Submitted" not in result.stdout
 
 
-@on_slurm
 def test_a_failing_rank_ends_the_job_promptly(cluster: None, store: dict[str, str],
                                               tmp_path: Path) -> None:
     result = slurm_job(tmp_path, "cluster.nodes=2", "cluster.tasks_per_node=2",
@@ -359,7 +190,6 @@ def test_a_failing_rank_ends_the_job_promptly(cluster: None, store: dict[str, st
     assert run.data.tags["error"].startswith("rank 3 on node2")
 
 
-@on_slurm
 def test_a_sweep_is_one_job_array_under_a_parent_run(cluster: None, store: dict[str, str],
                                                      tmp_path: Path) -> None:
     result = slurm_job(tmp_path, "-m", "optim.lr=0.1,0.02", "cluster.tasks_per_node=2",
@@ -390,7 +220,6 @@ def _parent_once_ended(uri: str) -> Any:
     return wait_until(ended_parent, 240, "the last job ending the parent run")
 
 
-@on_slurm
 def test_an_unwaited_sweep_is_ended_by_its_last_job(cluster: None, store: dict[str, str],
                                                    tmp_path: Path) -> None:
     """cluster.wait=false: the command returns at once; the parent run stays RUNNING until the
@@ -410,7 +239,6 @@ def test_an_unwaited_sweep_is_ended_by_its_last_job(cluster: None, store: dict[s
     assert all(c.info.status == "FINISHED" for c in children)
 
 
-@on_slurm
 def test_an_unwaited_sweep_whose_jobs_fail_ends_its_parent_failed(
         cluster: None, store: dict[str, str], tmp_path: Path) -> None:
     """One job fails at start-up, before its run exists; the other fails while training. The
@@ -437,7 +265,6 @@ def _attempts(tmp_path: Path) -> str:
     return "\n".join(p.read_text(errors="replace") for p in logs)
 
 
-@on_slurm
 def test_a_time_limit_requeues_and_resumes_into_the_same_run(cluster: None,
                                                              store: dict[str, str],
                                                              tmp_path: Path) -> None:
@@ -463,7 +290,6 @@ def test_a_time_limit_requeues_and_resumes_into_the_same_run(cluster: None,
     assert "resumed from" in _attempts(tmp_path)
 
 
-@on_slurm
 def test_scontrol_requeue_resumes_from_the_checkpoint(cluster: None, store: dict[str, str],
                                                       tmp_path: Path) -> None:
     proc = subprocess.Popen(

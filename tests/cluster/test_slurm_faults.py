@@ -1,6 +1,7 @@
 """Slurm faults, tried for real on the local 2-node cluster (issue 18): a dead node, a failing
-set-up line, Ctrl-C while following, a time limit without requeue; first, fast checks of what
-the login node says at submission."""
+set-up line, Ctrl-C while following, a time limit without requeue, scancel with DataLoader
+workers, a tracking outage. What the login node says at submission:
+tests/unit/test_slurm_faults.py."""
 
 from __future__ import annotations
 
@@ -12,45 +13,13 @@ import time
 from pathlib import Path
 
 import psutil
-import pytest
 
-from tests.conftest import REPO, command_line, history, runs_in
-from tests.test_slurm import (  # noqa: F401 - cluster is a fixture
-    _listed_by_squeue,
-    cluster,
-    on_slurm,
-    slurm_job,
-    wait_until,
-)
-from train.config.cluster import ClusterConfig
-from train.config.groups import ConfigError, TrainConfig
-from train.distributed.slurm import time_limit_note
-from train.launch import submit as slurm
+from tests.cluster.conftest import listed_by_squeue, slurm_job
+from tests.conftest import REPO, command_line, history, runs_in, wait_until
 
 TWO_NODES = ("cluster.nodes=2", "cluster.tasks_per_node=1", "cluster.cpus_per_task=1",
              "data.batch_size=64")
 
-
-# -- no cluster needed -------------------------------------------------------------------------
-
-def test_a_stop_signal_at_the_start_is_refused_and_one_early_warned(
-        capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(ConfigError, match="signal_delay_s=120 is not below the time limit"):
-        slurm.check_request(TrainConfig(cluster=ClusterConfig(time_min=2)))
-    slurm.check_request(TrainConfig(cluster=ClusterConfig(time_min=3, signal_delay_s=120)))
-    assert "not well below the time limit" in capsys.readouterr().err
-    slurm.check_request(TrainConfig(cluster=ClusterConfig(time_min=60)))  # the defaults
-    assert capsys.readouterr().err == ""
-
-
-def test_the_time_limit_note_names_the_checkpoint_and_the_command() -> None:
-    note = time_limit_note(Path("/o/checkpoints/step-40.pt"),
-                                 "python -m train +cluster=slurm trainer.resume=auto")
-    assert note == ("time limit reached, checkpoint /o/checkpoints/step-40.pt saved; resume with "
-                    "python -m train +cluster=slurm trainer.resume=/o/checkpoints/step-40.pt")
-
-
-# -- the local cluster ---------------------------------------------------------------------------
 
 def _processes_of(job_id: str, node: str) -> list[psutil.Process]:
     """A job's processes on one node: its ranks (by their Slurm environment), their children
@@ -97,9 +66,8 @@ def _read_until(proc: subprocess.Popen[str], text: str, timeout: float) -> str:
     return out
 
 
-@on_slurm
 def test_a_dead_node_ends_the_job_in_seconds_and_a_resume_finishes_clean(
-        cluster: None, store: dict[str, str], tmp_path: Path) -> None:  # noqa: F811
+        cluster: None, store: dict[str, str], tmp_path: Path) -> None:
     """Every process of the job on node2 killed: the run names rank 1 on node2, the job ends
     (cancelled, not requeued) within seconds; the same command then resumes and finishes the
     run, whose `error` is history (`attempts`), and ends like a local job."""
@@ -138,9 +106,8 @@ def test_a_dead_node_ends_the_job_in_seconds_and_a_resume_finishes_clean(
         p.read_text() for p in (tmp_path / "sweep" / ".submitit").glob(f"{job}/*_log.err"))
 
 
-@on_slurm
 def test_a_failing_setup_line_fails_the_job_before_any_rank(
-        cluster: None, store: dict[str, str], tmp_path: Path) -> None:  # noqa: F811
+        cluster: None, store: dict[str, str], tmp_path: Path) -> None:
     result = slurm_job(tmp_path, 'cluster.setup=["cd /tmp","source /nowhere/venv/bin/activate"]',
                        "trainer.epochs=1", env=store, timeout=180)
     assert result.returncode == 1, result.stdout + result.stderr
@@ -151,9 +118,8 @@ def test_a_failing_setup_line_fails_the_job_before_any_rank(
     assert runs_in(store["MLFLOW_TRACKING_URI"]) == []  # no rank started
 
 
-@on_slurm
 def test_ctrl_c_while_following_leaves_the_jobs_to_finish_the_sweep(
-        cluster: None, store: dict[str, str], tmp_path: Path) -> None:  # noqa: F811
+        cluster: None, store: dict[str, str], tmp_path: Path) -> None:
     proc = _train(tmp_path, store, "-m", "optim.lr=0.1,0.02", "trainer.epochs=2",
                   "tracking.log_model=false")
     head = _read_until(proc, ": RUNNING", 180)
@@ -172,12 +138,11 @@ def test_ctrl_c_while_following_leaves_the_jobs_to_finish_the_sweep(
 
     parent = wait_until(ended_parent, 240, "the sweep's last job ending the parent run")
     assert parent.info.status == "FINISHED" and parent.data.metrics["sweep/children"] == 2
-    wait_until(lambda: not _listed_by_squeue(job), 60, f"job {job} leaving squeue")
+    wait_until(lambda: not listed_by_squeue(job), 60, f"job {job} leaving squeue")
 
 
-@on_slurm
 def test_a_time_limit_without_requeue_says_how_to_resume(
-        cluster: None, store: dict[str, str], tmp_path: Path) -> None:  # noqa: F811
+        cluster: None, store: dict[str, str], tmp_path: Path) -> None:
     """USR2 60 s before a 2-minute limit, cluster.max_requeues=0: KILLED, and both the terminal
     and the run say where the checkpoint is and which command resumes from it."""
     result = slurm_job(tmp_path, "cluster.time_min=2", "cluster.signal_delay_s=60",
@@ -208,9 +173,8 @@ def running_an_epoch(tmp_path: Path, store: dict[str, str],
     return proc, job
 
 
-@on_slurm
 def test_scancel_with_dataloader_workers_stops_with_a_checkpoint(
-        cluster: None, store: dict[str, str], tmp_path: Path) -> None:  # noqa: F811
+        cluster: None, store: dict[str, str], tmp_path: Path) -> None:
     """TERM reaches the ranks and their DataLoader workers alike: the workers must not die
     first, so the ranks agree on the stop, save a checkpoint and mark the run KILLED."""
     proc, job = running_an_epoch(tmp_path, store, *TWO_NODES, "data.num_workers=2")
@@ -223,9 +187,8 @@ def test_scancel_with_dataloader_workers_stops_with_a_checkpoint(
     assert list((tmp_path / "sweep" / "0" / "checkpoints").glob("step-*.pt"))
 
 
-@on_slurm
 def test_a_tracking_outage_on_slurm_loses_no_epoch(
-        cluster: None, tmp_path: Path) -> None:  # noqa: F811
+        cluster: None, tmp_path: Path) -> None:
     """The tracking server away for 60 s mid-job: training goes on (no rank waits on MLflow
     near the 120 s collective timeout), the run FINISHES with every epoch once."""
     from tests.servers import ServerProcess

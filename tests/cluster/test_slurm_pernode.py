@@ -1,98 +1,24 @@
 """One Slurm task per node (cluster.ranks=per_node) and containers (cluster.python,
-cluster.srun_args), on the real local 2-node cluster (issue 13)."""
+cluster.srun_args), on the real local 2-node cluster (issue 13). Without a cluster:
+tests/unit/test_slurm_pernode.py."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.cluster.conftest import slurm_job
+from tests.cluster.test_slurm_faults import running_an_epoch
 from tests.conftest import history, runs_in
-from tests.test_slurm import (  # noqa: F401 - cluster is a fixture
-    cluster,
-    on_slurm,
-    slurm_job,
-    wait_until,
-)
-from tests.test_slurm_faults import running_an_epoch
-from train.config.cluster import ClusterConfig, slurm_cpus_per_task, slurm_tasks_per_node
-from train.distributed import env as distenv
-from train.distributed.env import TORCHRUN_VARS
-from train.launch import submit as slurm
 
 PER_NODE = ("cluster.ranks=per_node", "cluster.nodes=2", "cluster.tasks_per_node=2")
 
 
-# -- no cluster needed -------------------------------------------------------------------------
-
-def _node_task_env(procid: int, tasks: int = 2, nodes: int = 2) -> dict[str, str]:
-    """What srun gives the task of node `procid` in a 2-node job with one task per node."""
-    return {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_PROCID": str(procid),
-            "SLURM_LOCALID": "0", "SLURM_NODEID": str(procid), "SLURM_STEP_NUM_TASKS": str(tasks),
-            "SLURM_NTASKS": str(tasks), "SLURM_STEP_NUM_NODES": str(nodes),
-            "SLURM_JOB_NUM_NODES": str(nodes), "SLURM_JOB_NODELIST": "node[1-2]",
-            "SLURM_STEP_NODELIST": "node[1-2]", "SLURM_TASKS_PER_NODE": "1(x2)",
-            "SLURM_STEP_TASKS_PER_NODE": "1(x2)"}
-
-
-def test_the_second_node_task_starts_ranks_2_and_3_of_4(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in [k for k in os.environ if k.startswith("SLURM_") or k in TORCHRUN_VARS]:
-        monkeypatch.delenv(key)
-    for key, value in _node_task_env(1).items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")  # set by the call: undone after the test
-    node = distenv.slurm_node_task(2)
-    assert (node.node_rank, node.world_size, node.master_addr) == (1, 4, "node1")
-    envs = [node.env(local) for local in range(2)]
-    assert [(e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]) for e in envs] \
-        == [("2", "0", "4", "2"), ("3", "1", "4", "2")]
-    assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"] == str(node.master_port)
-    assert node.master_port == distenv.job_master_port()  # as a task per rank would derive it
-    # The first node's task computes the same master (seeded by the job id).
-    monkeypatch.setenv("SLURM_PROCID", "0")
-    assert distenv.slurm_node_task(2).master_port == node.master_port
-
-
-def test_a_node_task_refuses_a_half_set_or_per_rank_step(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in [k for k in os.environ if k.startswith("SLURM_") or k in TORCHRUN_VARS]:
-        monkeypatch.delenv(key)
-    with pytest.raises(distenv.DistEnvError, match="only inside a Slurm job step"):
-        distenv.slurm_node_task(2)
-    for key, value in _node_task_env(0, tasks=4).items():
-        monkeypatch.setenv(key, value)
-    with pytest.raises(distenv.DistEnvError, match="one Slurm task per node, but this step has "
-                       "4 task"):
-        distenv.slurm_node_task(2)
-    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")
-    monkeypatch.setenv("MASTER_PORT", "29500")
-    with pytest.raises(distenv.DistEnvError, match="MASTER_PORT set in the node's task"):
-        distenv.slurm_node_task(2)
-
-
-@pytest.mark.parametrize(("overrides", "tasks", "cpus"), [
-    ({}, 1, 1),
-    ({"tasks_per_node": 2, "cpus_per_task": 3}, 2, 3),
-    ({"ranks": "per_node", "tasks_per_node": 2, "cpus_per_task": 3}, 1, 6),
-    ({"ranks": "per_node", "gpus_per_node": 4, "cpus_per_task": 8}, 1, 32),
-])
-def test_what_slurm_is_asked_for_per_node_and_task(overrides: dict, tasks: int,
-                                                   cpus: int) -> None:
-    request = ClusterConfig(**overrides)
-    assert (slurm_tasks_per_node(request), slurm_cpus_per_task(request)) == (tasks, cpus)
-    assert slurm.srun_args(["--container-image=x", "--kill-on-bad-exit=1"]) == [
-        "--kill-on-bad-exit=1", "--container-image=x"]
-
-
-# -- the local cluster ---------------------------------------------------------------------------
-
-
-@pytest.mark.slurm
 def test_dry_run_shows_the_container_python_and_srun_args(
-        cluster: None, tmp_path: Path) -> None:  # noqa: F811
+        cluster: None, tmp_path: Path) -> None:
     apptainer = slurm_job(tmp_path, "cluster.dry_run=true", *PER_NODE, "cluster.cpus_per_task=3",
                           "cluster.python='apptainer exec --nv /images/train.sif python'")
     assert apptainer.returncode == 0, apptainer.stderr
@@ -113,7 +39,6 @@ def test_dry_run_shows_the_container_python_and_srun_args(
     assert "#SBATCH --ntasks-per-node=2" in pyxis.stdout  # per_task: one task per rank
 
 
-@on_slurm
 @pytest.mark.parametrize(("override", "expected"), [
     ("cluster.ranks=per_gpu", "cluster.ranks='per_gpu'; choose one of ['per_task', 'per_node']"),
     ("cluster.python='apptainer exec\ta.sif python'",
@@ -122,7 +47,7 @@ def test_dry_run_shows_the_container_python_and_srun_args(
     ("cluster.python=' '", "cluster.python is empty"),
 ])
 def test_bad_layout_or_container_input_is_refused_before_submitting(
-        cluster: None, store: dict[str, str], tmp_path: Path,  # noqa: F811
+        cluster: None, store: dict[str, str], tmp_path: Path,
         override: str, expected: str) -> None:
     result = slurm_job(tmp_path, override, env=store, timeout=120)
     assert result.returncode == 2, result.stdout + result.stderr
@@ -142,9 +67,8 @@ def _python_wrapper(tmp_path: Path) -> tuple[Path, Path]:
     return wrapper, used
 
 
-@on_slurm
 def test_one_task_per_node_through_a_container_python_makes_one_run(
-        cluster: None, store: dict[str, str], tmp_path: Path) -> None:  # noqa: F811
+        cluster: None, store: dict[str, str], tmp_path: Path) -> None:
     """2 nodes x 2 ranks, each node's one task started through cluster.python, which starts
     its two ranks itself: one run of 4 ranks, ranks 0-1 on node1 and 2-3 on node2."""
     wrapper, used = _python_wrapper(tmp_path)
@@ -164,9 +88,8 @@ def test_one_task_per_node_through_a_container_python_makes_one_run(
     assert history(uri, run.info.run_id, "val/samples") == [(0, 359.0)]
 
 
-@on_slurm
 def test_a_failing_rank_on_one_node_ends_the_per_node_job(
-        cluster: None, store: dict[str, str], tmp_path: Path) -> None:  # noqa: F811
+        cluster: None, store: dict[str, str], tmp_path: Path) -> None:
     result = slurm_job(tmp_path, *PER_NODE, "trainer.epochs=50", "trainer.fail_on_rank=3",
                        "trainer.fail_at_step=2", env=store, timeout=300)
     assert result.returncode == 1, result.stdout + result.stderr
@@ -179,9 +102,8 @@ def test_a_failing_rank_on_one_node_ends_the_per_node_job(
     assert run.data.tags["error"].startswith("rank 3 on node2")
 
 
-@on_slurm
 def test_the_time_limit_signal_reaches_every_node_s_ranks(
-        cluster: None, store: dict[str, str], tmp_path: Path) -> None:  # noqa: F811
+        cluster: None, store: dict[str, str], tmp_path: Path) -> None:
     """USR2 (Slurm's warning before the time limit, sent here with scancel) reaches each node's
     task, which passes it on to its ranks: one checkpoint, the run KILLED, and with no requeue
     left (max_requeues=0) the terminal says how to resume."""

@@ -42,7 +42,6 @@ def _assert_same_steps(uri: str, a: object, b: object) -> None:
         assert [v for _, v in mine] == pytest.approx([v for _, v in theirs], abs=1e-5), key
 
 
-@pytest.mark.slow
 def test_two_ranks_accumulating_two_equal_four_ranks(store: dict[str, str],
                                                      tmp_path: Path) -> None:
     """K=2 on 2 ranks and K=1 on 4 ranks: 48 samples per optimiser step, 12 per micro-batch.
@@ -67,7 +66,6 @@ def test_two_ranks_accumulating_two_equal_four_ranks(store: dict[str, str],
     _assert_same_steps(uri, accumulated, plain)
 
 
-@pytest.mark.slow
 def test_accumulation_on_one_rank_equals_the_whole_batch_and_resumes_exactly(
         store: dict[str, str], tmp_path: Path) -> None:
     """K=3 of 32 and one batch of 96 on one rank: 1438 samples make 14 full steps and a last

@@ -1,4 +1,5 @@
-"""The distributed environment, exact validation over real gloo ranks, and failing ranks."""
+"""Exact validation over real gloo ranks, and failing ranks. The environment the ranks read:
+tests/unit/test_distributed.py."""
 
 from __future__ import annotations
 
@@ -20,64 +21,6 @@ from train.distributed import env as distenv
 TORCHRUN_KEYS = distenv.TORCHRUN_VARS
 
 
-def _clear(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Start from no launcher; whatever detect() exports is removed again after the test."""
-    for key in {*TORCHRUN_KEYS, "SUBMITIT_EXECUTOR"}:
-        monkeypatch.setenv(key, "")
-        monkeypatch.delenv(key)
-    for key in list(os.environ):
-        if key.startswith(("SLURM_", "SUBMITIT_")):
-            monkeypatch.delenv(key)
-
-
-def test_half_set_torchrun_env_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    _clear(monkeypatch)
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(distenv.DistEnvError, match="LOCAL_RANK"):
-        distenv.detect()
-
-
-def test_torchrun_env_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
-    _clear(monkeypatch)
-    for key, value in distenv.torchrun_env(3, 1, 4, 2, "node1", 29500).items():
-        monkeypatch.setenv(key, value)
-    env = distenv.detect()
-    assert (env.rank, env.local_rank, env.world_size, env.local_world_size) == (3, 1, 4, 2)
-    assert (env.master_addr, env.master_port, env.launcher) == ("node1", 29500, "torchrun")
-
-
-def test_slurm_step_env_is_exported_torchrun_style(monkeypatch: pytest.MonkeyPatch) -> None:
-    """What `srun -N2 --ntasks-per-node=2 python -m train` gives the task with PROCID 3."""
-    _clear(monkeypatch)
-    slurm = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": "3",
-             "SLURM_LOCALID": "1", "SLURM_NTASKS": "4", "SLURM_NNODES": "2", "SLURM_NODEID": "1",
-             "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_NUM_NODES": "2"}
-    for key, value in slurm.items():
-        monkeypatch.setenv(key, value)
-    assert distenv.external_world_size() == 4
-    env = distenv.detect()
-    assert (env.rank, env.local_rank, env.world_size, env.local_world_size) == (3, 1, 4, 2)
-    # Below the kernel's ephemeral ports, which any outgoing connection may hold.
-    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-    assert env.master_addr == "node1" and 20000 <= env.master_port < low
-    assert env.launcher == "slurm"
-    assert os.environ["RANK"] == "3" and os.environ["MASTER_ADDR"] == "node1"
-    # Every task of the job derives the same port from the job id.
-    port = env.master_port
-    for key in TORCHRUN_KEYS:
-        monkeypatch.delenv(key)
-    monkeypatch.setenv("SLURM_PROCID", "0")
-    monkeypatch.setenv("SLURM_LOCALID", "0")
-    assert distenv.detect().master_port == port
-
-
-def test_outside_any_launcher_nothing_is_external(monkeypatch: pytest.MonkeyPatch) -> None:
-    _clear(monkeypatch)
-    monkeypatch.setenv("SLURM_JOB_ID", "7")  # a batch script, not an srun step
-    assert distenv.external_world_size() is None
-
-
 def _evaluate_on_rank(rank: int, world_size: int, port: int, results: mp.Queue) -> None:
     """One rank: same seeded weights everywhere, evaluate its shard, reduce to rank 0."""
     for key, value in distenv.torchrun_env(rank, rank, world_size, world_size, "127.0.0.1",
@@ -94,8 +37,7 @@ def _evaluate_on_rank(rank: int, world_size: int, port: int, results: mp.Queue) 
     device = torch.device("cpu")
     distributed.init(env, "gloo", device, timeout_s=60)
     try:
-        bundle = data.build(DataConfig(batch_size=30 * world_size), rank, world_size, world_size,
-                            device, seed=0)
+        bundle = data.build(DataConfig(batch_size=30 * world_size), env, device, seed=0)
         torch.manual_seed(0)
         model = models.build(ModelConfig(), models.InputSpec(1, 8, 10))
         reduced = metrics.reduce(loop.evaluate(model, bundle.val, device, "fp32"))
@@ -105,7 +47,6 @@ def _evaluate_on_rank(rank: int, world_size: int, port: int, results: mp.Queue) 
         distributed.shutdown()
 
 
-@pytest.mark.slow
 def test_validation_is_exact_for_any_world_size() -> None:
     """359 validation samples: 2 and 3 ranks don't divide them, yet every metric is equal."""
     ctx = mp.get_context("spawn")
@@ -129,7 +70,6 @@ def _rank_processes(parent: psutil.Process, count: int) -> list[psutil.Process] 
     return ranks if len(ranks) >= count else None
 
 
-@pytest.mark.slow
 def test_a_killed_rank_ends_the_whole_job_and_fails_the_run(store: dict[str, str],
                                                             tmp_path: Path) -> None:
     out_dir = tmp_path / "job"
@@ -153,7 +93,6 @@ def test_a_killed_rank_ends_the_whole_job_and_fails_the_run(store: dict[str, str
     assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
-@pytest.mark.slow
 def test_killing_the_launcher_stops_its_ranks_and_the_run(store: dict[str, str],
                                                          tmp_path: Path) -> None:
     """SIGKILL leaves the launcher no chance to stop its ranks: the kernel sends them TERM,
@@ -177,7 +116,6 @@ def test_killing_the_launcher_stops_its_ranks_and_the_run(store: dict[str, str],
     assert run.info.status == "KILLED" and run.data.tags["stopped_by"] == "SIGTERM"
 
 
-@pytest.mark.slow
 def test_an_exception_in_one_rank_ends_all_ranks_with_its_error(store: dict[str, str],
                                                                tmp_path: Path) -> None:
     """Two ranks started torchrun-style by hand; rank 1's node cannot read its data."""
@@ -201,7 +139,6 @@ def test_an_exception_in_one_rank_ends_all_ranks_with_its_error(store: dict[str,
     assert history(store["MLFLOW_TRACKING_URI"], run.info.run_id, "train/loss") == []
 
 
-@pytest.mark.slow
 def test_the_local_launcher_shows_the_failing_ranks_traceback(store: dict[str, str],
                                                               tmp_path: Path) -> None:
     result = subprocess.run(

@@ -11,8 +11,6 @@ from mlflow import MlflowClient
 
 from tests.conftest import history, run_train, runs_in
 
-pytestmark = pytest.mark.slow
-
 EPOCH_METRICS = ("train/loss", "train/accuracy", "train/samples", "train/samples_per_sec",
                  "train/tflops_per_sec", "val/loss", "val/accuracy", "val/samples", "lr",
                  "epoch_time_s")

@@ -2,8 +2,9 @@
 a signalled process group with DataLoader workers, a killed rank, a closed terminal, a second
 job in a directory in use, command-line mistakes, and a dry run's leftovers.
 
-Slow tests run real 2-rank jobs, send real signals and read the real MLflow store back; the
-fast ones use real processes that import no torch.
+Real 2-rank jobs get real signals and are read back from the real MLflow store; the job lock's
+holders and the DataLoader worker are real processes that import no torch. Command-line
+mistakes composed in process: tests/unit/test_faults_process.py.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ from typing import Any
 
 import psutil
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.errors import HydraException
 
 from tests.conftest import (
     LAUNCHER_VARS,
@@ -35,11 +34,9 @@ from tests.conftest import (
     skip_or_fail,
     wait_until,
 )
-from train import app
-from train.config.groups import ConfigError
 from train.launch import joblock
 
-# -- the job lock (fast: its holder is a real process that imports no torch) -------------------
+# -- the job lock (its holder is a real process that imports no torch) ------------------------
 
 HOLDER = """
 import subprocess, sys
@@ -131,12 +128,22 @@ def test_a_requeued_slurm_job_takes_its_directory_back(
 
 def test_ranks_after_the_first_do_not_take_the_lock(
         tmp_path: Path, holder: Callable[..., subprocess.Popen[str]]) -> None:
-    holder(tmp_path)
+    other = holder(tmp_path)
+    lock = tmp_path / joblock.LOCK_FILE
+    before = lock.read_bytes()
+    ran = False
     with joblock.held(tmp_path, holds=False):  # rank 1 of a job whose rank 0 holds it
-        pass
+        ran = True
+        assert lock.read_bytes() == before  # not taken over: still the holder's
+    assert ran
+    # Nor released at its end: the lock is still the holder's, the directory still refused.
+    assert lock.read_bytes() == before and json.loads(before)["pid"] == other.pid
+    assert sorted(p.name for p in tmp_path.iterdir()) == [joblock.LOCK_FILE]  # no draft
+    with pytest.raises(joblock.JobLockedError, match=f"pid {other.pid} on "):
+        joblock.take(tmp_path)
 
 
-# -- DataLoader workers (fast: one forked worker) ---------------------------------------------
+# -- DataLoader workers (one forked worker) --------------------------------------------------
 
 def test_a_temporary_directory_too_long_for_the_workers_sockets_is_refused(
         store: dict[str, str], tmp_path: Path) -> None:
@@ -177,8 +184,8 @@ def test_a_worker_outlives_the_groups_signals_but_not_its_ranks_terminate() -> N
     from train.data.batches import WorkersBornDeaf
     from train.distributed.stopping import ignore_in_worker
 
-    # As a rank does at its start (train/engine/job.py): after set_num_threads a forked worker starts
-    # a thread of its own before worker_init_fn runs, through which a TERM could kill it.
+    # As a rank does at its start (train/engine/job.py): after set_num_threads a forked worker
+    # starts a thread of its own before worker_init_fn runs, through which a TERM could kill it.
     torch.set_num_threads(torch.get_num_threads())
     loader = WorkersBornDeaf(list(range(1000)), batch_size=4, num_workers=1,
                              worker_init_fn=ignore_in_worker, persistent_workers=True,
@@ -197,32 +204,7 @@ def test_a_worker_outlives_the_groups_signals_but_not_its_ranks_terminate() -> N
     del batches
 
 
-# -- command-line mistakes (fast: Hydra's compose API; the CLI itself in the slow test) --------
-
-def _composed(*overrides: str) -> Any:
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return compose(config_name="train", overrides=list(overrides))
-
-
-def test_an_unknown_key_added_with_plus_is_one_config_error() -> None:
-    with pytest.raises(ConfigError) as refused:
-        app._typed(_composed("+trainer.foo=1"))
-    assert str(refused.value) == ("trainer.foo: Key 'foo' not in 'TrainerConfig'. "
-                                  "`python -m train --help` lists every setting.")
-
-
-@pytest.mark.parametrize(("override", "expected"), [
-    ("trainer.nope=1", "Could not override 'trainer.nope': Key 'nope' not in 'TrainerConfig'."),
-    ("model=nosuch", "In 'train': Could not find 'model/nosuch' Available options in 'model': "
-                     "cnn, custom, mlp, resnet18, torchvision."),
-])
-def test_a_composition_error_is_one_line(override: str, expected: str) -> None:
-    with pytest.raises(HydraException) as failed:
-        _composed(override)
-    assert app.one_line(failed.value) == expected + " `python -m train --help` lists every setting."
-
-
-# -- real jobs, real signals (slow) -----------------------------------------------------------
+# -- real jobs, real signals ------------------------------------------------------------------
 
 class Job:
     """A 2-rank `python -m train` in its own process group (as a terminal or Slurm starts it),
@@ -310,7 +292,6 @@ def _stopped_cleanly(job: Job, before: list[str], signal_name: str, code: int) -
     assert logged and int(stop_checkpoint[5:-3]) >= logged[-1]  # nothing trained after it
 
 
-@pytest.mark.slow
 def test_a_second_job_is_refused_and_hup_to_the_launcher_stops_its_ranks(
         fresh_store: dict[str, str], tmp_path: Path) -> None:
     """The same command in a directory in use is refused before it starts anything; a HUP
@@ -328,7 +309,6 @@ def test_a_second_job_is_refused_and_hup_to_the_launcher_stops_its_ranks(
     assert not (job.out_dir / joblock.LOCK_FILE).exists()
 
 
-@pytest.mark.slow
 def test_term_to_the_group_with_dataloader_workers_writes_the_stop_checkpoint(
         fresh_store: dict[str, str], tmp_path: Path) -> None:
     """As Slurm signals a job: every process of the group at once, workers included."""
@@ -340,7 +320,6 @@ def test_term_to_the_group_with_dataloader_workers_writes_the_stop_checkpoint(
     _stopped_cleanly(job, before, "SIGTERM", 128 + signal.SIGTERM)
 
 
-@pytest.mark.slow
 def test_a_killed_rank_0_fails_the_run_with_its_death(fresh_store: dict[str, str],
                                                       tmp_path: Path) -> None:
     """Rank 0 alone talks to MLflow; SIGKILLed, it cannot end its run: the launcher does."""
@@ -356,7 +335,6 @@ def test_a_killed_rank_0_fails_the_run_with_its_death(fresh_store: dict[str, str
     assert not (job.out_dir / joblock.LOCK_FILE).exists()
 
 
-@pytest.mark.slow
 def test_command_line_mistakes_and_dry_runs_leave_nothing(tmp_path: Path) -> None:
     """One line and exit code 2 for what the user typed wrong; a dry run leaves no empty
     multirun/<date>/<time>/ in the directory it was started from."""

@@ -3,7 +3,7 @@
 Without CUDA every test here skips with its reason - under CI=true too: no GPU machine serves
 this project's CI, and tests/conftest.py lets the `gpu` marker's skips (and only those) pass.
 `make test` runs them on a machine with CUDA. What torch runs on a CPU is in
-tests/test_precision.py.
+tests/e2e/test_precision.py; in-process CUDA branches: tests/unit/test_gpu.py.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ def _job(store: dict[str, str], out: Path, *overrides: str) -> tuple[object, dic
     return run, run.data.metrics
 
 
-@pytest.mark.slow
 def test_an_nccl_job_on_the_gpus(store: dict[str, str], tmp_path: Path) -> None:
     run, metrics = _job(store, tmp_path / "job", "distributed.backend=nccl",
                         "trainer.epochs=2", "tracking.log_model=false")
@@ -46,7 +45,6 @@ def test_an_nccl_job_on_the_gpus(store: dict[str, str], tmp_path: Path) -> None:
     assert steps == [0, 1]
 
 
-@pytest.mark.slow
 def test_sync_batchnorm_trains_resnet18(store: dict[str, str], tmp_path: Path) -> None:
     run, metrics = _job(store, tmp_path / "job", "model=resnet18",
                         "distributed.sync_batchnorm=true", "trainer.epochs=1",
@@ -59,19 +57,6 @@ def test_sync_batchnorm_trains_resnet18(store: dict[str, str], tmp_path: Path) -
     assert all(math.isfinite(metrics[k]) for k in ("train/loss", "val/loss", "val/accuracy"))
 
 
-def test_in_memory_data_is_kept_and_batched_on_the_gpu() -> None:
-    from train.config.groups import DataConfig
-    from train.data import build as data
-
-    device = torch.device("cuda", 0)
-    bundle = data.build(DataConfig(), rank=0, world_size=1, local_world_size=1, device=device,
-                        seed=0)
-    assert isinstance(bundle.train, data.ResidentBatches)
-    images, labels = next(iter(bundle.train))
-    assert images.is_cuda and labels.is_cuda and images.dtype == torch.float32
-
-
-@pytest.mark.slow
 def test_bf16_compile_channels_last_resnet18_reports_mfu(store: dict[str, str],
                                                           tmp_path: Path) -> None:
     from train.report import flops

@@ -17,8 +17,6 @@ from tests.conftest import skip_or_fail
 from tests.servers import ServerProcess, jobs_at_once
 from train.distributed.env import free_port
 
-pytestmark = pytest.mark.slow
-
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
 DB_PASSWORD = "pg-secret-4c1e9a"
 

@@ -1,7 +1,8 @@
 """Mixed precision, torch.compile and channels_last, run for real on the CPU (2 gloo ranks).
 
 These are the options a GPU user turns on; every one of them that torch can run on a CPU runs
-here, end to end, and is read back from MLflow. What only CUDA can run is in tests/test_gpu.py.
+here, end to end, and is read back from MLflow. What only CUDA can run is in
+tests/{unit,e2e}/test_gpu.py.
 
 Tolerances against fp32 eager (the same job, same seeds, same data order, 2 epochs on digits);
 measured on 2026-11-23: bf16 and fp16 epoch losses within 0.1 % of fp32's, validation accuracy
@@ -15,7 +16,8 @@ within 0.9 points. The tolerances leave room for other CPUs' kernels:
 - torch.compile (fp32): the same arithmetic, fused and reordered by Inductor, so only rounding
   differs: epoch losses within 1 %, accuracy within 1 point.
 - channels_last (fp32): the same convolutions on another memory layout; only the summation
-  order inside a kernel can change, so gradients agree to float32 rounding (checked in-process).
+  order inside a kernel can change, so gradients agree to float32 rounding (checked in
+  process: tests/unit/test_precision.py).
 """
 
 from __future__ import annotations
@@ -82,7 +84,6 @@ def _assert_close(job: Job, reference: dict[str, list[float]], rel_loss: float,
                                                        abs=accuracy_points / 100)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("precision", "rel_loss", "accuracy_points"), [
     ("bf16-mixed", 0.02, 2.5), ("fp16-mixed", 0.01, 1.5)])
 def test_mixed_precision_trains_within_tolerance_of_fp32(
@@ -103,7 +104,6 @@ def test_mixed_precision_trains_within_tolerance_of_fp32(
         assert skipped == []
 
 
-@pytest.mark.slow
 def test_fp16_overflowing_steps_are_skipped_and_training_goes_on(uri: str,
                                                                  tmp_path: Path) -> None:
     """A summed loss makes the first scaled gradients (x 65536) overflow float16: a real
@@ -123,7 +123,6 @@ def test_fp16_overflowing_steps_are_skipped_and_training_goes_on(uri: str,
     assert job.series("val/accuracy")[-1] > 0.5  # chance is 0.1
 
 
-@pytest.mark.slow
 def test_fp16_divergence_still_stops_with_rank_and_step(uri: str, tmp_path: Path) -> None:
     result = run_train(*JOB, "trainer.precision=fp16-mixed", "optim.lr=1e12",
                        "trainer.log_every_n_steps=1", f"hydra.run.dir={tmp_path}/job",
@@ -135,27 +134,6 @@ def test_fp16_divergence_still_stops_with_rank_and_step(uri: str, tmp_path: Path
     assert run.info.status == "FAILED" and "diverged" in run.data.tags["error"]
 
 
-def test_channels_last_gives_the_same_gradients_in_process() -> None:
-    """Fast: channels_last changes the layout, not the arithmetic (float32 rounding only)."""
-    from train.config.groups import ModelConfig
-    from train.models import build as models
-
-    torch.manual_seed(0)
-    images, labels = torch.randn(16, 3, 16, 16), torch.randint(0, 10, (16,))
-    grads = []
-    for channels_last in (False, True):
-        torch.manual_seed(1)
-        model = models.build(ModelConfig(), models.InputSpec.of((3, 16, 16), 10))
-        x = images
-        if channels_last:
-            model, x = (t.to(memory_format=torch.channels_last) for t in (model, images))
-        torch.nn.functional.cross_entropy(model(x), labels).backward()
-        grads.append([p.grad for p in model.parameters()])
-    for plain, last in zip(*grads, strict=True):
-        assert torch.allclose(plain, last, rtol=1e-4, atol=1e-6)
-
-
-@pytest.mark.slow
 def test_a_compiled_job_killed_resumes_and_its_checkpoints_serve_eager_jobs(
         uri: str, tmp_path: Path, fp32_eager: dict[str, list[float]]) -> None:
     out = tmp_path / "compiled"
@@ -204,7 +182,6 @@ def test_a_compiled_job_killed_resumes_and_its_checkpoints_serve_eager_jobs(
     assert all(math.isfinite(v) for v in again.series("train/loss"))
 
 
-@pytest.mark.slow
 def test_everything_at_once_on_resnet18(uri: str, tmp_path: Path) -> None:
     """compile + bf16 + channels_last on resnet18 (small synthetic images: compiling is the
     cost here, not the data). It trains, its numbers stay finite, and on a CPU there is no
@@ -224,33 +201,6 @@ def test_everything_at_once_on_resnet18(uri: str, tmp_path: Path) -> None:
     assert any("bn" in k or "running_mean" in k for k in state["model"])
 
 
-def test_the_scaler_skips_an_overflowing_step_and_counts_it() -> None:
-    """Fast, in-process: a real overflow (1e38 x the scale is inf in float32) through the real
-    GradScaler. The step is not applied, the scale halves, the next step is; the count survives
-    a checkpoint's state_dict."""
-    from train.engine.state import GradScaler
-
-    weight = torch.nn.Parameter(torch.ones(3))
-    optimizer = torch.optim.SGD([weight], lr=0.1)
-    scaler = GradScaler(torch.device("cpu"), enabled=True)
-    for factor in (1e38, 1.0):  # the first step overflows once scaled, the second does not
-        optimizer.zero_grad()
-        scaler.scale((weight * factor).sum()).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        if factor > 1:
-            assert torch.equal(weight.detach(), torch.ones(3))  # skipped: not applied
-            assert scaler.get_scale() == 65536 / 2 and scaler.skipped_steps == 1
-    assert torch.allclose(weight.detach(), torch.full((3,), 0.9))  # applied
-    assert scaler.skipped_steps == 1
-    restored = GradScaler(torch.device("cpu"), enabled=True)
-    restored.load_state_dict(scaler.state_dict())
-    assert restored.skipped_steps == 1 and restored.get_scale() == 65536 / 2
-    off = GradScaler(torch.device("cpu"), enabled=False)
-    assert off.state_dict() == {}  # fp32 and bf16 checkpoints hold no scaler state, as before
-
-
-@pytest.mark.slow
 def test_sync_batchnorm_is_refused_without_cuda_before_any_rank(tmp_path: Path) -> None:
     """What the issue's user met: both ranks started, a run was created, then a traceback. With
     device=cpu it is refused on any machine; without CUDA, with device=auto too."""

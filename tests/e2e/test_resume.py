@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from tests.conftest import (
+    LAUNCHER_VARS,
+    composed,
     history,
     kill_job_after_checkpoints,
     rank_processes,
@@ -20,8 +22,6 @@ from tests.conftest import (
     runs_in,
     wait_until,
 )
-
-pytestmark = pytest.mark.slow
 
 STEPS_PER_EPOCH = 23  # 1438 samples, 2 ranks, 32 per rank
 
@@ -134,11 +134,7 @@ def test_rank_0_still_ending_its_run_is_not_stopped_with_the_others(
     grace (0.5 s here) and the 5 s a stopped rank has from TERM to KILL. The launcher waits for
     it: the run is there, FAILED, with the error and what it logged. Stopped with the others,
     rank 0 left no run at all (seen once in a loaded make test)."""
-    from hydra import compose, initialize_config_dir
-
-    from tests.conftest import LAUNCHER_VARS, REPO
     from train.app import run
-    from train.config.schema import register_schema
     from train.launch import local as launch
 
     for key in [*LAUNCHER_VARS, *(k for k in os.environ if k.startswith("SLURM_"))]:
@@ -152,11 +148,8 @@ def test_rank_0_still_ending_its_run_is_not_stopped_with_the_others(
         return real_start(*args, **kwargs)
 
     monkeypatch.setattr(launch, "start_local_ranks", start_with_the_store_busy)
-    register_schema()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=[
-            "distributed.nproc_per_node=2", "optim.lr=1e12", "trainer.epochs=3",
-            "trainer.log_every_n_steps=1", f"tracking.uri={uri}"])
+    cfg = composed("distributed.nproc_per_node=2", "optim.lr=1e12", "trainer.epochs=3",
+                   "trainer.log_every_n_steps=1", f"tracking.uri={uri}")
     with pytest.raises(launch.JobFailedError, match="NonFiniteLossError"):
         run(cfg, str(tmp_path / "job"), "python -m train (test)")
     [holder] = holders

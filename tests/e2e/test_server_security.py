@@ -1,6 +1,7 @@
 """The tracking server's own safety, started the ways users start it: a port in use refused
 before anything is created, `slurm/mlflow-server.sbatch`'s private env file (removed when the
-job ends), HTTPS with a certificate the test makes (tests/test_security.py has the rest)."""
+job ends), HTTPS with a certificate the test makes (tests/e2e/test_security.py and
+tests/unit/test_security.py have the rest)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,10 @@ import psutil
 import pytest
 
 from tests.conftest import REPO, run_train, runs_in, skip_or_fail, wait_until
+from tests.e2e.test_security import command_lines, status_of
 from tests.servers import ServerProcess
-from tests.test_security import command_lines, status_of
 from train.distributed.env import free_port
 from train.security import server_auth
-
-pytestmark = pytest.mark.slow
 
 
 def test_a_server_on_a_port_in_use_exits_with_one_line_and_creates_nothing(

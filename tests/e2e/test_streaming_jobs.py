@@ -1,7 +1,8 @@
 """Streamed data sets, whole jobs through the real CLI, read back from the real MLflow store: an
 ImageFolder of real JPEGs and a user's own Dataset (tests/userpkg, reached through PYTHONPATH
-only) on 2 local ranks, under torchrun and on the local Slurm cluster; a killed job resumed into
-the same run; bad input refused before anything starts."""
+only) on 2 local ranks and under torchrun (on the local Slurm cluster:
+tests/cluster/test_streaming_jobs.py); a killed job resumed into the same run; bad input refused
+before anything starts."""
 
 from __future__ import annotations
 
@@ -14,21 +15,21 @@ from mlflow import MlflowClient
 
 from tests.conftest import REPO, history, kill_job_after_checkpoints, run_train, runs_in
 from tests.images import class_names, write_image_folder
-from tests.test_slurm import cluster, on_slurm, slurm_job  # noqa: F401 - the cluster fixture
-
-pytestmark = pytest.mark.slow
 
 USERPKG = {"PYTHONPATH": str(REPO / "tests")}
 """The user's package is found through PYTHONPATH only (an absolute path, as on a cluster)."""
 SMALL = ("data.image_size=16", "model.width=8", "tracking.log_model=false")
 
 
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def image_folders(root: Path) -> dict[str, Path]:
     """train/ + val/ (4 classes, 24 + 7 JPEGs each) and one folder (4 x 40) to split."""
-    root = tmp_path_factory.mktemp("images")
     return {"split": write_image_folder(root / "split", 4, 24, 7, size=32),
             "flat": write_image_folder(root / "flat", 4, 40, size=32, seed=3)}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return image_folders(tmp_path_factory.mktemp("images"))
 
 
 def the_run(uri: str, classes: list[str], num_val: int, epochs: int) -> str:
@@ -137,28 +138,3 @@ def test_bad_data_is_refused_before_anything_starts(store: dict[str, str], tmp_p
     assert result.returncode == 2, result.stderr
     assert expected in result.stderr and "Traceback" not in result.stderr
     assert runs_in(store["MLFLOW_TRACKING_URI"]) == []
-
-
-@on_slurm
-def test_an_image_folder_on_slurm_is_one_run(cluster: None, folders: dict[str, Path],  # noqa: F811
-                                             store: dict[str, str], tmp_path: Path) -> None:
-    result = slurm_job(tmp_path, "data=imagefolder", f"data.root={folders['split']}", *SMALL,
-                       "cluster.nodes=2", "cluster.tasks_per_node=1", "data.batch_size=16",
-                       "trainer.epochs=1", env=store)
-    assert result.returncode == 0, result.stdout + result.stderr
-    the_run(store["MLFLOW_TRACKING_URI"], class_names(4), num_val=28, epochs=1)
-
-
-@on_slurm
-def test_a_custom_dataset_from_pythonpath_on_slurm(cluster: None,  # noqa: F811
-                                                   store: dict[str, str], tmp_path: Path) -> None:
-    """The job inherits the submitting shell's environment (sbatch's default --export=ALL),
-    PYTHONPATH with it: exported once, the same command works on the login node (pre-flight
-    imports the Dataset there) and in the job."""
-    result = slurm_job(tmp_path, "data=custom", "data.train._target_=userpkg.data.Lines",
-                       "+data.train.length=96", "+data.train.size=12", "model.width=8",
-                       "tracking.log_model=false", "cluster.nodes=2", "cluster.tasks_per_node=1",
-                       "data.batch_size=16", "trainer.epochs=1", env={**store, **USERPKG})
-    assert result.returncode == 0, result.stdout + result.stderr
-    the_run(store["MLFLOW_TRACKING_URI"], ["horizontal", "vertical", "diagonal"], num_val=19,
-            epochs=1)

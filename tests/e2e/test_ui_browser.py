@@ -22,8 +22,6 @@ from tests.servers import tracking_server
 if TYPE_CHECKING:
     from playwright.sync_api import Page
 
-pytestmark = pytest.mark.slow
-
 CHROMIUM = "/usr/bin/chromium"
 # Headless as root on a machine that reaches nothing but loopback: no sandbox, no background
 # services that would call out, a fresh profile per launch (Playwright adds --user-data-dir).

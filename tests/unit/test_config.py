@@ -1,19 +1,17 @@
-"""Config composition, typing and validation, through Hydra's compose API and the real CLI."""
+"""Config composition, typing and validation, in process through Hydra's compose API. The real
+CLI: tests/e2e/test_config.py."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
-from tests.conftest import REPO, assert_refused, run_train, runs_in
+from tests.conftest import REPO, composed
 from train.config.cluster import ClusterConfig, ranks_per_node
 from train.config.groups import (
     ConfigError,
@@ -26,16 +24,10 @@ from train.config.groups import (
     handed_overrides,
     typed_by_user,
 )
-from train.config.schema import register_schema, to_container, to_typed
+from train.config.schema import to_container, to_typed
 from train.launch.preflight import validate
 
 GROUPS = ("model", "data", "optim", "trainer", "distributed", "tracking")
-
-
-def composed(*overrides: str):
-    register_schema()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return compose(config_name="train", overrides=list(overrides))
 
 
 def test_defaults_compose_every_group_and_no_cluster() -> None:
@@ -101,70 +93,6 @@ def test_validation_lists_every_problem_at_once() -> None:
     with pytest.raises(ConfigError) as info:
         validate(typed, 1)
     assert "optim.lr" in str(info.value) and "trainer.epochs" in str(info.value)
-
-
-def test_help_lists_groups_without_importing_heavy_modules() -> None:
-    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "train", "--help"],
-                         cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    for line in ("== Config groups ==", "model: cnn, custom, mlp, resnet18, torchvision",
-                 "data: cifar10, custom, digits, fashion_mnist, imagefolder, mnist, synthetic",
-                 "optim: adamw, sgd"):
-        assert line in out.stdout
-    imported = {row.rsplit("|", 1)[-1].strip() for row in out.stderr.splitlines()
-                if row.startswith("import time:")}
-    assert not {"torch", "torchvision", "mlflow"} & imported
-
-
-def test_cfg_job_prints_the_composed_config() -> None:
-    out = run_train("--cfg", "job", "model=mlp", "optim.lr=0.2", timeout=60)
-    assert out.returncode == 0, out.stderr
-    printed = yaml.safe_load(out.stdout)
-    assert printed["model"]["name"] == "mlp"
-    assert printed["optim"]["lr"] == 0.2
-    assert set(GROUPS) <= set(printed)
-
-
-@pytest.mark.parametrize(("overrides", "expected"), [
-    (("optim.lr=-0.1",), "optim.lr must be positive"),
-    (("data.batch_size=63", "distributed.nproc_per_node=2"), "must split evenly over the 2 ranks"),
-    (("model.name=vgg",), "choose one of"),
-    # These two import torch or torchvision before refusing (seconds each): the slow layer.
-    pytest.param(("distributed.backend=nccl", "distributed.nproc_per_node=2"),
-                 "need as many GPUs", marks=pytest.mark.slow),
-    pytest.param(("model=torchvision", "model.name=not_a_net"),
-                 "not a torchvision classification model", marks=pytest.mark.slow),
-])
-def test_cli_refuses_bad_input_before_anything_starts(store: dict[str, str],
-                                                      overrides: tuple[str, ...],
-                                                      expected: str) -> None:
-    assert_refused(run_train(*overrides, "trainer.epochs=1", env=store, timeout=120),
-                   expected, store)
-
-
-@pytest.mark.slow  # imports torchvision to look for the files
-def test_cli_names_the_download_command_for_a_missing_data_set(store: dict[str, str],
-                                                               tmp_path: Path) -> None:
-    out = run_train("data=mnist", f"data.root={tmp_path / 'nothing'}", env=store, timeout=120)
-    assert out.returncode == 2
-    assert "MNIST(" in out.stderr and "download=True" in out.stderr
-    assert "data.download=true" in out.stderr
-    assert runs_in(store["MLFLOW_TRACKING_URI"]) == []
-
-
-def test_cli_refuses_an_unreachable_tracking_server() -> None:
-    from train.distributed.env import free_port
-
-    out = run_train("trainer.epochs=1",
-                    env={"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{free_port()}"}, timeout=120)
-    assert out.returncode == 2
-    assert "cannot be reached" in out.stderr and "make mlflow-server" in out.stderr
-
-
-def test_unknown_group_option_lists_the_choices() -> None:
-    out = run_train("model=vgg", timeout=60)
-    assert out.returncode != 0
-    assert "cnn" in out.stderr and "resnet18" in out.stderr
 
 
 def test_tracking_uri_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -238,9 +166,7 @@ def test_ranks_per_node(tasks: int | None, gpus: int, expected: int) -> None:
     overrides = ["+cluster=slurm", f"cluster.gpus_per_node={gpus}"]
     if tasks is not None:
         overrides.append(f"cluster.tasks_per_node={tasks}")
-    register_schema()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
+    cfg = composed(*overrides, return_hydra_config=True)
     assert cfg.hydra.launcher.tasks_per_node == expected
 
 

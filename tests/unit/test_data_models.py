@@ -13,6 +13,7 @@ import torch
 from train.config.groups import DataConfig, ModelConfig
 from train.data import batches, datasets
 from train.data import build as data
+from train.distributed.env import DistEnv
 from train.launch import preflight
 from train.models import build as models
 
@@ -134,7 +135,7 @@ def test_synthetic_shards_cover_every_sample_at_any_world_size(world_size: int) 
     parts = data.split(103, cfg.val_fraction, cfg.split_seed)
     assert len(set(_rows(source.images))) == 103  # the byte rows do identify samples
 
-    bundles = [data.build(cfg, rank, world_size, world_size, torch.device("cpu"), seed=0)
+    bundles = [data.build(cfg, DistEnv.on_one_node(rank, world_size), torch.device("cpu"), seed=0)
                for rank in range(world_size)]
     assert {(b.num_train, b.num_val) for b in bundles} == {(82, 21)}
     val_shards = [[row for images, _ in b.val.raw() for row in _rows(images)] for b in bundles]
@@ -156,7 +157,8 @@ def test_more_ranks_than_validation_samples_leaves_some_shards_empty() -> None:
     """10 samples, 2 for validation, 3 ranks: rank 2 validates nothing (and adds nothing)."""
     cfg = DataConfig(name="synthetic", num_samples=10, channels=1, image_size=4, num_classes=2,
                      batch_size=3, num_workers=0)
-    bundles = [data.build(cfg, rank, 3, 3, torch.device("cpu"), seed=0) for rank in range(3)]
+    bundles = [data.build(cfg, DistEnv.on_one_node(rank, 3), torch.device("cpu"), seed=0)
+               for rank in range(3)]
     shards = [[row for images, _ in b.val.raw() for row in _rows(images)] for b in bundles]
     assert [len(shard) for shard in shards] == [1, 1, 0]
     assert [len(b.val) for b in bundles] == [1, 1, 0]
@@ -169,7 +171,7 @@ def test_more_ranks_than_validation_samples_leaves_some_shards_empty() -> None:
 def test_shards_cover_validation_exactly_once(world_size: int) -> None:
     cpu = torch.device("cpu")
     cfg = DataConfig(batch_size=30 * world_size, num_workers=0)
-    bundles = [data.build(cfg, rank, world_size, world_size, cpu, seed=0)
+    bundles = [data.build(cfg, DistEnv.on_one_node(rank, world_size), cpu, seed=0)
                for rank in range(world_size)]
     seen = torch.cat([labels for b in bundles for _, labels in b.val])
     assert len(seen) == 359  # no padding, nothing dropped
@@ -182,7 +184,8 @@ def test_shards_cover_validation_exactly_once(world_size: int) -> None:
 
 
 def test_training_order_changes_with_the_epoch() -> None:
-    bundle = data.build(DataConfig(num_workers=0), 0, 1, 1, torch.device("cpu"), seed=0)
+    bundle = data.build(DataConfig(num_workers=0), DistEnv.on_one_node(0, 1), torch.device("cpu"),
+                        seed=0)
     bundle.train.set_epoch(0)
     first = next(iter(bundle.train))[1]
     bundle.train.set_epoch(1)
@@ -198,8 +201,9 @@ def test_device_resident_batches_are_the_loaders_batches(world_size: int) -> Non
     cpu = torch.device("cpu")
     cfg = DataConfig(batch_size=32 * world_size, num_workers=0)
     for rank in range(world_size):
-        loaded = data.build(cfg, rank, world_size, world_size, cpu, seed=3, resident=False)
-        resident = data.build(cfg, rank, world_size, world_size, cpu, seed=3, resident=True)
+        env = DistEnv.on_one_node(rank, world_size)
+        loaded = data.build(cfg, env, cpu, seed=3, resident=False)
+        resident = data.build(cfg, env, cpu, seed=3, resident=True)
         assert isinstance(resident.train, data.ResidentBatches)
         for epoch in (0, 1):
             loaded.train.set_epoch(epoch)

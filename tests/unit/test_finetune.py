@@ -1,9 +1,10 @@
 """Fine-tuning: `model.weights` (a local state dict file, a run's model.pt or checkpoint, or
 torchvision weights from the local hub cache), `model.freeze` and `optim.param_groups`.
 
-Real files written by the tests (a first run's model.pt, torchvision's cache file saved from a
-randomly initialised resnet18 under a temporary TORCH_HOME: no network), real in-process runs
-read back from a real MLflow store, and the CLI's refusals (exit 2, one line, no run).
+Real files written by the tests (state dicts, checkpoints, torchvision's cache file saved from a
+randomly initialised resnet18 under a temporary TORCH_HOME: no network), read, checked and
+refused in process. A run's model fine-tuned by another run, and the CLI's refusals:
+tests/e2e/test_finetune.py.
 """
 
 from __future__ import annotations
@@ -15,10 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.conftest import history, run_train, runs_in
-from tests.test_custom_model import NET, USER_PATH, typed
-from tests.test_unit_job import SMALL, composed, no_launcher_env  # noqa: F401
-from train.app import run
+from tests.conftest import USER_PATH, typed
+from tests.unit.test_custom_model import NET
 from train.config.groups import ConfigError, ModelConfig, OptimConfig
 from train.engine import optim
 from train.engine.state import GradScaler, TrainState
@@ -51,7 +50,7 @@ def cache_resnet18(home: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _mlp(classes: int = 10, width: int = 16) -> nn.Module:
+def mlp(classes: int = 10, width: int = 16) -> nn.Module:
     cfg = ModelConfig(name="mlp", width=width)
     return models.build(cfg, models.InputSpec(3, 8, classes))
 
@@ -59,7 +58,7 @@ def _mlp(classes: int = 10, width: int = 16) -> nn.Module:
 # -- reading a weights file ----------------------------------------------------------------------
 
 def test_a_state_dict_a_checkpoint_and_wrapped_keys_read_the_same(tmp_path: Path) -> None:
-    state = _mlp().state_dict()
+    state = mlp().state_dict()
     files = {"plain.pt": state, "checkpoint.pt": {"model": state, "optimizer": {}, "step": 3},
              "ddp.pt": {f"module.{k}": v for k, v in state.items()},
              "compiled_ddp.pt": {f"_orig_mod.module.{k}": v for k, v in state.items()}}
@@ -96,7 +95,7 @@ def test_a_missing_file_or_a_directory_is_refused(tmp_path: Path) -> None:
 # -- fitting the model ---------------------------------------------------------------------------
 
 def test_strict_refuses_another_architecture_naming_keys(tmp_path: Path) -> None:
-    torch.save(_mlp().state_dict(), tmp_path / "mlp.pt")
+    torch.save(mlp().state_dict(), tmp_path / "mlp.pt")
     cnn = models.build(ModelConfig(name="cnn", weights=str(tmp_path / "mlp.pt")),
                        models.InputSpec(3, 8, 10))
     with pytest.raises(pretrained.WeightsError) as info:
@@ -110,14 +109,14 @@ def test_strict_refuses_another_architecture_naming_keys(tmp_path: Path) -> None
 def test_not_strict_loads_what_matches_and_reports_the_head(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Weights of 5 classes into a model of 10: everything but the classifier is loaded."""
-    five = _mlp(classes=5).state_dict()
+    five = mlp(classes=5).state_dict()
     torch.save(five, tmp_path / "five.pt")
     cfg = ModelConfig(name="mlp", width=16, weights=str(tmp_path / "five.pt"))
     with pytest.raises(pretrained.WeightsError, match=r"of another shape \(6.weight: \(5, 16\) "
                                                       r"in the file, \(10, 16\) here"):
-        pretrained.load(_mlp(), cfg, 10)
+        pretrained.load(mlp(), cfg, 10)
     cfg.weights_strict = False
-    model = _mlp()
+    model = mlp()
     with caplog.at_level(logging.INFO, logger="train"):
         pretrained.load(model, cfg, 10)
     for key, value in model.state_dict().items():
@@ -177,7 +176,7 @@ def test_torchvision_weights_not_cached_are_refused_with_the_download_command(
 # -- freezing and parameter groups ---------------------------------------------------------------
 
 def test_param_groups_get_their_lr_and_weight_decay_and_the_schedule_scales_all() -> None:
-    model = _mlp()  # Flatten, Linear (1), ReLU, Linear (3), ReLU, Dropout, Linear (6)
+    model = mlp()  # Flatten, Linear (1), ReLU, Linear (3), ReLU, Dropout, Linear (6)
     finetune.freeze(model, ["1"])
     cfg = OptimConfig(lr=0.1, weight_decay=1e-4, warmup_epochs=1, schedule="constant",
                       param_groups=[{"prefix": 6, "lr_scale": 0.5, "weight_decay": 0.0}])
@@ -200,7 +199,7 @@ def test_param_groups_get_their_lr_and_weight_decay_and_the_schedule_scales_all(
 def test_each_group_logs_its_lr_and_lr_stays_optim_lr_when_every_parameter_is_in_a_group() -> None:
     """`lr` is optim.lr as scheduled, also when no parameter is left for the default group
     (the optimiser's first group is then a named one: its lr was logged as `lr` before)."""
-    model = _mlp()
+    model = mlp()
     finetune.freeze(model, ["1"])
     cfg = OptimConfig(lr=0.1, warmup_epochs=1, schedule="constant", param_groups=[
         {"prefix": 3, "lr_scale": 2.0}, {"prefix": 6, "lr_scale": 0.5}])
@@ -246,63 +245,3 @@ def test_a_custom_models_reserved_keys_are_not_its_constructors(
     preflight.check_finetuning(cfg, False, preflight.input_before_reading(cfg.data))
     with pytest.raises(ConfigError, match="must be a list of module-name prefixes"):
         typed("model=custom", f"model._target_={NET}", "+model.freeze=features")
-
-
-# -- end to end: a first run's model fine-tuned in a second --------------------------------------
-
-@pytest.mark.slow  # a run, a 2-rank run and a resumed one
-@pytest.mark.usefixtures("no_launcher_env")
-def test_a_runs_model_fine_tuned_with_frozen_layers(tmp_path: Path) -> None:
-    """Run 2 (two ranks) starts from run 1's model.pt with the first layer frozen: that layer
-    ends equal to the file, the rest trained on. Run 2 again, its weights file gone: the
-    checkpoint is resumed, model.weights not read."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    common = (*SMALL, f"tracking.uri={uri}", "tracking.log_model=false")
-    run(composed(*common, "trainer.epochs=1"), str(tmp_path / "first"), "t")
-    source = tmp_path / "first" / "model.pt"
-    tuned = (*common, f"model.weights={source}", "model.freeze=[1]",
-             "optim.param_groups=[{prefix:6,lr_scale:0.1}]", "tracking.run_name=tuned")
-    # On 2 ranks: DDP neither syncs nor waits for the frozen parameters.
-    run(composed(*tuned, "trainer.epochs=1", "distributed.nproc_per_node=2"),
-        str(tmp_path / "second"), "t")
-    start, end = (torch.load(p, weights_only=True)
-                  for p in (source, tmp_path / "second" / "model.pt"))
-    for key in start:
-        assert torch.equal(start[key], end[key]) == key.startswith("1."), key
-    [second] = [r for r in runs_in(uri) if r.info.run_name == "tuned"]
-    assert second.data.tags["weights_source"] == str(source)
-    assert second.data.params["model.weights"] == str(source)
-    assert second.data.params["model.params_frozen"] == str(192 * 16 + 16)
-
-    source.unlink()
-    run(composed(*tuned, "trainer.epochs=2"), str(tmp_path / "second"), "t")
-    resumed = torch.load(tmp_path / "second" / "model.pt", weights_only=True)
-    assert torch.equal(resumed["1.weight"], start["1.weight"])
-    assert not torch.equal(resumed["3.weight"], end["3.weight"])
-    assert len(runs_in(uri)) == 2
-    lrs = {key: history(uri, second.info.run_id, key) for key in ("lr", "lr/6")}
-    assert [step for step, _ in lrs["lr/6"]] == [0, 1]
-    assert [v for _, v in lrs["lr/6"]] == pytest.approx([0.1 * v for _, v in lrs["lr"]])
-
-
-# -- the command line's refusals -----------------------------------------------------------------
-
-@pytest.mark.slow  # each imports torch in a new process
-@pytest.mark.parametrize("case", ["another_model", "not_cached"])
-def test_cli_refuses_weights_that_cannot_be_used(case: str, store: dict[str, str],
-                                                 tmp_path: Path) -> None:
-    torch.save(_mlp(width=256).state_dict(), tmp_path / "mlp.pt")
-    overrides, expected = {
-        "another_model": ((f"model.weights={tmp_path / 'mlp.pt'}",),
-                          "does not fit the model: "),
-        "not_cached": (("model=torchvision", "model.weights=DEFAULT"),
-                       "get_weight('ResNet18_Weights.IMAGENET1K_V1').get_state_dict"),
-    }[case]
-    out = run_train(*overrides, "data=synthetic", "data.image_size=8", "trainer.epochs=1",
-                    f"hydra.run.dir={tmp_path / 'job'}",
-                    env={**store, "TORCH_HOME": str(tmp_path / "empty")}, timeout=120)
-    assert out.returncode == 2, out.stderr
-    [line] = [x for x in out.stderr.splitlines() if x.startswith("error:")]
-    assert expected in line, out.stderr
-    assert "Traceback" not in out.stderr and "[rank" not in out.stderr
-    assert runs_in(store["MLFLOW_TRACKING_URI"]) == []

@@ -12,12 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
-from tests.conftest import LAUNCHER_VARS, REPO, history, runs_in
+from tests.conftest import composed, history, runs_in, typed
 from train.app import run
 from train.config.groups import TrainConfig
-from train.config.schema import register_schema, to_container, to_typed
 from train.distributed import env as distenv
 from train.distributed import process_group as distributed
 from train.distributed import stopping
@@ -28,20 +26,6 @@ from train.models import build as models
 SMALL = ("data=synthetic", "data.num_samples=96", "data.val_fraction=0.2", "data.image_size=8",
          "data.batch_size=16", "model=mlp", "model.width=16", "trainer.log_every_n_steps=2",
          "data.num_workers=0", "tracking.batch_interval_s=0")
-
-
-def composed(*overrides: str):
-    register_schema()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return compose(config_name="train", overrides=list(overrides))
-
-
-@pytest.fixture
-def no_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in LAUNCHER_VARS:
-        monkeypatch.delenv(key, raising=False)
-    for key in [k for k in os.environ if k.startswith("SLURM_")]:
-        monkeypatch.delenv(key)
 
 
 def test_train_in_process_records_one_complete_run(tmp_path: Path, no_launcher_env: None) -> None:
@@ -128,7 +112,7 @@ def _one_step(state: train_state.TrainState) -> None:
 
 def test_checkpoint_round_trip_restores_everything(tmp_path: Path, one_rank: distenv.DistEnv
                                                    ) -> None:
-    cfg = to_typed(to_container(composed("model=mlp", "model.width=16", "optim=adamw")))
+    cfg = typed("model=mlp", "model.width=16", "optim=adamw")
     flushed: list[str] = []
     saver = checkpoint.Checkpointer(tmp_path, cfg.trainer, 0, 1,
                                     before_write=lambda: flushed.append("flush"),
@@ -154,7 +138,7 @@ def test_checkpoint_round_trip_restores_everything(tmp_path: Path, one_rank: dis
 
 def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path: Path,
                                                                 one_rank: distenv.DistEnv) -> None:
-    cfg = to_typed(to_container(composed("model=mlp", "model.width=16")))
+    cfg = typed("model=mlp", "model.width=16")
     saver = checkpoint.Checkpointer(tmp_path, cfg.trainer, 0, 1, before_write=lambda: None,
                                     run_fields=dict)
     state = _state(cfg)

@@ -6,15 +6,13 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
 
-from tests.conftest import REPO, runs_in
-from tests.test_tracking import tracker
+from tests.conftest import runs_in
+from tests.unit.test_tracking import tracker
 from train.tracking import new_store
 
 
@@ -81,21 +79,6 @@ def test_a_store_another_process_made_meanwhile_is_kept(tmp_path: Path,
         tables = {row[0] for row in con.execute("SELECT name FROM sqlite_master")}
     assert tables == {"theirs"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mlflow.db", "mlflow.lock"]
-
-
-@pytest.mark.slow
-def test_jobs_opening_one_new_store_together_all_get_it(tmp_path: Path) -> None:
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    script = ("import sys; from train.tracking.client import one_try_client; "
-              "one_try_client(sys.argv[1]).create_experiment(sys.argv[2])")
-    jobs = [subprocess.Popen([sys.executable, "-c", script, uri, f"job{i}"], cwd=REPO,
-                             stderr=subprocess.PIPE, text=True) for i in range(4)]
-    errors = [job.communicate(timeout=120)[1] for job in jobs]
-    assert [job.returncode for job in jobs] == [0] * 4, errors
-    names = {e.name for e in MlflowClient(tracking_uri=uri).search_experiments()}
-    assert names == {"Default", "job0", "job1", "job2", "job3"}
-    with sqlite3.connect(tmp_path / "mlflow.db") as con:
-        assert con.execute("PRAGMA integrity_check").fetchone() == ("ok",)
 
 
 def test_a_run_waiting_on_a_locked_store_says_what_it_waits_on(

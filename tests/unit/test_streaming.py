@@ -1,7 +1,7 @@
 """Streamed data sets, fast: ImageFolder layouts of real JPEGs (tests/images.py), the split, exact
 validation shards, transforms, unreadable files, epochs that start at a batch, a user's own
 Dataset classes (tests/userpkg) and the one-line refusals of pre-flight. The whole jobs are in
-tests/test_streaming_jobs.py."""
+tests/e2e/test_streaming_jobs.py."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from tests.images import class_names, corrupt, write_image_folder
 from train.config.groups import ConfigError, DataConfig, TrainConfig
 from train.data import build as data
 from train.data import imagefolder, streaming
+from train.distributed.env import DistEnv
 from train.launch import preflight
 from train.launch.local import LaunchError
 
@@ -42,7 +43,7 @@ def folder_config(root: Path, **overrides: object) -> DataConfig:
 
 
 def shards(cfg: DataConfig, world_size: int) -> list[data.DataBundle]:
-    return [data.build(cfg, rank, world_size, world_size, CPU, seed=0)
+    return [data.build(cfg, DistEnv.on_one_node(rank, world_size), CPU, seed=0)
             for rank in range(world_size)]
 
 
@@ -207,8 +208,8 @@ def test_an_epoch_starts_at_a_batch_without_reading_those_before(
 
 @pytest.mark.parametrize("resident", [False, True])
 def test_in_memory_epochs_start_at_a_batch_too(resident: bool) -> None:
-    bundle = data.build(DataConfig(batch_size=64, num_workers=0), 0, 2, 2, CPU, seed=1,
-                        resident=resident)
+    bundle = data.build(DataConfig(batch_size=64, num_workers=0), DistEnv.on_one_node(0, 2), CPU,
+                        seed=1, resident=resident)
     bundle.train.set_epoch(2)
     whole = [labels.tolist() for _, labels in bundle.train]
     bundle.train.set_epoch(2, start_batch=5)
@@ -235,11 +236,11 @@ def custom_config(target: str, val: str | None = None, **kwargs: object) -> Data
 ])
 def test_a_custom_dataset_gives_classes_shape_and_split(userpkg_on_path: None, target: str,
                                                         names: list[str]) -> None:
-    bundle = data.build(custom_config(target, size=12), 0, 1, 1, CPU, seed=0)
+    bundle = data.build(custom_config(target, size=12), DistEnv.on_one_node(0, 1), CPU, seed=0)
     assert (bundle.class_names, bundle.input_shape) == (names, (1, 12, 12))
     assert (bundle.num_train, bundle.num_val) == (24, 6)
     assert bundle.description().features_shape == [24, 1, 12, 12]
-    separate = data.build(custom_config(target, val=target), 0, 1, 1, CPU, seed=0)
+    separate = data.build(custom_config(target, val=target), DistEnv.on_one_node(0, 1), CPU, seed=0)
     assert (separate.num_train, separate.num_val) == (30, 12)
     assert sum(len(labels) for _, labels in separate.val) == 12
 

@@ -1,25 +1,21 @@
 """Hydra multirun sweeps: one parent MLflow run, one child run per job.
 
-The fast tests run the local launcher in this process (Hydra's own config loader and
-callbacks, a task function that records what each job got); the slow ones run the real CLI.
+The local launcher runs in this process (Hydra's own config loader and callbacks, a task
+function that records what each job got); the real CLI: tests/e2e/test_sweeps.py.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import HydraContext, RunMode
 
-from tests.conftest import REPO, history, run_train, runs_in
-from train.config.schema import register_schema
+from tests.conftest import hydra_conf
 
 # -- in process: the local launcher ------------------------------------------------------------
 
@@ -71,10 +67,9 @@ class Sweep:
         self.callbacks.on_multirun_end(config=self.config)
 
 
-@pytest.fixture
-def hydra_conf() -> Iterator[None]:
-    register_schema()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+@pytest.fixture(name="hydra_conf")
+def hydra_conf_fixture() -> Iterator[None]:
+    with hydra_conf():
         yield
 
 
@@ -119,101 +114,3 @@ def test_without_tracking_no_ids_are_handed(
               ["optim.lr=0.2", "tracking.enabled=false"])
     assert [(j["experiment_id"], j["parent_run_id"]) for j in sweep.jobs] == [(None, None)] * 2
     assert sweep.parents == []
-
-
-# -- the real CLI --------------------------------------------------------------------------------
-
-
-def parent_and_children(uri: str) -> tuple:
-    runs = runs_in(uri)
-    parents = [r for r in runs if r.data.tags.get("sweep") == "true"]
-    assert len(parents) == 1, [r.data.tags for r in runs]
-    parent = parents[0]
-    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
-    assert len(children) == len(runs) - 1  # every other run of the experiment is a child
-    return parent, children
-
-
-@pytest.mark.slow
-def test_local_sweep_groups_jobs_under_a_parent_run(store: dict[str, str],
-                                                    tmp_path: Path) -> None:
-    sweep_dir = tmp_path / "sweep"
-    result = run_train("-m", "optim.lr=0.1,0.02", "model=cnn,mlp", "trainer.epochs=1",
-                       "tracking.log_model=false",
-                       f"hydra.sweep.dir={sweep_dir}", env=store, timeout=600)
-    assert result.returncode == 0, result.stderr
-    uri = store["MLFLOW_TRACKING_URI"]
-    parent, children = parent_and_children(uri)
-    assert parent.info.status == "FINISHED"
-    assert "optim.lr=0.1,0.02" in parent.data.tags["sweep.overrides"]
-    assert len(children) == 4
-    combos = {(c.data.params["optim.lr"], c.data.params["model.name"]) for c in children}
-    assert combos == {(lr, m) for lr in ("0.1", "0.02") for m in ("cnn", "mlp")}
-    for child in children:
-        assert child.info.status == "FINISHED"
-        assert history(uri, child.info.run_id, "val/samples") == [(0, 359.0)]
-        # The ids the launcher appended are not part of what the user typed.
-        assert "_id=" not in child.data.tags["command"]
-        assert "tracking.log_model=" in child.data.tags["command"]
-        # Job directory and run point at each other.
-        job_dir = Path(child.data.tags["output_dir"])
-        assert job_dir.parent == sweep_dir
-        assert json.loads((job_dir / "mlflow_run.json").read_text())["run_id"] == \
-            child.info.run_id
-    best = max(children, key=lambda c: c.data.metrics["val/accuracy"])
-    assert parent.data.tags["best_run_id"] == best.info.run_id
-    assert parent.data.metrics["best/val/accuracy"] == best.data.metrics["val/accuracy"]
-    assert parent.data.metrics["sweep/children"] == 4
-    assert parent.data.metrics["sweep/failed_children"] == 0
-
-
-@pytest.mark.slow
-def test_a_sweep_whose_jobs_are_all_refused_leaves_no_run(store: dict[str, str],
-                                                         tmp_path: Path) -> None:
-    result = run_train("-m", "optim.lr=-0.1,-0.2", f"hydra.sweep.dir={tmp_path}/sweep",
-                       env=store, timeout=300)
-    assert result.returncode != 0
-    assert "optim.lr must be positive" in result.stderr
-    assert runs_in(store["MLFLOW_TRACKING_URI"]) == []  # not even an empty parent run
-
-
-@pytest.mark.slow
-def test_a_failing_job_does_not_stop_the_sweep(store: dict[str, str], tmp_path: Path) -> None:
-    # Step 0: at start-up, before the job's run exists; no step 10**6 in one epoch: it finishes.
-    result = run_train("-m", "trainer.fail_on_rank=0", "trainer.fail_at_step=0,1,1000000",
-                       "trainer.epochs=1", "tracking.log_model=false",
-                       f"hydra.sweep.dir={tmp_path}/sweep", env=store, timeout=600)
-    assert result.returncode != 0  # the sweep reports its failure...
-    parent, children = parent_and_children(store["MLFLOW_TRACKING_URI"])
-    statuses = sorted(c.info.status for c in children)
-    assert statuses == ["FAILED", "FINISHED"]  # ...after running every job
-    failed = next(c for c in children if c.info.status == "FAILED")
-    assert "FailureDrill" in failed.data.tags["error"]
-    # The job that never had a run is on the parent, and counts among the failed.
-    [no_run] = [v for k, v in parent.data.tags.items() if k.startswith("sweep.no_run.")]
-    assert f"{tmp_path}/sweep/0: " in no_run and "failing on purpose at step 0" in no_run
-    assert parent.info.status == "FAILED"
-    assert parent.data.metrics["sweep/failed_children"] == 2
-
-
-@pytest.mark.slow
-def test_optuna_sweep_optimises_the_returned_objective(store: dict[str, str],
-                                                       tmp_path: Path) -> None:
-    sweep_dir = tmp_path / "sweep"
-    result = run_train("-m", "+hparams_search=optuna_digits", "hydra.sweeper.n_trials=3",
-                       "trainer.epochs=1", "tracking.log_model=false",
-                       f"hydra.sweep.dir={sweep_dir}", env=store,
-                       timeout=600)
-    assert result.returncode == 0, result.stderr
-    parent, children = parent_and_children(store["MLFLOW_TRACKING_URI"])
-    assert len(children) == 3
-    # Optuna saw each job's return value: its best is the best child's final val/accuracy.
-    optuna = yaml.safe_load((sweep_dir / "optimization_results.yaml").read_text())
-    best = max(c.data.metrics["val/accuracy"] for c in children)
-    assert optuna["best_value"] == pytest.approx(best)
-    assert parent.data.metrics["best/val/accuracy"] == pytest.approx(best)
-    from mlflow import MlflowClient
-
-    client = MlflowClient(tracking_uri=store["MLFLOW_TRACKING_URI"])
-    lrs = {client.get_run(c.info.run_id).data.params["optim.lr"] for c in children}
-    assert len(lrs) == 3  # three different trials

@@ -1,0 +1,80 @@
+"""The real CLI's config handling: `--help` and `--cfg job` (the groups, nothing heavy imported),
+and bad input refused before anything starts (exit 2, one line, no run). In process, through
+Hydra's compose API: tests/unit/test_config.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO, assert_refused, run_train, runs_in
+from tests.unit.test_config import GROUPS
+
+
+def test_help_lists_groups_without_importing_heavy_modules() -> None:
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "train", "--help"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for line in ("== Config groups ==", "model: cnn, custom, mlp, resnet18, torchvision",
+                 "data: cifar10, custom, digits, fashion_mnist, imagefolder, mnist, synthetic",
+                 "optim: adamw, sgd"):
+        assert line in out.stdout
+    imported = {row.rsplit("|", 1)[-1].strip() for row in out.stderr.splitlines()
+                if row.startswith("import time:")}
+    # The import times were read (else the check below passes on nothing): what --help needs.
+    assert {"train", "hydra", "omegaconf"} <= imported, out.stderr[-2000:]
+    assert not {"torch", "torchvision", "mlflow"} & imported
+
+
+def test_cfg_job_prints_the_composed_config() -> None:
+    out = run_train("--cfg", "job", "model=mlp", "optim.lr=0.2", timeout=60)
+    assert out.returncode == 0, out.stderr
+    printed = yaml.safe_load(out.stdout)
+    assert printed["model"]["name"] == "mlp"
+    assert printed["optim"]["lr"] == 0.2
+    assert set(GROUPS) <= set(printed)
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    (("optim.lr=-0.1",), "optim.lr must be positive"),
+    (("data.batch_size=63", "distributed.nproc_per_node=2"), "must split evenly over the 2 ranks"),
+    (("model.name=vgg",), "choose one of"),
+    # These two import torch or torchvision before refusing (seconds each).
+    (("distributed.backend=nccl", "distributed.nproc_per_node=2"), "need as many GPUs"),
+    (("model=torchvision", "model.name=not_a_net"), "not a torchvision classification model"),
+])
+def test_cli_refuses_bad_input_before_anything_starts(store: dict[str, str],
+                                                      overrides: tuple[str, ...],
+                                                      expected: str) -> None:
+    assert_refused(run_train(*overrides, "trainer.epochs=1", env=store, timeout=120),
+                   expected, store)
+
+
+def test_cli_names_the_download_command_for_a_missing_data_set(store: dict[str, str],
+                                                               tmp_path: Path) -> None:
+    out = run_train("data=mnist", f"data.root={tmp_path / 'nothing'}", env=store, timeout=120)
+    assert out.returncode == 2
+    assert "MNIST(" in out.stderr and "download=True" in out.stderr
+    assert "data.download=true" in out.stderr
+    assert runs_in(store["MLFLOW_TRACKING_URI"]) == []
+
+
+def test_cli_refuses_an_unreachable_tracking_server() -> None:
+    from train.distributed.env import free_port
+
+    out = run_train("trainer.epochs=1",
+                    env={"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{free_port()}"}, timeout=120)
+    assert out.returncode == 2
+    assert "cannot be reached" in out.stderr and "make mlflow-server" in out.stderr
+
+
+def test_unknown_group_option_lists_the_choices() -> None:
+    out = run_train("model=vgg", timeout=60)
+    assert out.returncode == 2, out.stderr  # what the user typed wrong: exit 2, one line
+    [line] = [x for x in out.stderr.splitlines() if x.startswith("error:")]
+    assert "Could not find 'model/vgg'" in line and "cnn" in line and "resnet18" in line
+    assert "Traceback" not in out.stderr

@@ -1,0 +1,222 @@
+"""Faults of issue 14 in tracking, tried for real and at length: a permanent error mid-run, a
+run that arrives through the unsent file, a store file removed mid-run, a job whose end did
+not reach the store, a restart delivering what its stop left unsent (real stores, waited out);
+and through the real CLI, a finished job run again, checkpoints of other jobs, a full output
+disk. The fast refusals: tests/unit/test_faults_tracking.py."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import history, run_train, runs_in, skip_or_fail
+from tests.unit.test_faults_tracking import HEADER, refused_upload, unsent_file
+from train.config.groups import TrackingConfig
+from train.distributed.env import free_port
+from train.tracking import unsent
+from train.tracking.records import ArtifactFile, Batch, EndRun, Text
+from train.tracking.run import MlflowRun
+
+
+def tracker(uri: str, out: Path, **overrides: object) -> MlflowRun:
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = TrackingConfig(uri=uri, experiment="faults", experiment_id=None, parent_run_id=None,
+                         **overrides)  # type: ignore[arg-type]
+    return MlflowRun(cfg, out)
+
+
+def test_a_permanent_error_mid_run_ends_the_sender_at_once(tmp_path: Path) -> None:
+    """A request the store refuses for good (here: a param whose value changes, which MLflow
+    never accepts) stops the sender: no checkpoint or end waits on it, the rest is in the
+    unsent file, the job is told it did not all arrive, and the upload names the problem."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    job = tmp_path / "job"
+    t = tracker(uri, job, batch_interval_s=0.0, flush_timeout_s=120.0)
+    t.start(tags={"world_size": "1"}, run_name="refused")
+    t.begin_sending()
+    t.log_params({"optim.lr": "0.1"})
+    assert t.flush(30)
+    t.log_params({"optim.lr": "0.2"})  # refused for good
+    t.log_metrics({"train/loss": 1.0}, 0)
+    began = time.monotonic()
+    assert not t.flush(30)
+    assert not t.finish()
+    assert time.monotonic() - began < 60  # not 2 x 120 s of retries
+    assert t.failure is not None and "optim.lr" in t.failure
+    [run] = runs_in(uri, "faults")
+    assert run.info.status == "RUNNING"  # the store's truth: its end never arrived ...
+    assert t.unsent_path.stat().st_mode & 0o777 == 0o600  # private, whatever the umask
+    header, rows, records = unsent.load(t.unsent_path)  # ... and is kept here
+    assert header["status"] == "FINISHED" and isinstance(records[-1], EndRun)
+    assert rows.metrics[0][:2] == ("train/loss", 1.0)
+    message = refused_upload(t.unsent_path)  # the same refusal again: one line, file kept
+    assert "was not delivered" in message and t.unsent_path.exists()
+
+
+def test_a_run_that_arrives_through_the_unsent_file_is_the_jobs_run(tmp_path: Path) -> None:
+    """Never created (the store was gone); the upload creates it and the job directory then
+    names it, so running the job again continues that run."""
+    from train.tracking import recorded_run_id
+
+    job = tmp_path / "job"
+    t = tracker(f"http://127.0.0.1:{free_port()}", job, flush_timeout_s=1.0)
+    t.start(tags={"world_size": "1"}, run_name="late")
+    t.log_metrics({"train/loss": 0.5}, 0)
+    (job / "model.pt").write_bytes(b"weights")
+    t.log(ArtifactFile(path=str(job / "model.pt"), artifact_path="weights"))
+    t.log(Text(text="a: 1\n", artifact_file="config.yaml"))
+    assert not t.finish()
+    assert recorded_run_id(job) is None
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_id = unsent.upload(t.unsent_path, tracking_uri=store)
+    assert recorded_run_id(job) == run_id
+    [run] = runs_in(store, "faults")
+    assert run.info.run_id == run_id and run.info.status == "FINISHED"
+    assert history(store, run_id, "train/loss") == [(0, 0.5)]
+    # An unknown run id is one line too, not a traceback.
+    stray = unsent_file(tmp_path / "stray", {"metric": ["m", 1.0, 0, 1]},
+                    header={**HEADER, "tracking_uri": store})
+    assert "was not delivered" in refused_upload(stray)
+
+
+def test_a_store_file_removed_mid_run_is_not_reported_as_finished(tmp_path: Path) -> None:
+    db = tmp_path / "mlflow.db"
+    t = tracker(f"sqlite:///{db}", tmp_path / "job", batch_interval_s=0.0)
+    t.start(tags={}, run_name="orphaned")
+    t.begin_sending()
+    t.log_metrics({"train/loss": 1.0}, 0)
+    assert t.flush(60)
+    db.unlink()
+    t.log_metrics({"train/loss": 0.5}, 1)
+    assert not t.finish(timeout_s=20)
+    # Writes to the removed file's inode fail (read-only) or the file is found replaced.
+    assert t.failure is not None and ("readonly database" in t.failure
+                                      or "was removed or replaced" in t.failure)
+
+
+def test_a_finished_job_and_checkpoints_of_other_jobs(store: dict[str, str],
+                                                       tmp_path: Path) -> None:
+    """One 2-rank job, then what the issue did to it: its validation shard on rank 1 is empty
+    (case 8); run again it changes nothing (7); another model from its checkpoint is refused
+    before any run is touched (4); more epochs on another world size continue its run (7)."""
+    uri = store["MLFLOW_TRACKING_URI"]
+    job = tmp_path / "cnn"
+    first = run_train("distributed.nproc_per_node=2", "data.val_fraction=0.0001",
+                      "trainer.epochs=1", "tracking.log_model=false", f"hydra.run.dir={job}",
+                      env=store)
+    assert first.returncode == 0, first.stderr
+    [run] = runs_in(uri)
+    run_id = run.info.run_id
+    assert run.info.status == "FINISHED" and run.data.metrics["val/samples"] == 1.0
+    assert run.data.params["data.num_val"] == "1"  # rank 0 held it, rank 1 none
+    summary = (job / "summary.json").read_text()
+
+    again = run_train("data.val_fraction=0.0001", "trainer.epochs=1", "tracking.log_model=false",
+                      f"hydra.run.dir={job}", env=store)  # (1 rank: cheaper, and all the same)
+    assert again.returncode == 0, again.stderr
+    assert f"this job finished already: MLflow run {run_id}" in again.stderr
+    assert (job / "summary.json").read_text() == summary
+
+    for overrides in ([f"trainer.resume={job}/checkpoints", f"hydra.run.dir={tmp_path}/mlp"],
+                      [f"hydra.run.dir={job}", "trainer.epochs=2"]):
+        refused = run_train("model=mlp", *overrides, env=store)
+        assert refused.returncode == 2, refused.stderr
+        assert "Refusing to resume from" in refused.stderr
+        assert "model.name='cnn' there, 'mlp' here" in refused.stderr
+        assert "Traceback" not in refused.stderr
+    [same] = runs_in(uri)
+    assert same.info.status == "FINISHED" and same.data.tags == run.data.tags
+    assert history(uri, run_id, "train/loss") == history(uri, same.info.run_id, "train/loss")
+
+    more = run_train("data.val_fraction=0.0001", "trainer.epochs=2", "tracking.log_model=false",
+                     f"hydra.run.dir={job}", env=store)  # 1 rank now: at an epoch's end
+    assert more.returncode == 0, more.stderr
+    [continued] = runs_in(uri)
+    assert continued.info.run_id == run_id and continued.info.status == "FINISHED"
+    assert [s for s, _ in history(uri, run_id, "train/loss")] == [0, 1]
+    assert continued.data.tags["restarts"] == "1"
+
+
+def test_a_full_output_disk_still_keeps_the_finished_training(
+        store: dict[str, str], tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """1 MiB of output disk: one checkpoint fits, the final weights no longer do - they are
+    saved to $TMPDIR instead, said so, and the run (with them) is FINISHED."""
+    if os.geteuid() != 0:
+        skip_or_fail("mounting a small tmpfs needs root")
+    out = tmp_path / "out"
+    out.mkdir()
+    # The rescue directory is the job's TMPDIR: short, as the pre-flight wants it for the
+    # DataLoader workers' sockets (tmp_path is longer under pytest-xdist).
+    rescue = Path(tempfile.mkdtemp(prefix="rescue-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(rescue, ignore_errors=True))
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(out)], check=True)
+    try:
+        result = run_train("trainer.epochs=1", "tracking.log_model=false",
+                           f"hydra.run.dir={out}", env={**store, "TMPDIR": str(rescue)})
+        listing = sorted(p.name for p in (out / "checkpoints").iterdir())
+    finally:
+        with contextlib.suppress(OSError):
+            subprocess.run(["umount", "-l", str(out)], check=False)
+    assert result.returncode == 0, result.stderr
+    assert "No space left on device" in result.stderr and "model.pt" in result.stderr
+    [saved] = rescue.glob("train-weights-*/model.pt")
+    assert f"saved to {saved}" in result.stderr
+    assert listing == ["step-000000023.pt"]  # no partial file
+    [run] = runs_in(store["MLFLOW_TRACKING_URI"])
+    assert run.info.status == "FINISHED"
+
+
+def test_a_job_whose_end_did_not_reach_the_store_does_not_claim_success(tmp_path: Path) -> None:
+    """The run logger of a finished training, over a store that never answered: no FINISHED
+    line, but an error that says where the rest is and how to deliver it."""
+    from train.config.groups import TrainConfig
+    from train.report.progress import Progress
+    from train.report.runlog import RunLogger
+    from train.tracking import TrackingIncomplete
+
+    cfg = TrainConfig()
+    cfg.tracking = TrackingConfig(uri=f"http://127.0.0.1:{free_port()}", flush_timeout_s=1.0,
+                                  checkpoint_flush_s=0.5)
+    logger = RunLogger(cfg, tracker(cfg.tracking.uri, tmp_path / "job", flush_timeout_s=1.0),
+                       Progress(False, 1, 64))
+    logger.run.start(tags={"world_size": "1"})
+    logger.run.log_metrics({"val/accuracy": 0.9}, 0)
+    with pytest.raises(TrackingIncomplete) as incomplete:
+        logger.finish()
+    path = tmp_path / "job" / unsent.UNSENT_FILE
+    assert f"python -m train.outbox upload {path}" in str(incomplete.value)
+    assert unsent.load(path)[0]["status"] == "FINISHED"
+    logger.finish(error="a second call")  # the failure path calls it again: nothing happens
+    assert len(list((tmp_path / "job").glob("mlflow_unsent*"))) == 1
+
+
+def test_a_restart_delivers_what_its_stopped_start_left_unsent(tmp_path: Path) -> None:
+    """A stop while the store was away left the last rows in the unsent file; the next start
+    of the job (same directory, same run) delivers them before it continues the run."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    job = tmp_path / "job"
+    first = tracker(uri, job)
+    first.start(tags={}, run_name="stopped")
+    first.begin_sending()
+    first.log_metrics({"train/loss": 1.0}, 0)
+    assert first.finish(status="KILLED")
+    run_id = first.run_id
+    left = Batch(metrics=[("train/loss", 0.5, 0, 1)], tags=[("stopped_by", "SIGTERM")])
+    unsent.save(job / unsent.UNSENT_FILE, {"run_id": run_id, "tracking_uri": uri,
+                                           "status": "KILLED"}, left, [])
+    again = tracker(uri, job)
+    again.start(tags={"restarts": "1"}, resume_run_id=run_id)
+    again.begin_sending()
+    again.log_metrics({"train/loss": 0.25}, 2)
+    assert again.finish()
+    assert history(uri, run_id, "train/loss") == [(0, 1.0), (1, 0.5), (2, 0.25)]
+    [run] = runs_in(uri, "faults")
+    assert run.info.status == "FINISHED" and run.data.tags["stopped_by"] == "SIGTERM"
+    assert (job / "mlflow_unsent.uploaded").exists()

@@ -1,0 +1,120 @@
+"""The local launcher's processes, without a training job: it stays light at import, its ranks
+end with it, and a failed rank stops the others after the grace period. No torch in the
+processes started here."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import REPO
+from train.launch import local as launch
+from train.launch.local import root_cause
+
+
+def test_the_launcher_imports_no_torch() -> None:
+    """`--help` and refused configurations answer fast: torch is imported by the ranks."""
+    code = "import sys, train.launch.local; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                            text=True, timeout=60, check=True)
+    assert result.stdout.strip() == "False"
+
+
+ORPHAN = """
+import multiprocessing, os, sys, time
+from train.distributed import stopping
+from train.launch import local as launch
+
+def rank(launcher, report):
+    launch._end_with(launcher)
+    with stopping.StopSignals() as stop:
+        print(os.getpid(), flush=True)
+        deadline = time.monotonic() + 120
+        while stop.received is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # as the training loop: the flag is read at step boundaries
+    with open(report, "w") as f:
+        f.write(str(stop.received))
+
+if __name__ == "__main__":
+    p = multiprocessing.get_context("spawn").Process(target=rank, args=(os.getpid(), sys.argv[1]))
+    p.start()
+    p.join()
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _ignore_stop_signals() -> None:
+    """As `nohup` or a non-interactive shell's `cmd &` start a process: these ignored, which
+    its children inherit."""
+    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(number, signal.SIG_IGN)
+
+
+def test_a_rank_stops_when_its_launcher_is_killed(tmp_path: Path) -> None:
+    """SIGKILL leaves the launcher no chance to stop its ranks: the kernel sends them TERM,
+    their coordinated stop, even from a launcher started with the stop signals ignored."""
+    script, report = tmp_path / "launcher.py", tmp_path / "received"
+    script.write_text(ORPHAN)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    launcher = subprocess.Popen([sys.executable, str(script), str(report)], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                preexec_fn=_ignore_stop_signals)
+    assert launcher.stdout is not None
+    rank_pid = int(launcher.stdout.readline())
+    launcher.kill()
+    launcher.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while not _gone(rank_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not _gone(rank_pid):
+        os.kill(rank_pid, signal.SIGKILL)  # this test's own orphan
+        raise AssertionError("the rank outlived its launcher")
+    assert report.read_text() == "SIGTERM"
+
+
+def test_a_failed_rank_stops_the_others_after_the_grace_period(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Never a hang: rank 0 would sleep for a minute; rank 1 exits with code 3."""
+    monkeypatch.setattr(launch, "GRACE_S", 0.5)
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=time.sleep, args=(60,)), ctx.Process(target=os._exit, args=(3,))]
+    for p in procs:
+        p.start()
+    started = time.monotonic()
+    launch._supervise(procs)
+    stopped = launch._stop(procs)
+    assert time.monotonic() - started < 10
+    assert stopped == {0}
+    assert [p.exitcode for p in procs] == [-signal.SIGTERM, 3]
+    exits = {rank: p.exitcode for rank, p in enumerate(procs)}
+    assert root_cause(exits, [], stopped) == "rank 1 exited with code 3"
+
+
+def test_a_rank_ending_its_run_gets_longer_than_the_grace_period(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 has begun ending its run (its event set) and needs 3 s; rank 1 exits with code 3.
+    Rank 0 finishes on its own, up to the extension (30 s here), instead of being stopped."""
+    monkeypatch.setattr(launch, "GRACE_S", 0.5)
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=time.sleep, args=(3,)), ctx.Process(target=os._exit, args=(3,))]
+    ending = [ctx.Event(), ctx.Event()]
+    ending[0].set()
+    for p in procs:
+        p.start()
+    launch._supervise(procs, ending, 30.0)
+    assert launch._stop(procs) == set()
+    assert [p.exitcode for p in procs] == [0, 3]
