@@ -7,7 +7,7 @@ composing; train/launch/preflight.py's `validate()` then checks what types canno
 names, divisibility) before any process starts.
 
 The defaults live here and only here: a group's YAML file sets just what differs for its option
-(tests/test_config.py checks that none restates a default). The cluster group's dataclass is
+(tests/unit/test_config.py checks that none restates a default). The cluster group's dataclass is
 train/config/cluster.py's.
 """
 

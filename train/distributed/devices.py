@@ -3,7 +3,7 @@
 Each function below is one branch the rest of the code takes on the device: which device and
 backend a rank uses, cuDNN's autotuner, SyncBatchNorm, pinned memory, whether an in-memory data
 set lives on the device, the device's name and memory. docs/architecture.md ("CUDA") lists
-which of them run on the CPU in tests and which only on a GPU (tests/test_gpu.py).
+which of them run on the CPU in tests and which only on a GPU (tests/{unit,e2e}/test_gpu.py).
 
 `cuda_only_requests` is what pre-flight refuses on a machine without CUDA
 (train/launch/preflight.py):
