@@ -10,13 +10,14 @@ import contextlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import history, run_train, runs_in, skip_or_fail
+from tests.conftest import REPO, history, run_train, runs_in, skip_or_fail
 from tests.unit.test_faults_tracking import HEADER, refused_upload, unsent_file
 from train.config.groups import TrackingConfig
 from train.distributed.env import free_port
@@ -220,3 +221,40 @@ def test_a_restart_delivers_what_its_stopped_start_left_unsent(tmp_path: Path) -
     [run] = runs_in(uri, "faults")
     assert run.info.status == "FINISHED" and run.data.tags["stopped_by"] == "SIGTERM"
     assert (job / "mlflow_unsent.uploaded").exists()
+
+
+SENDER_PROBE = """
+import subprocess, sys, threading
+from pathlib import Path
+
+starts = []
+popen_init = subprocess.Popen.__init__
+
+def recording(self, *args, **kwargs):
+    starts.append(threading.current_thread().name)
+    popen_init(self, *args, **kwargs)
+
+subprocess.Popen.__init__ = recording
+from train.config.groups import TrackingConfig
+from train.tracking.run import MlflowRun
+
+out = Path(sys.argv[1])
+run = MlflowRun(TrackingConfig(uri=f"sqlite:///{out / 'mlflow.db'}", experiment="probe",
+                               experiment_id=None, parent_run_id=None), out)
+run.start(tags={"world_size": "1"}, run_name="probe")
+run.begin_sending()
+assert run.flush() is True
+run.finish()
+print("sender started", starts.count("mlflow-sender"), "of", len(starts), "processes")
+"""
+
+
+def test_a_fresh_jobs_sender_starts_no_process_to_create_its_run(tmp_path: Path) -> None:
+    """In a fresh interpreter, as in a job: mlflow is first imported by the sender thread, and
+    its telemetry module ran `uname -p` there (platform.platform()) - a child that waits for
+    its exec on a pipe a DataLoader worker forked meanwhile holds open (CreateRun stalled for
+    minutes under load). The run's start reads what needs a process on the training thread."""
+    done = subprocess.run([sys.executable, "-c", SENDER_PROBE, str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "sender started 0 of" in done.stdout, done.stdout

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import platform
 import threading
 import time
 from collections import deque
@@ -95,7 +96,11 @@ class MlflowRun(NullRun):
             tag_rows.append(("mlflow.parentRunId", self.cfg.parent_run_id))
         # Who and what ran it, worked out here and not by the sender thread: its `git` child
         # waited for exec on a pipe that a DataLoader worker forked meanwhile held open - the
-        # run was not created for minutes.
+        # run was not created for minutes. For the same reason the machine's processor name
+        # is read here once (platform caches it): importing mlflow's telemetry on the sender
+        # thread runs `uname -p` otherwise (platform.platform()), and stalled CreateRun the same
+        # way under load.
+        platform.uname().processor  # noqa: B018 - read for its cache
         self._put(CreateRun(experiment_id=self.cfg.experiment_id, experiment=self.cfg.experiment,
                             run_name=run_name, tags={**run_tags(self.uri), **dict(tag_rows)}))
 
