@@ -36,6 +36,7 @@ def load_model(run_id: str, tracking_uri: str | None = None) -> nn.Module:
         config = to_typed(yaml.safe_load(config_path.read_text()))
         state = torch.load(weights_path, map_location="cpu", weights_only=True)
     shape = tuple(int(n) for n in params["data.input_shape"].split("x"))
-    model = models.build(config.model, models.InputSpec.of(shape, int(params["data.classes"])))
+    outputs = int(params.get("model.outputs", params["data.classes"]))  # before tasks: classes
+    model = models.build(config.model, models.InputSpec.of(shape, outputs))
     model.load_state_dict(state)
     return model.eval()

@@ -126,7 +126,8 @@ def test_a_resumed_job_keeps_the_best_so_far_and_the_patience_used(store: dict[s
 
 
 @pytest.mark.parametrize(("overrides", "line"), [
-    (("trainer.monitor=val/acc",), "trainer.monitor='val/acc' is not a metric this job logs"),
+    (("trainer.monitor=val/acc",),
+     "trainer.monitor='val/acc' is not a metric task=classification logs"),
     (("trainer.test_on=best",), "trainer.test_on=best needs trainer.save_best=true"),
 ])
 def test_bad_settings_are_refused_before_anything_starts(store: dict[str, str], tmp_path: Path,

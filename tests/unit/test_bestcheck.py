@@ -37,7 +37,7 @@ def test_the_monitor_minimises_a_loss_and_carries_its_state_over() -> None:
     bests: list[float] = []
     first = Monitor(cfg, on_best=lambda best: bests.append(best.value))
     for epoch, loss in enumerate([1.0, 0.5, 0.7]):
-        first.observe(epoch, epoch * 10, Reduced(loss=loss, accuracy=0.1, samples=4))
+        first.observe(epoch, epoch * 10, Reduced({"loss": loss, "accuracy": 0.1}, samples=4))
     assert (first.mode, bests, first.best_epoch, first.bad_evaluations) == ("min", [1.0, 0.5], 1, 1)
     resumed = Monitor(cfg)
     resumed.load_state_dict(first.state_dict())

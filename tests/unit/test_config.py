@@ -25,9 +25,10 @@ from train.config.groups import (
     typed_by_user,
 )
 from train.config.schema import to_container, to_typed
+from train.config.task import TaskConfig
 from train.launch.preflight import validate
 
-GROUPS = ("model", "data", "optim", "trainer", "distributed", "tracking")
+GROUPS = ("model", "data", "optim", "trainer", "distributed", "tracking", "task")
 
 
 def test_defaults_compose_every_group_and_no_cluster() -> None:
@@ -108,10 +109,12 @@ def test_tracking_uri_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -
 
 SCHEMA = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig,
           "trainer": TrainerConfig, "distributed": DistributedConfig,
-          "tracking": TrackingConfig, "cluster": ClusterConfig}
+          "tracking": TrackingConfig, "task": TaskConfig, "cluster": ClusterConfig}
 OPTION_FILES = sorted((REPO / "conf").glob("*/*.yaml"))
 REQUIRED = {"model/custom": ("model._target_=torch.nn.Identity",),
-            "data/custom": ("data.train._target_=torchvision.datasets.FakeData",)}
+            "data/custom": ("data.train._target_=torchvision.datasets.FakeData",),
+            "task/custom": ("task._target_=train.tasks.regression.Regression",
+                            "trainer.monitor=val/loss")}
 """What an option leaves for the command line (`???`)."""
 
 

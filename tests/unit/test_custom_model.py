@@ -14,8 +14,10 @@ import torch
 from tests.conftest import typed
 from train.config.groups import ConfigError, CustomModelConfig
 from train.engine import loop
-from train.launch import preflight
+from train.launch import model_checks, preflight
 from train.models import build as models
+from train.tasks.base import summed
+from train.tasks.classification import Classification
 
 NET = "userpkg.models.TinyConvNet"
 CUSTOM = ("model=custom", f"model._target_={NET}", "+model.depth=3")
@@ -74,13 +76,17 @@ def test_label_smoothing_changes_the_loss() -> None:
 
 
 def test_the_first_batch_checks_the_models_output() -> None:
-    criterion = loop.Criterion(torch.nn.CrossEntropyLoss(), 10, "model=custom x.Y")
-    assert criterion.top_k == 5
+    task = Classification()
+    task.setup(summed(torch.nn.CrossEntropyLoss()), 10, [str(i) for i in range(10)])
+    assert task.top_k == 5
     with pytest.raises(loop.ModelOutputError,
-                       match=r"returns shape \(4, 3\) for inputs of shape \(4, 1, 8, 8\); "
-                             r"training needs \(batch, num_classes\) = \(4, 10\)"):
-        criterion(torch.zeros(4, 3), torch.zeros(4, dtype=torch.long), torch.zeros(4, 1, 8, 8))
-    assert loop.Criterion(torch.nn.CrossEntropyLoss(), 5, "m").top_k is None
+                       match=r"the model returns shape \(4, 3\) for inputs of shape "
+                             r"\(4, 1, 8, 8\); task=classification needs \(batch, num_classes\)"
+                             r" = \(4, 10\)"):
+        loop._check_output(task, torch.zeros(4, 3), torch.zeros(4, dtype=torch.long),
+                           torch.zeros(4, 1, 8, 8))
+    task.setup(summed(torch.nn.CrossEntropyLoss()), 5, [str(i) for i in range(5)])
+    assert task.top_k is None
 
 
 # -- bad input: refused by pre-flight, one line --------------------------------------------------
@@ -104,7 +110,7 @@ BAD_INPUTS = [
 def test_preflight_refuses_bad_models_and_losses(user_path: None, overrides: tuple[str, ...],
                                                  expected: list[str]) -> None:
     with pytest.raises(ConfigError) as info:
-        preflight.check_model(typed(*overrides))
+        model_checks.check_model(typed(*overrides))
     message = str(info.value)
     assert "\n" not in message
     for part in expected:

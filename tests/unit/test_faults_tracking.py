@@ -155,6 +155,14 @@ def test_a_checkpoint_of_another_model_or_world_size_is_named_as_such() -> None:
     synthetic = _checkpoint_state("data=synthetic", "data.num_classes=4")
     other = preflight.config_dict(typed("data=synthetic", "data.num_classes=7"))
     assert "data.num_classes=4 there, 7 here" in (checkpoint.mismatch(synthetic, other, 2) or "")
+    # Another task shapes the model's outputs otherwise; a checkpoint from before the task
+    # group existed (no `task` in its config) is a classifier's and continues as one.
+    regression = preflight.config_dict(typed("model=cnn", "task=regression"))
+    assert "task.name='classification' there, 'regression' here" in (
+        checkpoint.mismatch(cnn, regression, 1) or "")
+    before_tasks = {**cnn, "config": OmegaConf.to_yaml(
+        {k: v for k, v in preflight.config_dict(typed("model=cnn")).items() if k != "task"})}
+    assert checkpoint.mismatch(before_tasks, same, world_size=1) is None
 
 
 # -- case 6: a full disk ------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from tests.unit.test_custom_model import NET
 from train.config.groups import ConfigError, ModelConfig, OptimConfig
 from train.engine import optim
 from train.engine.state import GradScaler, TrainState
-from train.launch import preflight
+from train.launch import model_checks, preflight
 from train.models import build as models
 from train.models import finetune, pretrained
 
@@ -229,7 +229,7 @@ def test_bad_prefixes_and_groups_are_refused_by_preflight(overrides: tuple[str, 
     cfg = typed("model=mlp", "data=synthetic", "data.image_size=8", *overrides)
     with pytest.raises(ConfigError) as info:
         preflight.validate(cfg, 1)
-        preflight.check_finetuning(cfg, False, preflight.input_before_reading(cfg.data))
+        model_checks.check_finetuning(cfg, False, model_checks.input_before_reading(cfg.data))
     assert expected in str(info.value) and "\n" not in str(info.value)
 
 
@@ -242,6 +242,6 @@ def test_a_custom_models_reserved_keys_are_not_its_constructors(
     spec = models.InputSpec(1, 8, 10)
     torch.save(models.build(cfg.model, spec).state_dict(), tmp_path / "w.pt")
     # digits: (1, 8, 8), 10 classes
-    preflight.check_finetuning(cfg, False, preflight.input_before_reading(cfg.data))
+    model_checks.check_finetuning(cfg, False, model_checks.input_before_reading(cfg.data))
     with pytest.raises(ConfigError, match="must be a list of module-name prefixes"):
         typed("model=custom", f"model._target_={NET}", "+model.freeze=features")

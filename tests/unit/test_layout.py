@@ -23,6 +23,7 @@ WINGS = [
     "data",
     "tracking",
     "report",
+    "tasks",
     "engine",
     "launch",
 ]

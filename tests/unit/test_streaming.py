@@ -250,7 +250,7 @@ def test_a_custom_dataset_gives_classes_shape_and_split(userpkg_on_path: None, t
     ("userpkg.data.Nope", "has no 'Nope'"),
     ("userpkg.data.NotADataset", "not a map-style torch.utils.data.Dataset"),
     ("userpkg.data.Stream", "is an IterableDataset"),
-    ("userpkg.data.DictSamples", "sample 0 is a dict, not an (input, label) pair"),
+    ("userpkg.data.DictSamples", "sample 0 is a dict, not an (input, target) pair"),
 ])
 def test_preflight_refuses_a_custom_dataset_in_one_line(userpkg_on_path: None, target: str,
                                                         expected: str) -> None:

@@ -253,7 +253,7 @@ def test_a_run_refuses_what_is_not_a_record(tmp_path: Path) -> None:
 
 def test_training_flops_are_counted_without_computing() -> None:
     model = models.build(ModelConfig(name="resnet18"), models.InputSpec(3, 32, 10))
-    per_sample = flops.training_flops_per_sample(model, 3, 32)
+    per_sample = flops.training_flops_per_sample(model, (3, 32, 32))
     # CIFAR ResNet-18: ~0.56 GMACs forward = 1.1 GFLOP; backward twice that.
     assert per_sample == pytest.approx(3.3e9, rel=0.05)
     assert next(model.parameters()).device.type == "cpu"  # the model itself is untouched

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from train.config.cluster import ClusterConfig
+from train.config.task import TaskConfig
 from train.errors import ConfigError as ConfigError  # re-exported
 
 
@@ -128,7 +129,17 @@ class DataConfig:
 @dataclass
 class OptimConfig:
     name: str = "sgd"
-    """sgd or adamw."""
+    """sgd or adamw: the preset optimiser, unless `_target_` names another."""
+    _target_: str | None = None
+    """Any optimiser by dotted path: a torch.optim class (torch.optim.Adadelta) or your own
+    (a torch.optim.Optimizer subclass, or a function returning one). Built, as Hydra's
+    `_partial_: true` does, as target(<the parameter groups>, lr=optim.lr,
+    weight_decay=optim.weight_decay, **optim.args), lr and weight_decay where it takes them;
+    the groups carry optim.lr x lr_scale and weight_decay (optim.param_groups). null = the
+    preset `name`; momentum, nesterov and betas are the presets' only."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """`_target_`'s own arguments, e.g. +optim.args.rho=0.95 (not lr, weight_decay or params:
+    optim.lr and optim.weight_decay are passed, and the model's groups)."""
     lr: float = 0.05
     """Peak learning rate."""
     momentum: float = 0.9
@@ -140,11 +151,25 @@ class OptimConfig:
     weight_decay: float = 5e-4
     """Decoupled (adamw) or L2 (sgd) weight decay."""
     schedule: str = "cosine"
-    """cosine (with linear warm-up) or constant."""
+    """The built-in schedule, stepped per optimiser step: cosine (with linear warm-up) or
+    constant. Unused when `scheduler._target_` is set (so are warmup_epochs, min_lr_ratio)."""
     warmup_epochs: float = 0.0
     """Linear warm-up length in epochs (fractions allowed)."""
     min_lr_ratio: float = 0.0
     """cosine: final lr as a fraction of the peak."""
+    scheduler: dict[str, Any] = field(default_factory=lambda: {"_target_": None})
+    """Any LR scheduler by dotted path and its arguments, e.g. optim.scheduler._target_=
+    torch.optim.lr_scheduler.StepLR +optim.scheduler.step_size=30: built as target(<the
+    optimiser>, **args) (a `_partial_` key is ignored: the call always is). Filled where it
+    takes them and they are not set: max_lr (OneCycleLR, CyclicLR) = each group's lr;
+    total_steps (when neither it nor epochs / steps_per_epoch is set) = the job's optimiser
+    steps, or epochs with scheduler_interval=epoch; ReduceLROnPlateau's mode = trainer.monitor's
+    direction (it is stepped with trainer.monitor's value after each validation). null
+    `_target_` = the built-in `schedule`."""
+    scheduler_interval: str = "epoch"
+    """When `scheduler` steps: epoch (once, at each epoch's end; Lightning's default) or step
+    (after every optimiser step). ReduceLROnPlateau: epoch only. The built-in schedule always
+    steps per optimiser step."""
     grad_clip: float | None = None
     """Clip the global gradient norm to this value; null = no clipping."""
     param_groups: list[dict[str, Any]] = field(default_factory=list)
@@ -172,14 +197,16 @@ class TrainerConfig:
     """fp32, bf16-mixed or fp16-mixed (fp16 uses a GradScaler)."""
     loss: dict[str, Any] = field(
         default_factory=lambda: {"_target_": "torch.nn.CrossEntropyLoss"})
-    """The loss, built with hydra.utils.instantiate and called as loss(logits, labels) in
-    training and evaluation (there on fp32 logits); add its arguments with `+`, e.g.
-    +trainer.loss.label_smoothing=0.1."""
+    """The loss, built with hydra.utils.instantiate and called as loss(outputs, targets) in
+    training and evaluation (there on fp32 outputs), asked for reduction="sum" (the task divides
+    by the item count over every rank); add its arguments with `+`, e.g.
+    +trainer.loss.label_smoothing=0.1. Each task option sets its own (regression: MSELoss)."""
     eval_every: int = 1
     """Validate every N epochs (and always after the last)."""
     monitor: str = "val/accuracy"
-    """The validation metric that picks the best checkpoint and drives early stopping:
-    val/accuracy, val/loss or (more than 5 classes) val/accuracy_top5."""
+    """The validation metric that picks the best checkpoint and drives early stopping: one the
+    task logs (classification: val/accuracy, val/loss, val/accuracy_top5 with more than 5
+    classes; each task option sets its own default)."""
     monitor_mode: str = "auto"
     """max or min: which way `monitor` improves; auto = min if its name contains "loss",
     else max."""
@@ -215,7 +242,8 @@ class TrainerConfig:
     """Peak TFLOP/s of ONE device for train/mfu; null = known GPUs' data-sheet figure (H100,
     A100, ...) for the precision in use, and no train/mfu elsewhere (e.g. on CPUs)."""
     objective: str = "val/accuracy"
-    """Metric the task function returns to Hydra sweepers."""
+    """Metric the job returns to Hydra sweepers: train/, val/ or test/ of a metric the task
+    logs (each task option sets its own default)."""
     objective_direction: str = "maximize"
     """maximize or minimize (for sweepers)."""
 
@@ -293,6 +321,7 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
     cluster: ClusterConfig | None = None
 
 

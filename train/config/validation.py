@@ -5,7 +5,8 @@ every rank of an externally launched job (torchrun, srun), which has no pre-flig
 
 from __future__ import annotations
 
-from train.config.groups import CustomModelConfig, TrackingConfig, TrainConfig
+from train.config.groups import CustomModelConfig, OptimConfig, TrackingConfig, TrainConfig
+from train.config.task import TOP_K as TOP_K  # accuracy_top5: with more classes than this
 from train.errors import ConfigError
 
 # The registries in train/models/build.py and train/data/build.py are keyed by exactly these names;
@@ -18,14 +19,12 @@ STREAMED_DATASET_NAMES = ("imagefolder", "custom")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("cosine", "constant")
+INTERVALS = ("epoch", "step")
+"""optim.scheduler_interval: when a scheduler of the user's steps."""
+EXAMPLES = {"optim._target_": "torch.optim.Adadelta",
+            "optim.scheduler._target_": "torch.optim.lr_scheduler.StepLR"}
 BACKENDS = ("auto", "gloo", "nccl")
 DIRECTIONS = ("maximize", "minimize")
-MONITORS = ("val/accuracy", "val/loss", "val/accuracy_top5")
-"""The validation metrics a job logs (train/report/trainlog.py; top-5 with more than TOP_K
-classes)."""
-TOP_K = 5
-"""accuracy_top5 is counted where there are more than this many classes
-(train/report/metrics.py)."""
 MAX_NAME = 250
 """Longest experiment and run name: MLflow refuses experiment names over 500 characters and
 run names over 250, at the first request, after the job has started."""
@@ -72,11 +71,37 @@ def _model_and_data(cfg: TrainConfig, p: list[str]) -> None:
              "data.mean and data.std need 3 values (one per RGB channel).", p)
 
 
+def _optimiser(o: OptimConfig, p: list[str]) -> None:
+    """The presets' names, and `_target_`, `args` and `scheduler` as written (whether the
+    classes import and build on the model's parameters: pre-flight, train/engine/optim.py)."""
+    _require(o.name in OPTIMIZERS, f"optim.name={o.name!r}; choose one of {list(OPTIMIZERS)}.",
+             p)
+    _require(o.schedule in SCHEDULES,
+             f"optim.schedule={o.schedule!r}; choose one of {list(SCHEDULES)}.", p)
+    _require(o.scheduler_interval in INTERVALS, f"optim.scheduler_interval="
+             f"{o.scheduler_interval!r}; choose one of {list(INTERVALS)}.", p)
+    for key, target in (("optim._target_", o._target_),
+                        ("optim.scheduler._target_", o.scheduler.get("_target_"))):
+        _require(target is None or (isinstance(target, str) and bool(target.strip())),
+                 f"{key}={target!r} must be a dotted path, e.g. {EXAMPLES[key]}.", p)
+    _require(o._target_ is not None or not o.args,
+             f"optim.args ({sorted(o.args)}) are the arguments of optim._target_'s class, which "
+             "is not set: add optim._target_=<dotted path> (the presets take optim.momentum, "
+             "optim.nesterov, optim.betas).", p)
+    if taken := sorted(set(o.args) & {"params", "lr", "weight_decay"}):
+        p.append(f"optim.args.{taken[0]} is the service's: set optim.lr / optim.weight_decay "
+                 "(and optim.param_groups for groups) instead.")
+    extra = sorted(set(o.scheduler) - {"_target_", "_partial_"})
+    _require(o.scheduler.get("_target_") is not None or not extra,
+             f"optim.scheduler.{extra[0] if extra else ''} is set but optim.scheduler._target_ "
+             "is not: add optim.scheduler._target_=<dotted path>, e.g. "
+             f"{EXAMPLES['optim.scheduler._target_']}.", p)
+    _require("optimizer" not in o.scheduler,
+             "optim.scheduler.optimizer: the service passes the optimiser; remove the key.", p)
+
+
 def _training(cfg: TrainConfig, p: list[str]) -> None:
-    _require(cfg.optim.name in OPTIMIZERS,
-             f"optim.name={cfg.optim.name!r}; choose one of {list(OPTIMIZERS)}.", p)
-    _require(cfg.optim.schedule in SCHEDULES,
-             f"optim.schedule={cfg.optim.schedule!r}; choose one of {list(SCHEDULES)}.", p)
+    _optimiser(cfg.optim, p)
     _require(cfg.trainer.precision in PRECISIONS,
              f"trainer.precision={cfg.trainer.precision!r}; choose one of {list(PRECISIONS)}.", p)
     _require(cfg.distributed.backend in BACKENDS,
@@ -108,11 +133,34 @@ def _training(cfg: TrainConfig, p: list[str]) -> None:
                      f"data.{key} must be positive (got {getattr(cfg.data, key)}).", p)
 
 
+def _task_metrics(cfg: TrainConfig, p: list[str]) -> None:
+    """task.name is known, and trainer.monitor / trainer.objective are metrics it logs (a
+    custom task's are checked once its class is imported: train/launch/preflight.py)."""
+    from train.config.task import METRICS, TASK_NAMES, metric_problem
+
+    task, t = cfg.task, cfg.trainer
+    if task.name not in TASK_NAMES:
+        p.append(f"task={task.name!r} is not a task; choose one of {list(TASK_NAMES)}.")
+        return
+    if task.name == "custom":
+        return
+    p.extend(problem for problem in (
+        metric_problem(t.monitor, task.name, METRICS[task.name], "trainer.monitor"),
+        objective_problem(t.objective, task.name, METRICS[task.name])) if problem)
+
+
+def objective_problem(objective: str, task: str, metrics: tuple[str, ...]) -> str | None:
+    """trainer.objective is one of the task's metrics on the train, val or test split."""
+    split, _, metric = objective.partition("/")
+    if split in ("train", "val", "test") and metric in metrics:
+        return None
+    return (f"trainer.objective={objective!r} is not a metric task={task} logs; choose one of "
+            + ", ".join(f"val/{m}" for m in metrics) + " (or its train/ or test/ value).")
+
+
 def _best_and_test(cfg: TrainConfig, p: list[str]) -> None:
     t = cfg.trainer
-    _require(t.monitor in MONITORS,
-             f"trainer.monitor={t.monitor!r} is not a metric this job logs; choose one of "
-             f"{list(MONITORS)} (val/accuracy_top5: more than 5 classes).", p)
+    _task_metrics(cfg, p)
     _require(t.monitor_mode in ("auto", "max", "min"),
              f"trainer.monitor_mode={t.monitor_mode!r}; choose auto, max or min.", p)
     _require(t.early_stopping_patience is None or t.early_stopping_patience > 0,

@@ -104,8 +104,11 @@ class Batches:
         """Batches as stored (uint8 or float, any device)."""
         yield from self.loader  # type: ignore[misc]
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[tuple[Any, Any]]:
         for inputs, labels in self.raw():
+            if not isinstance(inputs, torch.Tensor):  # a structure of the user's: moved as is
+                yield to_device(inputs, self.device), to_device(labels, self.device)
+                continue
             x = inputs.to(self.device, non_blocking=True)
             if self.scale is not None:
                 x = x.float().div_(self.scale)
@@ -115,7 +118,18 @@ class Batches:
                 x = crop_and_flip(x)
             if self.channels_last and x.ndim == 4:
                 x = x.contiguous(memory_format=torch.channels_last)
-            yield x, labels.to(self.device, non_blocking=True)
+            yield x, to_device(labels, self.device)
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """A batch of any structure (tensor, tuple, list, dict, nested) on `device`."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {key: to_device(value, device) for key, value in batch.items()}
+    if isinstance(batch, list | tuple):
+        return type(batch)(to_device(value, device) for value in batch)
+    return batch
 
 
 def crop_and_flip(x: torch.Tensor, pad: int = 4) -> torch.Tensor:
@@ -233,6 +247,8 @@ class DataBundle:
     test: Batches | None = None
     """This rank's strided shard of the test split; None: the data set has none."""
     num_test: int = 0
+    target_shape: tuple[int, ...] = ()
+    """One sample's target shape: () for a class index or a number, (H, W) for a mask."""
 
     @property
     def num_classes(self) -> int:

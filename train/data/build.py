@@ -80,7 +80,7 @@ class ResidentBatches(Batches):
 
 def build(cfg: DataConfig, env: DistEnv, device: torch.device, seed: int, *,
           channels_last: bool = False, resident: bool | None = None,
-          micro_batches: int = 1) -> DataBundle:
+          micro_batches: int = 1, classes: bool = True) -> DataBundle:
     """This rank's shards (its place in the job: `env`), in batches of data.batch_size /
     (world size x `micro_batches`), the micro-batch of trainer.accumulate_grad_batches
     (validation reads the same size: it fits where training does); `resident` (default:
@@ -89,7 +89,7 @@ def build(cfg: DataConfig, env: DistEnv, device: torch.device, seed: int, *,
     if cfg.name in STREAMED:
         from train.data import streaming
 
-        return streaming.build(cfg, env, device, seed, per_rank, channels_last)
+        return streaming.build(cfg, env, device, seed, per_rank, channels_last, classes)
     keep = devices.keep_data_on_device(cfg.on_device, device) if resident is None else resident
     return _in_memory(cfg, env, _Reader(cfg, env, device, per_rank, channels_last, keep), seed)
 

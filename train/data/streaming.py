@@ -119,10 +119,12 @@ def collate_readable(samples: list[Any]) -> tuple[Any, Any, list[Unreadable]]:
     return images, labels, bad
 
 
-def collate_pairs(samples: list[Any]) -> tuple[Any, torch.Tensor, list[Unreadable]]:
-    """A custom Dataset's (input, label) samples as one batch; labels as int64."""
-    inputs, labels = collate_samples(samples)
-    return inputs, torch.as_tensor(labels).long(), []
+def collate_pairs(samples: list[Any]) -> tuple[Any, Any, list[Unreadable]]:
+    """A custom Dataset's (input, target) samples as one batch, each side collated by torch's
+    default_collate (tensors stacked, numbers as tensors, dicts and tuples kept): the task
+    reads the target (train/tasks/)."""
+    inputs, targets = collate_samples(samples)
+    return inputs, targets, []
 
 
 class StreamedBatches(batching.Batches):
@@ -189,6 +191,8 @@ class Source:
     normalise: dict[str, Any] = field(default_factory=dict)
     test: Dataset | None = None
     """The test split (data.test, or imagefolder's test/); None: no test phase."""
+    target_shape: tuple[int, ...] = ()
+    """One sample's target shape (() for a class index or a number)."""
 
 
 def _first_shape(dataset: Dataset, tries: int = 16) -> tuple[int, ...]:
@@ -240,9 +244,11 @@ def _read_labels(datasets: list[Dataset], workers: int) -> torch.Tensor:
     return torch.cat(list(reader))
 
 
-def custom_source(cfg: DataConfig, workers: int) -> Source:
+def custom_source(cfg: DataConfig, workers: int, classes: bool = True) -> Source:
+    """The user's Datasets; `classes`: the targets are class indices, counted where the Dataset
+    does not name its classes (else only its `classes` attribute is read)."""
     train_set = userdata.build(cfg.train, "data.train")
-    shape, _ = userdata.first_sample(train_set, "data.train")
+    shape, first_target = userdata.first_sample(train_set, "data.train")
     target = cfg.train["_target_"]
     if cfg.val and cfg.val.get("_target_"):
         val_set = userdata.build(cfg.val, "data.val")
@@ -251,7 +257,8 @@ def custom_source(cfg: DataConfig, workers: int) -> Source:
         parts = batching.split(len(train_set), cfg.val_fraction, cfg.split_seed)
         train, val, whole = Rows(train_set, parts.train_idx), Rows(train_set, parts.val_idx), \
             [train_set]
-    names = userdata.class_names(train_set)
+    names = (userdata.class_names(train_set) if classes
+             else userdata.class_names(train_set, labels=()) or [])
     if names is None:
         count = sum(len(d) for d in whole)  # type: ignore[arg-type]
         log.info("data: %s has no `classes` or `targets` attribute: reading its %d labels once "
@@ -263,26 +270,38 @@ def custom_source(cfg: DataConfig, workers: int) -> Source:
         digest = hashlib.sha256(f"{target}\0{rows}".encode())
         for i in range(min(4, rows)):  # the length and the first samples name the data
             inputs, label = train[i]
-            digest.update(np.ascontiguousarray(np.asarray(inputs)).tobytes() + b"%d" % int(label))
+            digest.update(np.ascontiguousarray(np.asarray(inputs)).tobytes() + _target_bytes(label))
         return DataDescription(digest=digest.hexdigest()[:8], num_rows=rows,
                                features_shape=[rows, *shape],
                                features_dtype=str(train[0][0].dtype).removeprefix("torch."))
 
     test = (userdata.build(cfg.test, "data.test") if cfg.test and cfg.test.get("_target_")
             else None)
-    return Source(train, val, names or ["0"], shape, describe, collate=collate_pairs, test=test,
+    return Source(train, val, names or (["0"] if classes else []), shape, describe,
+                  collate=collate_pairs, test=test,
+                  target_shape=userdata.target_shape(first_target),
                   summary=f"custom {target}: {rows} training, {len(val)} validation samples")
 
 
+def _target_bytes(target: Any) -> bytes:
+    """A target for the data's digest: a class index as its digits (as before tasks), anything
+    else by its bytes."""
+    value = np.asarray(target)
+    if value.ndim == 0 and np.issubdtype(value.dtype, np.integer):
+        return b"%d" % int(value)
+    return np.ascontiguousarray(value).tobytes()
+
+
 def build(cfg: DataConfig, env: DistEnv, device: torch.device, seed: int, per_rank: int,
-          channels_last: bool = False) -> batching.DataBundle:
+          channels_last: bool = False, classes: bool = True) -> batching.DataBundle:
     """This rank's streamed shards (`per_rank` samples a batch): DistributedSampler's for
     training, a strided slice of the validation set (every sample on exactly one rank) for
     validation."""
     rank, world_size = env.rank, env.world_size
     workers = (cfg.num_workers if cfg.num_workers is not None
                else batching.default_num_workers(env.local_world_size, streamed=True))
-    source = imagefolder_source(cfg) if cfg.name == "imagefolder" else custom_source(cfg, workers)
+    source = (imagefolder_source(cfg) if cfg.name == "imagefolder"
+              else custom_source(cfg, workers, classes))
     sampler = DistributedSampler(source.train, num_replicas=world_size, rank=rank, shuffle=True,
                                  seed=seed, drop_last=False)
     shard = Rows(source.val, torch.arange(rank, len(source.val), world_size))  # type: ignore[arg-type]
@@ -300,4 +319,4 @@ def build(cfg: DataConfig, env: DistEnv, device: torch.device, seed: int, per_ra
         train=batches(source.train, sampler), val=batches(shard, None),
         num_train=len(source.train), num_val=len(source.val),  # type: ignore[arg-type]
         class_names=source.class_names, input_shape=source.input_shape,
-        describe=source.describe)
+        describe=source.describe, target_shape=source.target_shape)

@@ -3,12 +3,13 @@
 `data.train` (and optionally `data.val`) is `{_target_: pkg.module.Class, **its own kwargs}`,
 built with Hydra's instantiate. Pre-flight builds each once in the launching process and reads
 its first sample, so that a path that does not import, a class that is not a map-style Dataset
-or a sample that is not `(input, label)` is refused with one line before any rank starts.
+or a sample that is not `(input, target)` is refused with one line before any rank starts (what
+the target must be, the task says: train/tasks/).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from train.config import usercode
@@ -53,8 +54,9 @@ def _map_style(cls: type) -> bool:
             and not issubclass(cls, Mapping | str | bytes))
 
 
-def first_sample(dataset: Any, key: str) -> tuple[tuple[int, ...], int]:
-    """(input shape, label) of sample 0, checked to be an (input tensor, integer label) pair."""
+def first_sample(dataset: Any, key: str) -> tuple[tuple[int, ...], Any]:
+    """(input shape, target) of sample 0, checked to be an (input tensor, target) pair; what
+    the target must be is the task's to say (train/tasks/: `target_problem`)."""
     import numpy as np
     import torch
 
@@ -63,19 +65,22 @@ def first_sample(dataset: Any, key: str) -> tuple[tuple[int, ...], int]:
     except Exception as e:  # noqa: BLE001 - the user's __getitem__
         raise ConfigError(f"{key}: reading sample 0 raised {usercode.one_line(e)}") from None
     if not isinstance(sample, Sequence) or len(sample) != 2:
-        raise ConfigError(f"{key}: sample 0 is a {type(sample).__name__}, not an (input, label) "
-                          "pair: __getitem__ must return (tensor, integer class index).")
-    inputs, label = sample
+        raise ConfigError(f"{key}: sample 0 is a {type(sample).__name__}, not an (input, target) "
+                          "pair: __getitem__ must return (tensor, target), e.g. (image, integer "
+                          "class index).")
+    inputs, target = sample
     if not isinstance(inputs, torch.Tensor | np.ndarray) or inputs.ndim == 0:
         raise ConfigError(f"{key}: sample 0's input is a {type(inputs).__name__}, not a tensor: "
                           "return a torch.Tensor (e.g. transforms.v2.ToImage + ToDtype for "
                           "images).")
-    size = label.numel() if isinstance(label, torch.Tensor) else np.size(label)
-    if isinstance(label, torch.Tensor | np.ndarray | np.generic) and size == 1:
-        label = label.item()
-    if isinstance(label, bool) or not isinstance(label, int | np.integer):
-        raise ConfigError(f"{key}: sample 0's label is {label!r}, not an integer class index.")
-    return tuple(int(d) for d in inputs.shape), int(label)
+    return tuple(int(d) for d in inputs.shape), target
+
+
+def target_shape(target: Any) -> tuple[int, ...]:
+    """A sample's target shape: () for a plain number."""
+    import numpy as np
+
+    return tuple(int(d) for d in np.shape(target))
 
 
 def class_names(dataset: Any, labels: Any = None) -> list[str] | None:
@@ -96,18 +101,26 @@ def class_names(dataset: Any, labels: Any = None) -> list[str] | None:
 
 
 def check(spec_train: dict[str, Any] | None, spec_val: dict[str, Any] | None,
-          spec_test: dict[str, Any] | None = None) -> int | None:
-    """Pre-flight: build the Datasets once and check their first samples agree. Returns the
-    number of classes where the training Dataset names them (`class_names`), else None:
-    counting its labels would read every sample."""
+          spec_test: dict[str, Any] | None = None,
+          target_problem: Callable[[Any], str | None] | None = None,
+          classes: bool = True) -> int | None:
+    """Pre-flight: build the Datasets once and check their first samples agree, and that each
+    first target is what the task reads (`target_problem`: the task's). Returns the number of
+    classes where the training Dataset names them (`class_names`; with `classes`, its
+    `targets` count too), else None: counting its labels would read every sample."""
     train = build(spec_train, "data.train")
-    shape, _ = first_sample(train, "data.train")
+    shape, target = first_sample(train, "data.train")
+    firsts = [("data.train", target)]
     for key, spec in (("data.val", spec_val), ("data.test", spec_test)):
         if not (spec and spec.get("_target_")):
             continue
-        other, _ = first_sample(build(spec, key), key)
+        other, other_target = first_sample(build(spec, key), key)
         if other != shape:
             raise ConfigError(f"{key}'s inputs have shape {other}, data.train's {shape}: "
                               "both must give the model the same shape.")
-    names = class_names(train)
+        firsts.append((key, other_target))
+    for key, first in firsts:
+        if target_problem is not None and (problem := target_problem(first)):
+            raise ConfigError(f"{key}: {problem}")
+    names = class_names(train) if classes else class_names(train, labels=())
     return len(names) if names else None

@@ -165,9 +165,11 @@ class CheckpointMismatch(TrainError, ValueError):
     mid-epoch position on another world size); refused before any run is touched."""
 
 
-SHAPING = {"model": None, "data": ("name",), "optim": ("name", "param_groups")}
+SHAPING = {"model": None, "data": ("name",), "optim": ("name", "_target_", "param_groups")}
 """Config keys a checkpoint's tensors depend on (None: the whole section but MODEL_FREE);
-model.freeze and optim.param_groups shape the optimiser's groups."""
+model.freeze and optim.param_groups shape the optimiser's groups, optim._target_ its state
+(and optim.scheduler._target_ the schedule's, `_shaping`). A checkpoint older than a key has
+None for it, as a config without it has."""
 MODEL_FREE = ("dropout", "weights_strict")
 """Model keys that do not change the state dict's tensors."""
 DATA_SHAPE = ("channels", "image_size", "num_classes")
@@ -184,6 +186,14 @@ def _shaping(config: dict[str, Any]) -> dict[str, Any]:
         if section == "data" and values.get("name") in ("synthetic", "imagefolder"):
             chosen += [k for k in DATA_SHAPE if k in values]
         picked.update({f"{section}.{k}": values.get(k) for k in chosen})
+    optim = config.get("optim")
+    scheduler = optim.get("scheduler") if isinstance(optim, dict) else None
+    picked["optim.scheduler._target_"] = (
+        scheduler.get("_target_") if isinstance(scheduler, dict) else None)
+    # The task shapes the model's outputs; a checkpoint from before tasks is a classifier's.
+    task = config.get("task") if isinstance(config.get("task"), dict) else {}
+    picked["task.name"] = task.get("name") or "classification"
+    picked["task._target_"] = task.get("_target_")
     return picked
 
 

@@ -32,7 +32,7 @@ from omegaconf import OmegaConf
 from train import tracking
 from train.config.groups import TrainConfig
 from train.config.schema import to_typed
-from train.config.validation import monitor_problem
+from train.config.task import metric_problem
 from train.data import build as data_lib
 from train.distributed import env as distenv
 from train.distributed import process_group as distributed
@@ -50,6 +50,8 @@ from train.report import flops
 from train.report.metrics import Reduced
 from train.report.progress import Progress
 from train.report.runlog import RunLogger
+from train.tasks import build as tasks
+from train.tasks.base import Task, summed
 
 log = logging.getLogger("train")
 
@@ -89,7 +91,7 @@ def _previous_run(cfg: TrainConfig, out: Path,
 
 def _final_model_and_test(cfg: TrainConfig, out: Path, state: train_state.TrainState,
                           bundle: data_lib.DataBundle, device: torch.device,
-                          logger: RunLogger) -> Reduced | None:
+                          logger: RunLogger, task: Task) -> Reduced | None:
     """Every rank: the final model (best.pt's weights with trainer.test_on=best, else the
     last), then its one evaluation on the test split, where the data set has one."""
     distributed.barrier()  # rank 0's best.pt is complete before anyone reads it
@@ -103,8 +105,7 @@ def _final_model_and_test(cfg: TrainConfig, out: Path, state: train_state.TrainS
     if bundle.test is None:
         log.info("data=%s has no test split: no test phase", cfg.data.name)
         return None
-    criterion = loop.build_criterion(cfg, bundle.num_classes, device)
-    tested = loop.test(state.module, bundle.test, device, cfg.trainer.precision, criterion)
+    tested = loop.test(state.module, bundle.test, device, cfg.trainer.precision, task)
     logger.training.test(state.epoch, tested)
     return tested
 
@@ -122,6 +123,22 @@ def finished_already(cfg: TrainConfig, out: Path) -> dict[str, Any] | None:
     wanted = cfg.trainer.max_steps
     as_far = limit is None or (wanted is not None and wanted <= int(limit))
     return summary if done >= cfg.trainer.epochs and as_far else None
+
+
+def _set_up(cfg: TrainConfig, task: Task, bundle: data_lib.DataBundle,
+            device: torch.device) -> models.InputSpec:
+    """The task set up with the data (its loss as a SUM, the classes) and the model's input
+    and output sizes; a monitor the task never logs is refused here, where a custom data set's
+    classes or a custom task's metrics are known at last."""
+    classes = (cfg.task.num_classes if task.name == "segmentation" and cfg.task.num_classes
+               else bundle.num_classes)
+    task.setup(summed(models.build_loss(cfg.trainer.loss, device)), classes, bundle.class_names)
+    top5_classes = classes if task.name == "classification" else None
+    if problem := metric_problem(cfg.trainer.monitor, task.name, tuple(task.metrics),
+                                 "trainer.monitor", top5_classes):
+        raise ConfigError(problem)
+    return models.InputSpec.of(bundle.input_shape,
+                               task.outputs_per_sample(bundle.target_shape, classes))
 
 
 @dataclass(frozen=True)
@@ -154,23 +171,24 @@ def _train(job: Job, logger: RunLogger, stop: StopSignals,
     logger.start(job.config, ranks, env, job.backend, tags, OmegaConf.to_yaml(job.config),
                  _previous_run(cfg, out, resumed))
     accumulate = cfg.trainer.accumulate_grad_batches
+    task = tasks.build(cfg.task)
     bundle = data_lib.build(cfg.data, env, device, cfg.trainer.seed,
-                            channels_last=cfg.trainer.channels_last, micro_batches=accumulate)
-    logger.log_data(bundle)
-    if problem := monitor_problem(cfg.trainer.monitor, bundle.num_classes):
-        raise ConfigError(problem)  # a custom data set's classes, known only now
+                            channels_last=cfg.trainer.channels_last, micro_batches=accumulate,
+                            classes=task.name == "classification")
+    spec = _set_up(cfg, task, bundle, device)
+    logger.log_data(bundle, spec.num_classes,
+                    task.output_card(bundle.target_shape, bundle.input_shape))
     torch.manual_seed(cfg.trainer.seed)  # identical initial weights on every rank
-    spec = models.InputSpec.of(bundle.input_shape, bundle.num_classes)
     steps_per_epoch = -(-len(bundle.train) // accumulate)  # optimiser steps: the schedule's
     state = train_state.build(cfg, spec, steps_per_epoch, device, resumed is not None)
     logger.log_model_params(state.module)
     logger.training.throughput = flops.Throughput(
-        state.module, bundle.channels, bundle.image_size, device, cfg.trainer.precision,
-        cfg.trainer.peak_tflops, env.world_size)
+        state.module, bundle.input_shape, device, cfg.trainer.precision, cfg.trainer.peak_tflops,
+        env.world_size)
     torch.manual_seed(cfg.trainer.seed + env.rank)  # different augmentation per rank
     if resumed is not None:
         checkpoint.restore(state, resumed, env.rank, env.world_size)
-    outputs = JobOutputs(cfg, env, out, logger)
+    outputs = JobOutputs(cfg, env, out, logger, task)
     outputs.check_room(state)
     monitor = monitor_lib.Monitor(cfg.trainer, outputs.best_writer(state))
     if resumed is not None:
@@ -181,10 +199,10 @@ def _train(job: Job, logger: RunLogger, stop: StopSignals,
             cfg.tracking.checkpoint_flush_s, created_within_s=cfg.distributed.timeout_s / 2),
         run_fields=lambda: {**logger.run_fields(), "monitor": monitor.state_dict()})
     duties = loop.Duties(logger.training, checkpointer, stop, env.rank, env.local_rank, monitor)
-    final_val = loop.fit(cfg, state, bundle, device, duties)
+    final_val = loop.fit(cfg, state, bundle, device, duties, task)
     if monitor.stop_reason:
         logger.stopped_early(monitor.stop_reason)
-    tested = _final_model_and_test(cfg, out, state, bundle, device, logger)
+    tested = _final_model_and_test(cfg, out, state, bundle, device, logger, task)
     outputs.write_final(state, bundle, final_val, distributed.gather_to_all(peak_rss_mb()),
                         tested)
     logger.finish()

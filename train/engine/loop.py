@@ -1,4 +1,5 @@
-"""The training loop of one rank: epochs of DDP steps, exact validation, reduced metrics.
+"""The training loop of one rank: epochs of DDP steps, exact validation, reduced metrics, the
+same for every task (train/tasks/: what a batch's loss and metric sums are).
 
 The loop is the same on every rank. It syncs with the host only at the end of an epoch and on
 every `trainer.log_every_n_steps`-th step; the metrics it reduces are the same on every rank, and
@@ -10,8 +11,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,12 +21,13 @@ from train.config.groups import TrainConfig, TrainerConfig
 from train.data.build import Batches, DataBundle
 from train.distributed import process_group as distributed
 from train.distributed.stopping import StopSignals
+from train.engine import optim
 from train.engine.checkpoint import Checkpointer
 from train.engine.monitor import Monitor
 from train.engine.state import TrainState
-from train.models import build as models
 from train.report import metrics, system_stats
 from train.report.trainlog import TrainingLog
+from train.tasks.base import Sums, Task
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -33,7 +35,7 @@ class NonFiniteLossError(FloatingPointError):
 
 
 class ModelOutputError(ValueError):
-    """The model's output is not (batch, num_classes)."""
+    """The model's output does not fit the task (e.g. not (batch, num_classes))."""
 
 
 class FailureDrill(RuntimeError):
@@ -56,38 +58,6 @@ class Duties:
     rank: int
     local_rank: int
     monitor: Monitor
-
-
-class Criterion:
-    """trainer.loss on the model's class scores, and the top-k that goes with them.
-
-    The first batch's scores are checked to be (batch, num_classes): a user's model that gets
-    this wrong then fails with the shapes, not with an obscure error inside the loss.
-    `num_classes=None`: neither that check nor top-k nor a confusion matrix.
-    """
-
-    def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 num_classes: int | None, model: str) -> None:
-        self.loss_fn, self.num_classes, self.model = loss_fn, num_classes, model
-        self.top_k = metrics.TOP_K if (num_classes or 0) > metrics.TOP_K else None
-        self._checked = False
-
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor,
-                 inputs: torch.Tensor) -> torch.Tensor:
-        if not self._checked and self.num_classes is not None:  # host-side shapes: no sync
-            if problem := models.output_mismatch(self.model, self.num_classes,
-                                                 tuple(inputs.shape), tuple(logits.shape)):
-                raise ModelOutputError(problem)
-            self._checked = True
-        return self.loss_fn(logits, labels)
-
-    def totals(self, device: torch.device, confusion: bool = False) -> metrics.Totals:
-        return metrics.Totals(device, self.num_classes if confusion else None, self.top_k)
-
-
-def build_criterion(cfg: TrainConfig, num_classes: int, device: torch.device) -> Criterion:
-    return Criterion(models.build_loss(cfg.trainer.loss, device), num_classes,
-                     models.describe(cfg.model))
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
@@ -123,31 +93,53 @@ def _report_scaler(state: TrainState, duties: Duties) -> None:
             "optim.grad_clip, or use bf16-mixed or fp32).")
 
 
-def _micro_step(cfg: TrainConfig, state: TrainState, images: torch.Tensor,
-                labels: torch.Tensor, device: torch.device, criterion: Criterion,
-                weight: float, sync: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward and backward of one micro-batch, its loss weighted by its share of the optimiser
-    step's samples (1/trainer.accumulate_grad_batches when all are full), so that the summed
-    gradient is the mean over the step's samples. `sync=False`: under DDP's no_sync the
+def _micro_step(cfg: TrainConfig, state: TrainState, inputs: Any, target: Any,
+                device: torch.device, task: Task, step_samples: int,
+                sync: bool) -> tuple[torch.Tensor, Sums]:
+    """Forward and backward of one micro-batch. The task's loss is a SUM over the batch's
+    items. For a task of fixed items it is weighted by 1 / the optimiser step's items on this
+    rank (its `step_samples` times the items per sample: shapes, no sync; every rank holds as
+    many samples, DistributedSampler pads), so the summed gradient is the mean over the step's
+    items; where items vary (ignored pixels, padding) the sum stays, and `_optimiser_step`
+    divides by the step's item count over all ranks. `sync=False`: under DDP's no_sync the
     gradient only accumulates on this rank; the step's last micro-batch all-reduces the sum."""
     with contextlib.nullcontext() if sync else state.model.no_sync():
         with autocast(device, cfg.trainer.precision):
-            logits = state.model(images)
-            loss = criterion(logits, labels, images)
-        state.scaler.scale(loss if weight == 1 else loss * weight).backward()
-    return logits, loss
+            output = state.model(inputs)
+            loss, sums = task.step(output, target)
+        if task.fixed_items:
+            per_sample = int(sums["items"]) / max(1, int(sums["samples"]))
+            loss = loss / (step_samples * per_sample)
+        state.scaler.scale(loss).backward()
+    return output, sums
 
 
-def _optimiser_step(cfg: TrainConfig, state: TrainState) -> None:
-    """Once per optimiser step, after its micro-batches: unscale (fp16) and clip the summed
-    gradient, step, and advance the LR schedule and `state.step`."""
+def _optimiser_step(cfg: TrainConfig, state: TrainState, items: torch.Tensor | None) -> None:
+    """Once per optimiser step, after its micro-batches: divide the summed gradient by the
+    step's item count over all ranks where the task's items vary (`items`: this rank's; one
+    small all-reduce, no host sync), unscale (fp16) and clip it, step, and advance
+    `state.step` and the LR schedule where it steps per optimiser step (the built-in one;
+    optim.scheduler_interval=step)."""
+    if items is not None:
+        everywhere = torch.as_tensor(items, dtype=torch.float64, device=_device(state)).clone()
+        torch.distributed.all_reduce(everywhere)
+        # DDP averaged the ranks' summed gradients: times the world size, over every item.
+        scale = (torch.distributed.get_world_size() / everywhere.clamp_min(1)).float()
+        for param in state.module.parameters():
+            if param.grad is not None:
+                param.grad.mul_(scale)
     if cfg.optim.grad_clip is not None:
         state.scaler.unscale_(state.optimizer)
         nn.utils.clip_grad_norm_(state.model.parameters(), cfg.optim.grad_clip)
     state.scaler.step(state.optimizer)
     state.scaler.update()
-    state.scheduler.step()
+    if state.scheduler_interval == "step":
+        state.scheduler.step()
     state.step += 1
+
+
+def _device(state: TrainState) -> torch.device:
+    return next(state.module.parameters()).device
 
 
 def _log_step(state: TrainState, duties: Duties, totals: metrics.Totals, step_loss: torch.Tensor,
@@ -166,11 +158,11 @@ def _log_step(state: TrainState, duties: Duties, totals: metrics.Totals, step_lo
 
 
 def train_epoch(cfg: TrainConfig, state: TrainState, batches: Batches, device: torch.device,
-                duties: Duties, criterion: Criterion) -> metrics.Totals:
+                duties: Duties, task: Task) -> metrics.Totals:
     """One epoch of optimiser steps, each over trainer.accumulate_grad_batches micro-batches
-    (the epoch's last over what is left: its gradient is still the mean over its samples)."""
+    (the epoch's last over what is left: its gradient is still the mean over its items)."""
     state.model.train()
-    totals = criterion.totals(device)
+    totals = metrics.Totals(device, task.layout(detailed=False))
     skip, state.batch_in_epoch = state.batch_in_epoch, 0
     if state.partial_totals is not None:
         totals.restore(state.partial_totals)
@@ -182,27 +174,29 @@ def train_epoch(cfg: TrainConfig, state: TrainState, batches: Batches, device: t
     every, k = cfg.trainer.log_every_n_steps, cfg.trainer.accumulate_grad_batches
     count = len(batches)
     window_start, window_steps = time.perf_counter(), 0
-    step_loss = torch.zeros((), device=device)
-    for index, (images, labels) in enumerate(duties.logger.progress(batches, state.epoch),
+    step_loss: torch.Tensor = torch.zeros((), device=device)
+    step_items: Any = 0
+    for index, (inputs, target) in enumerate(duties.logger.progress(batches, state.epoch),
                                              start=skip):
         first, end = index - index % k, min(index - index % k + k, count)
         if index == first:
             state.optimizer.zero_grad(set_to_none=True)
-        weight = labels.shape[0] / batches.samples_in(first, end)  # shapes: no sync
-        logits, loss = _micro_step(cfg, state, images, labels, device, criterion, weight,
-                                   sync=index + 1 == end)
-        totals.add(logits, labels, loss)
-        share = loss.detach() if weight == 1 else loss.detach() * weight
-        step_loss = share if index == first else step_loss + share
+            step_loss, step_items = torch.zeros((), device=device), 0
+        output, sums = _micro_step(cfg, state, inputs, target, device, task,
+                                   batches.samples_in(first, end), sync=index + 1 == end)
+        if index == skip:
+            _check_output(task, output, target, inputs)
+        totals.add(sums)
+        step_loss, step_items = step_loss + sums["loss"], step_items + sums["items"]
         if index + 1 < end:
             continue
-        _optimiser_step(cfg, state)
+        _optimiser_step(cfg, state, None if task.fixed_items else step_items)
         window_steps += 1
         if state.step == 1:
             duties.logger.first_step()
         fail_drill(cfg.trainer, state.step, duties.rank)
         if state.step % every == 0:
-            _log_step(state, duties, totals, step_loss,
+            _log_step(state, duties, totals, step_loss / step_items,
                       (time.perf_counter() - window_start) / window_steps, end, count)
             window_start, window_steps = time.perf_counter(), 0
         if state.step == cfg.trainer.max_steps:  # the training ends with this step
@@ -210,46 +204,64 @@ def train_epoch(cfg: TrainConfig, state: TrainState, batches: Batches, device: t
     return totals
 
 
+def _check_output(task: Task, output: Any, target: Any, inputs: Any) -> None:
+    """The first batch's output fits the task (host-side shapes: no sync), or the model is
+    named with the shapes instead of an obscure error inside the loss."""
+    if problem := task.output_problem(output, target, inputs):
+        raise ModelOutputError(f"the model {problem}")
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: Batches, device: torch.device, precision: str,
-             criterion: Criterion | None = None, confusion: bool = False) -> metrics.Totals:
-    """This rank's shard of the validation set, on the bare module (no DDP collectives): the
-    loss on fp32 scores, accuracy, top-5 (more than 5 classes) and, with `confusion`, the
-    confusion matrix. No criterion: cross-entropy and accuracy only."""
+             task: Task, detailed: bool = False, examples: bool = False) -> metrics.Totals:
+    """This rank's shard of the validation set, on the bare module (no DDP collectives), the
+    task's sums on fp32 outputs; `detailed`: what the task keeps for the final evaluations (a
+    confusion matrix); `examples`: the task keeps a few samples for its picture."""
     model.eval()
-    criterion = criterion or Criterion(nn.CrossEntropyLoss(), None, "the model")
-    totals = criterion.totals(device, confusion)
-    for images, labels in batches:
+    totals = metrics.Totals(device, task.layout(detailed))
+    for index, (inputs, target) in enumerate(batches):
         with autocast(device, precision):
-            logits = model(images)
-        logits = logits.float()
-        totals.add(logits, labels, criterion(logits, labels, images))
+            output = model(inputs)
+        output = _fp32(output)
+        if index == 0:
+            _check_output(task, output, target, inputs)
+        totals.add(task.step(output, target, detailed)[1])
+        if examples:
+            task.keep_examples(inputs, output, target)
     return totals
 
 
+def _fp32(output: Any) -> Any:
+    if isinstance(output, torch.Tensor):
+        return output.float()
+    if isinstance(output, dict):
+        return {key: _fp32(value) for key, value in output.items()}
+    return output
+
+
 def fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.device,
-        duties: Duties) -> metrics.Reduced | None:
+        duties: Duties, task: Task) -> metrics.Reduced | None:
     """Train from `state` to trainer.epochs (or trainer.max_steps), or until early stopping;
-    returns the last validation (with its confusion matrix), or None when this start had no
-    epoch left."""
+    returns the last validation (with what the task keeps for the final one), or None when
+    this start had no epoch left."""
     epochs, limit, val = cfg.trainer.epochs, cfg.trainer.max_steps, None
-    criterion = build_criterion(cfg, data.num_classes, device)
     while state.epoch < epochs and (limit is None or state.step < limit):
         started = time.perf_counter()
-        train_totals = train_epoch(cfg, state, data.train, device, duties, criterion)
-        _check_finite(train_totals.as_host()[0], duties.rank, state.step,
+        train_totals = train_epoch(cfg, state, data.train, device, duties, task)
+        _check_finite(train_totals.as_host()["loss"], duties.rank, state.step,
                       "the epoch's training loss")
         if state.step % cfg.trainer.log_every_n_steps:  # else logged at that step already
             _report_scaler(state, duties)
         train_time = time.perf_counter() - started
-        train = metrics.reduce(train_totals)
+        train = metrics.reduce(train_totals, task.finalize)
         last = state.epoch + 1 == epochs or state.step == limit
         val = None
         if last or (state.epoch + 1) % cfg.trainer.eval_every == 0:
-            # With early stopping any evaluation may be the last: each keeps its confusion.
-            confusion = last or duties.monitor.patience is not None
+            # With early stopping any evaluation may be the last: each keeps the details.
+            detailed = last or duties.monitor.patience is not None
             val = metrics.reduce(evaluate(state.module, data.val, device, cfg.trainer.precision,
-                                          criterion, confusion=confusion))
+                                          task, detailed, examples=last and duties.rank == 0),
+                                 task.finalize)
             duties.monitor.observe(state.epoch, state.step, val)
         nodes = None
         if cfg.tracking.system_metrics:  # one more small gather per epoch
@@ -257,6 +269,8 @@ def fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.dev
         duties.logger.epoch(state.epoch, train=train, val=val, train_time_s=train_time,
                             epoch_time_s=time.perf_counter() - started,
                             lrs=state.learning_rates(cfg.optim.lr), nodes=nodes)
+        optim.step_at_epoch_end(state.scheduler, state.scheduler_interval, val,
+                                cfg.trainer.monitor)  # before the epoch's checkpoint
         state.epoch += 1
         stop = distributed.any_rank(duties.stop.received is not None)
         early = not last and duties.monitor.stop_agreed()
@@ -270,7 +284,8 @@ def fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.dev
 
 
 def test(model: nn.Module, batches: Batches, device: torch.device, precision: str,
-         criterion: Criterion) -> metrics.Reduced:
+         task: Task) -> metrics.Reduced:
     """The final model, once, on every rank's strided shard of the test split (each sample on
-    exactly one rank, none twice): loss, accuracy, top-5 and the confusion matrix."""
-    return metrics.reduce(evaluate(model, batches, device, precision, criterion, confusion=True))
+    exactly one rank, none twice), with the task's details (a confusion matrix)."""
+    return metrics.reduce(evaluate(model, batches, device, precision, task, detailed=True),
+                          task.finalize)

@@ -29,13 +29,10 @@ def direction(name: str, mode: str) -> str:
 
 
 def value_of(name: str, val: Reduced) -> float:
-    values = {"val/loss": val.loss, "val/accuracy": val.accuracy,
-              "val/accuracy_top5": val.accuracy_top5}
-    value = values.get(name)
+    value = val.values.get(name.removeprefix("val/")) if name.startswith("val/") else None
     if value is None:  # top-5 with 5 classes or fewer: pre-flight cannot always know
         raise ValueError(f"trainer.monitor={name} is not logged by this job (top-5 needs more "
-                         f"than 5 classes); choose one of "
-                         f"{[k for k, v in values.items() if v is not None]}.")
+                         f"than 5 classes); choose one of {[f'val/{k}' for k in val.values]}.")
     return float(value)
 
 

@@ -1,7 +1,8 @@
 """The job's files beside its outputs and in its run, written by rank 0 alone: best.pt at each
-new best evaluation (trainer.save_best), and at the end model.pt, the confusion matrices and
-summary.json. Every rank holds a `JobOutputs`; on the others each method does nothing, so the
-job script (train/engine/job.py) never asks which rank it is on.
+new best evaluation (trainer.save_best), and at the end model.pt, the task's pictures and tables
+(train/tasks/: the confusion matrices of a classifier) and summary.json. Every rank holds a
+`JobOutputs`; on the others each method does nothing, so the job script (train/engine/job.py)
+never asks which rank it is on.
 """
 
 from __future__ import annotations
@@ -9,6 +10,9 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from train.config.groups import TrainConfig
 from train.data.build import DataBundle
@@ -16,16 +20,17 @@ from train.distributed.env import DistEnv
 from train.engine import checkpoint
 from train.engine import monitor as monitor_lib
 from train.engine.state import TrainState
-from train.report.figures import per_class_accuracy, render_confusion
 from train.report.metrics import Reduced
 from train.report.runlog import RunLogger
+from train.tasks.base import Task
 
 log = logging.getLogger("train")
 
 
 class JobOutputs:
-    def __init__(self, cfg: TrainConfig, env: DistEnv, out: Path, logger: RunLogger) -> None:
-        self.cfg, self.out, self.logger = cfg, out, logger
+    def __init__(self, cfg: TrainConfig, env: DistEnv, out: Path, logger: RunLogger,
+                 task: Task) -> None:
+        self.cfg, self.out, self.logger, self.task = cfg, out, logger, task
         self.writes = env.is_main
         """Rank 0 is the one writer; the other ranks' outputs are no-ops."""
         self.checkpoints = checkpoint.directory(out)
@@ -54,23 +59,21 @@ class JobOutputs:
 
     def write_final(self, state: TrainState, bundle: DataBundle, final_val: Reduced | None,
                     peaks: list[float], tested: Reduced | None = None) -> None:
-        """model.pt, confusion_matrix.svg (and the test split's), summary.json; the same in the
-        run."""
+        """model.pt, the task's pictures and tables of the final validation and of the test,
+        summary.json; the same in the run."""
         if not self.writes:
             return
-        files: dict[str, Path] = {}
-        table = None
-        names = bundle.class_names
-        if final_val is not None and final_val.confusion is not None:
-            files[""] = render_confusion(final_val.confusion, names,
-                                         self.out / "confusion_matrix.svg")
-            table = per_class_accuracy(final_val.confusion, names)
-        if tested is not None and tested.confusion is not None:
-            svg = render_confusion(tested.confusion, names,
-                                   self.out / "test_confusion_matrix.svg")
-            self.logger.test_outputs(svg, per_class_accuracy(tested.confusion, names))
-        files["weights"] = checkpoint.save_weights(state.module.state_dict(),
-                                                   self.out / "model.pt", self.checkpoints)
-        example = next(iter(bundle.val))[0][:4].cpu().numpy()  # batch > 1: any size loads back
-        self.logger.log_outputs(files, table, state.module, example)
+        for reduced, prefix in ((final_val, ""), (tested, "test_")):
+            if reduced is not None:
+                self.logger.task_outputs(*self.task.write_outputs(reduced, self.out, prefix))
+        weights = checkpoint.save_weights(state.module.state_dict(), self.out / "model.pt",
+                                          self.checkpoints)
+        example = _example(bundle)
+        self.logger.log_outputs({"weights": weights}, state.module, example)
         (self.out / "summary.json").write_text(json.dumps(self.logger.summary(peaks), indent=2))
+
+
+def _example(bundle: DataBundle) -> Any:
+    """A few validation inputs for the logged model's signature (batch > 1: any size loads)."""
+    inputs = next(iter(bundle.val))[0]
+    return inputs[:4].cpu().numpy() if isinstance(inputs, torch.Tensor) else None

@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from train.config.groups import TrainConfig
 from train.distributed import devices
 from train.engine import optim
+from train.engine.monitor import direction
 from train.models import build as models
 from train.models import finetune, pretrained
 
@@ -63,7 +64,8 @@ class TrainState:
     module: nn.Module
     """The bare model: what checkpoints, the saved weights and evaluation use."""
     optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    """The built-in schedule (a LambdaLR) or optim.scheduler's class."""
     scaler: GradScaler
     epoch: int = 0
     step: int = 0
@@ -71,13 +73,23 @@ class TrainState:
     """Batches of `epoch` already trained (resuming mid-epoch)."""
     partial_totals: list[float] | None = None
     """This rank's sums over those batches."""
+    scheduler_interval: str = "step"
+    """When `scheduler` steps: after each optimiser step (train/engine/loop.py's
+    _optimiser_step), or once at each epoch's end (optim.step_at_epoch_end)."""
+    peak_lrs: list[float] | None = None
+    """Each optimiser group's lr as built (optim.lr x its lr_scale), before any schedule: what
+    the `lr` metric is read against. None = the scheduler's base_lrs (the built-in schedule's
+    are these)."""
 
     def learning_rates(self, base_lr: float) -> dict[str, float]:
         """`lr`: optim.lr (`base_lr`) as scheduled now, and `lr/<prefix>`: each
-        optim.param_groups group's. One schedule scales every group, so its factor can be read
-        off any group - the first is a named group's when every parameter is in one."""
+        optim.param_groups group's. `lr` is read off the first group, scaled back by its
+        lr_scale (the first is a named group's when every parameter is in one): the same for
+        every group where the schedule scales them alike (the built-in one, StepLR, ...).
+        Any scheduler: get_last_lr() is LRScheduler's (ReduceLROnPlateau's too, torch 2.2+)."""
         now = self.scheduler.get_last_lr()
-        rates = {"lr": base_lr * now[0] / self.scheduler.base_lrs[0]}
+        peaks = self.peak_lrs or self.scheduler.base_lrs
+        rates = {"lr": base_lr * now[0] / peaks[0]}
         for group, lr in zip(self.optimizer.param_groups, now, strict=True):
             if group.get("prefix"):
                 rates[f"lr/{group['prefix']}"] = lr
@@ -109,7 +121,10 @@ def build(cfg: TrainConfig, spec: models.InputSpec, steps_per_epoch: int,
     if cfg.trainer.compile:
         ddp = torch.compile(ddp)  # type: ignore[assignment]
     optimizer = optim.build_optimizer(cfg.optim, module)
+    peaks = [float(group["lr"]) for group in optimizer.param_groups]
     scheduler = optim.build_scheduler(cfg.optim, optimizer, steps_per_epoch, cfg.trainer.epochs,
-                                      cfg.trainer.max_steps)
+                                      cfg.trainer.max_steps,
+                                      direction(cfg.trainer.monitor, cfg.trainer.monitor_mode))
     scaler = GradScaler(device, enabled=cfg.trainer.precision == "fp16-mixed")
-    return TrainState(ddp, module, optimizer, scheduler, scaler)
+    return TrainState(ddp, module, optimizer, scheduler, scaler,
+                      scheduler_interval=optim.interval(cfg.optim), peak_lrs=peaks)

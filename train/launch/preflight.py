@@ -12,14 +12,22 @@ import os
 from collections.abc import Sequence
 
 from train.config import groups as config_lib
-from train.config.groups import CustomModelConfig, DataConfig, TrainConfig, TrainerConfig
+from train.config.groups import CustomModelConfig, DataConfig, TrainConfig
 
 # Re-exported: callers and tests reach validation through the pre-flight.
 from train.config.validation import DATASET_NAMES as DATASET_NAMES
 from train.config.validation import MODEL_NAMES as MODEL_NAMES
-from train.config.validation import monitor_problem
 from train.config.validation import validate as validate
 from train.errors import ConfigError, LaunchError
+from train.launch.model_checks import (
+    check_finetuning,
+    check_model,
+    check_monitor,
+    check_optimiser,
+    check_registrable,
+    check_task,
+    input_before_reading,
+)
 
 
 def preflight(cfgs: Sequence[TrainConfig], on_slurm: bool = False, dry_run: bool = False,
@@ -49,8 +57,12 @@ def preflight(cfgs: Sequence[TrainConfig], on_slurm: bool = False, dry_run: bool
                 continue
             resuming = check_resume(cfg, world_size, output_dir if len(cfgs) == 1 else None)
             known = input_before_reading(cfg.data)  # an image folder's: one directory scan
+            if cfg.task.name != "classification":  # the input shape is not all of its data
+                known = None
+                check_task(cfg)
             check_model(cfg)
             check_finetuning(cfg, resuming, known)
+            check_optimiser(cfg, known)
             named_classes = check_data(cfg)  # a custom Dataset's, where it names them
             check_monitor(cfg, known[1] if known else named_classes)
             check_registrable(cfg, known, checked)
@@ -110,89 +122,6 @@ def config_dict(cfg: TrainConfig) -> dict:
     return as_dict
 
 
-def check_model(cfg: TrainConfig,
-                data_input: tuple[tuple[int, ...], int] | None = None) -> None:
-    """The model and the loss. A custom model is built (on the meta device where it can be)
-    and run on the data's input shape where that is known: `data_input` (one sample's shape,
-    number of classes) as the data check found it, else the built-in sets' (`known_input`);
-    where neither is known, it is only imported here, and its output is checked at the first
-    training step. No torch import for a built-in model with the default loss."""
-    custom = isinstance(cfg.model, CustomModelConfig)
-    if not custom and cfg.model.source == "torchvision":
-        from train.models.build import torchvision_builders
-
-        if cfg.model.name not in (builders := torchvision_builders()):
-            raise ConfigError(f"model=torchvision model.name={cfg.model.name!r} is not a "
-                              f"torchvision classification model; choose one of {builders}.")
-    if not custom and cfg.trainer.loss == DEFAULT_LOSS:
-        return
-    from train.config import usercode
-    from train.models import build as models
-
-    known = data_input or known_input(cfg.data)
-    try:
-        if custom and known is not None:
-            models.check_output(cfg.model, models.InputSpec.of(*known))
-        elif custom:
-            models.custom_target(cfg.model)
-        if cfg.trainer.loss != DEFAULT_LOSS:
-            models.check_loss(cfg.trainer.loss, known[1] if known else None)
-    except usercode.UserCodeError as e:
-        raise ConfigError(str(e)) from None
-
-
-def check_finetuning(cfg: TrainConfig, resuming: bool,
-                     known: tuple[tuple[int, ...], int] | None) -> None:
-    """model.weights found, read (weights only) and, strict, fitting the model; model.freeze
-    and optim.param_groups prefixes matching its parameters. The model is built on the meta
-    device, where the data's shape is `known` without reading the data (elsewhere the job checks
-    at its start). A job that continues a checkpoint takes its weights: model.weights unread."""
-    m = cfg.model
-    if not (m.weights or m.freeze or cfg.optim.param_groups):
-        return  # no torch import
-    from train.config import usercode
-    from train.models import build as models
-    from train.models import finetune, pretrained
-
-    try:
-        source = None if resuming else pretrained.resolve(m)
-        weights = pretrained.read(source.path, source.label) if source else None
-        if known is None:
-            return
-        spec = models.InputSpec.of(*known)
-        model = models.build_on_meta(m, spec)
-        if source is not None and weights is not None:
-            pretrained.fit(model, source, weights, m.weights_strict, spec.num_classes)
-        finetune.check(model, m.freeze, cfg.optim.param_groups)
-    except (pretrained.WeightsError, finetune.FinetuneError, usercode.UserCodeError) as e:
-        raise ConfigError(str(e)) from None
-
-
-def input_before_reading(data: DataConfig) -> tuple[tuple[int, ...], int] | None:
-    """(one sample's shape, number of classes) of a built-in data set or an image folder's
-    class folders; None for a custom data set (known once it is built)."""
-    if data.name != "imagefolder":
-        return known_input(data)
-    from train.data import imagefolder
-
-    return imagefolder.known_input(data.root, data.image_size)
-
-
-DEFAULT_LOSS = TrainerConfig().loss
-BUILTIN_INPUTS: dict[str, tuple[tuple[int, ...], int]] = {
-    "digits": ((1, 8, 8), 10), "mnist": ((1, 28, 28), 10), "fashion_mnist": ((1, 28, 28), 10),
-    "cifar10": ((3, 32, 32), 10)}
-"""One sample's shape and the classes of the built-in data sets (as train/data/datasets.py loads
-them), known without loading them."""
-
-
-def known_input(data: DataConfig) -> tuple[tuple[int, ...], int] | None:
-    """(one sample's shape, number of classes) where it is known without reading the data."""
-    if data.name == "synthetic":
-        return (data.channels, data.image_size, data.image_size), data.num_classes
-    return BUILTIN_INPUTS.get(data.name)
-
-
 def check_data(cfg: TrainConfig) -> int | None:
     """The data is there and readable. Returns a custom data set's number of classes where its
     Dataset names them (`classes`, `targets`), as it is built here once."""
@@ -201,8 +130,11 @@ def check_data(cfg: TrainConfig) -> int | None:
         return None
     if cfg.data.name == "custom":
         from train.data import userdata  # imports the user's package (and torch)
+        from train.tasks import build as tasks
 
-        return userdata.check(cfg.data.train, cfg.data.val, cfg.data.test)
+        task = tasks.build(cfg.task)
+        return userdata.check(cfg.data.train, cfg.data.val, cfg.data.test,
+                              task.target_problem, classes=cfg.task.name == "classification")
     if not config_lib.reads_files(cfg.data):
         return None  # nothing on disk to look for: no torch import for digits or synthetic
     from train.data import datasets
@@ -212,30 +144,6 @@ def check_data(cfg: TrainConfig) -> int | None:
     except datasets.DataMissingError as e:
         raise LaunchError(str(e)) from None
     return None
-
-
-def check_monitor(cfg: TrainConfig, classes: int | None) -> None:
-    """A top-5 monitor on a data set of TOP_K classes or fewer, where the classes are known:
-    before the data is read, or named by a custom Dataset (one that does not name them: on
-    every rank once it is built)."""
-    if classes is not None and (problem := monitor_problem(cfg.trainer.monitor, classes)):
-        raise ConfigError(problem)
-
-
-def check_registrable(cfg: TrainConfig, known: tuple[tuple[int, ...], int] | None,
-                      checked: set[str]) -> None:
-    """tracking.register_model: torch.export traces the model (train/models/exportable.py), where
-    its
-    input is `known` before the data is read; once per model and input of a sweep."""
-    name = cfg.tracking.register_model
-    if name and known and (key := repr((cfg.model, known))) not in checked:
-        from train.models import build as models
-        from train.models import exportable
-
-        spec = models.InputSpec.of(*known)
-        exportable.check_registrable(lambda: models.build(cfg.model, spec), known[0],
-                                     models.describe(cfg.model), name)
-        checked.add(key)
 
 
 def check_image_folder(data: DataConfig) -> None:

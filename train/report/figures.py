@@ -62,3 +62,33 @@ def render_confusion(confusion: list[list[int]], class_names: list[str], path: P
     out.append("</svg>")
     path.write_text("\n".join(out) + "\n")
     return path
+
+
+def render_scatter(points: list[tuple[float, float]], path: Path, title: str,
+                   size: int = 360) -> Path:
+    """Predicted against true values (x: true, y: predicted) with the diagonal, as SVG."""
+    margin = 48
+    values = [v for point in points for v in point]
+    low, high = min(values), max(values)
+    span = (high - low) or 1.0
+
+    def at(value: float, flip: bool) -> float:
+        share = (value - low) / span
+        return round(margin + (1 - share if flip else share) * (size - 2 * margin), 1)
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{size}" height="{size}" '
+           f'viewBox="0 0 {size} {size}" font-family="sans-serif" font-size="11">',
+           f'<rect width="{size}" height="{size}" fill="white"/>',
+           f'<text x="{size / 2}" y="18" text-anchor="middle" font-size="13">'
+           f'validation: {escape(title)} ({len(points)} values)</text>',
+           f'<line x1="{at(low, False)}" y1="{at(low, True)}" x2="{at(high, False)}" '
+           f'y2="{at(high, True)}" stroke="#999999" stroke-dasharray="4 3"/>',
+           f'<text x="{size / 2}" y="{size - 10}" text-anchor="middle">true value '
+           f'({low:.3g} to {high:.3g})</text>',
+           f'<text transform="translate(14 {size / 2}) rotate(-90)" '
+           'text-anchor="middle">predicted value</text>']
+    out += [f'<circle cx="{at(t, False)}" cy="{at(p, True)}" r="2" fill="#1f5fa8" '
+            'fill-opacity="0.6"/>' for t, p in points]
+    out.append("</svg>")
+    path.write_text("\n".join(out) + "\n")
+    return path

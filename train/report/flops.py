@@ -30,7 +30,7 @@ PEAK_TFLOPS: tuple[tuple[str, float, float], ...] = (
 )
 
 
-def training_flops_per_sample(model: nn.Module, channels: int, image_size: int) -> float | None:
+def training_flops_per_sample(model: nn.Module, input_shape: tuple[int, ...]) -> float | None:
     """FLOPs of forward + backward for one sample; None when they cannot be counted."""
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -38,9 +38,11 @@ def training_flops_per_sample(model: nn.Module, channels: int, image_size: int) 
         ghost = copy.deepcopy(model).to("meta")
         ghost.train()
         batch = 2  # BatchNorm in training mode wants more than one value per channel
-        images = torch.empty(batch, channels, image_size, image_size, device="meta")
+        inputs = torch.empty(batch, *input_shape, device="meta")
         with FlopCounterMode(display=False) as counter:
-            ghost(images).float().sum().backward()
+            output = ghost(inputs)
+            scores = output["out"] if isinstance(output, dict) else output
+            scores.float().sum().backward()
         total = counter.get_total_flops()
     except Exception as e:  # noqa: BLE001 - an exotic layer must not stop training
         log.info("model FLOPs not counted (%s: %s); no train/mfu", type(e).__name__, e)
@@ -65,9 +67,9 @@ class Throughput:
     """train/tflops_per_sec and train/mfu of all ranks together. The FLOPs are counted at the
     first epoch end, so that counting (~1 s on a CPU) does not delay the first step."""
 
-    def __init__(self, model: nn.Module, channels: int, image_size: int, device: torch.device,
+    def __init__(self, model: nn.Module, input_shape: tuple[int, ...], device: torch.device,
                  precision: str, configured_peak: float | None, world_size: int) -> None:
-        self._model, self._shape = model, (channels, image_size)
+        self._model, self._shape = model, tuple(input_shape)
         peak = peak_tflops(device, precision, configured_peak)
         self.peak_total = None if peak is None else peak * world_size
         self.flops_per_sample: float | None = None
@@ -76,7 +78,7 @@ class Throughput:
     def metrics(self, samples: int, seconds: float) -> dict[str, float]:
         if not self._counted:
             self.flops_per_sample, self._counted = training_flops_per_sample(
-                self._model, *self._shape), True
+                self._model, self._shape), True
         if not self.flops_per_sample or seconds <= 0:
             return {}
         tflops = self.flops_per_sample * samples / seconds / 1e12

@@ -1,114 +1,112 @@
-"""Per-rank sums kept on the device, their exact sample-weighted reduction, and what the ranks
-exchange at a logging step."""
+"""Per-rank sums kept on the device, their exact reduction over ranks, and what the ranks exchange
+at a logging step."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from train.config.validation import TOP_K as TOP_K  # accuracy_top5: with more classes than this
 from train.distributed import process_group as distributed
 
+Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]
+"""The sums a task keeps: name -> (shape, dtype); float64 for sums of values, int64 for counts."""
 
-class HostSums(NamedTuple):
-    """One rank's sums, on the host."""
-
-    loss_sum: float
-    correct: int
-    samples: int
-    confusion: list[int] | None
-    correct_top_k: int
+LEGACY_ORDER = ("loss", "correct", "samples", "correct_top5")
+"""The sums a classification checkpoint held as a plain list before tasks existed."""
 
 
 class Totals:
-    """Loss x samples, correct predictions and samples, accumulated without host syncs.
+    """Named sums kept on the device and added to without host syncs: always `loss` (the
+    summed loss), `items` (what the loss is a sum over: samples, pixels, tokens) and `samples`;
+    a task adds its own (train/tasks/). Summed over ranks, they give exact metrics at any world
+    size: sums and counts, never means of means."""
 
-    With `num_classes`, also the confusion matrix (rows: true class, columns: predicted); with
-    `top_k`, also the samples whose label is among the k highest scores.
-    """
-
-    def __init__(self, device: torch.device, num_classes: int | None = None,
-                 top_k: int | None = None) -> None:
+    def __init__(self, device: torch.device, layout: Layout) -> None:
         # float64 so that sums over a long epoch stay exact enough to compare across world sizes
-        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        self.correct = torch.zeros((), dtype=torch.int64, device=device)
-        self.samples = torch.zeros((), dtype=torch.int64, device=device)
-        self.correct_top_k = torch.zeros((), dtype=torch.int64, device=device)
-        self.num_classes, self.top_k = num_classes, top_k
-        self.confusion = (None if num_classes is None else
-                          torch.zeros(num_classes * num_classes, dtype=torch.int64, device=device))
-        self._host: HostSums | None = None
+        self.sums = {name: torch.zeros(shape, dtype=dtype, device=device)
+                     for name, (shape, dtype) in {**BASE_LAYOUT, **layout}.items()}
+        self._host: dict[str, Any] | None = None
 
     @torch.no_grad()
-    def add(self, logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor) -> None:
-        n = labels.shape[0]
-        predicted = logits.argmax(dim=1)
-        self.loss_sum += loss.detach().double() * n
-        self.correct += (predicted == labels).sum()
-        self.samples += n
-        if self.top_k is not None:  # one small kernel on the device, no sync
-            best = logits.topk(self.top_k, dim=1).indices
-            self.correct_top_k += (best == labels.unsqueeze(1)).any(dim=1).sum()
-        if self.confusion is not None:
-            self.confusion += torch.bincount(labels * self.num_classes + predicted,
-                                             minlength=self.confusion.numel())
+    def add(self, sums: Mapping[str, torch.Tensor | float | int]) -> None:
+        for name, value in sums.items():
+            self.sums[name] += value.detach() if isinstance(value, torch.Tensor) else value
 
-    def _sums(self) -> torch.Tensor:
-        return torch.stack([self.loss_sum, self.correct.double(), self.samples.double(),
-                            self.correct_top_k.double()])
-
-    def snapshot(self) -> list[float]:
+    def snapshot(self) -> dict[str, Any]:
         """The running sums, mid-epoch (for a checkpoint)."""
-        return self._sums().tolist()
+        return {name: value.tolist() for name, value in self.sums.items()}
 
-    def restore(self, values: list[float]) -> None:
-        self.loss_sum.fill_(values[0])
-        self.correct.fill_(int(values[1]))
-        self.samples.fill_(int(values[2]))
-        self.correct_top_k.fill_(int(values[3]) if len(values) > 3 else 0)
+    def restore(self, values: Mapping[str, Any] | Sequence[float]) -> None:
+        if not isinstance(values, Mapping):  # a checkpoint from before tasks: classification's
+            values = dict(zip(LEGACY_ORDER, values, strict=False))
+            values["items"] = values["samples"]
+        for name, value in values.items():
+            if name in self.sums:
+                self.sums[name].copy_(torch.as_tensor(value, dtype=self.sums[name].dtype))
 
-    def as_host(self) -> HostSums:
-        """The one host sync of an epoch (call it once the epoch is over: the result is kept)."""
+    def as_host(self) -> dict[str, Any]:
+        """The one host sync of an epoch (call it once the epoch is over: the result is kept):
+        every sum as a float or a nested list, counts as ints."""
         if self._host is None:
-            values = self._sums().tolist()
-            confusion = None if self.confusion is None else self.confusion.tolist()
-            self._host = HostSums(values[0], int(values[1]), int(values[2]), confusion,
-                                  int(values[3]))
+            flat = torch.cat([v.double().flatten() for v in self.sums.values()]).tolist()
+            self._host, at = {}, 0
+            for name, value in self.sums.items():
+                n = value.numel()
+                part = flat[at:at + n]
+                at += n
+                if not value.is_floating_point():
+                    part = [int(x) for x in part]
+                self._host[name] = (part[0] if value.ndim == 0 else
+                                    torch.tensor(part).view(value.shape).tolist())
         return self._host
+
+
+BASE_LAYOUT: Layout = {"loss": ((), torch.float64), "items": ((), torch.int64),
+                       "samples": ((), torch.int64)}
+
+
+def _add(a: Any, b: Any) -> Any:
+    if isinstance(a, list):
+        return [_add(x, y) for x, y in zip(a, b, strict=True)]
+    return a + b
+
+
+def sum_over(host: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Several ranks' host sums, added name by name (nested lists element by element)."""
+    total = dict(host[0])
+    for other in host[1:]:
+        total = {name: _add(total[name], other[name]) for name in total}
+    return total
 
 
 @dataclass
 class Reduced:
-    loss: float
-    accuracy: float
+    """One phase's metrics, the same on every rank: the task's finished values (`loss` and its
+    own, names without the split) from every rank's sums, and those sums."""
+
+    values: dict[str, float]
     samples: int
-    confusion: list[list[int]] | None = None
-    """confusion[true][predicted], summed over ranks (final validation only)."""
-    accuracy_top5: float | None = None
-    """Share of samples whose label is among the 5 highest scores (more than 5 classes)."""
+    sums: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def loss(self) -> float:
+        return self.values["loss"]
+
+    @property
+    def confusion(self) -> list[list[int]] | None:
+        """confusion[true][predicted], summed over ranks, where the task kept one."""
+        return self.sums.get("confusion")
 
 
-def reduce(totals: Totals) -> Reduced:
-    """Every rank's sums, gathered to every rank: the sample-weighted means, the same on all.
-
-    All ranks hold the same numbers, so what they decide from them (stop early, save the best)
-    needs no further agreement, and no rank needs to know it is rank 0 to compute them.
-    """
-    gathered = distributed.gather_to_all(totals.as_host())
-    samples = sum(g.samples for g in gathered)
-    confusion = None
-    if totals.num_classes is not None:
-        c = totals.num_classes
-        flat = [sum(column) for column in zip(*(g.confusion for g in gathered), strict=True)]
-        confusion = [flat[row * c:(row + 1) * c] for row in range(c)]
-    top5 = None
-    if totals.top_k is not None:
-        top5 = sum(g.correct_top_k for g in gathered) / max(1, samples)
-    return Reduced(loss=sum(g.loss_sum for g in gathered) / max(1, samples),
-                   accuracy=sum(g.correct for g in gathered) / max(1, samples),
-                   samples=samples, confusion=confusion, accuracy_top5=top5)
+def reduce(totals: Totals, finalize: Callable[[dict[str, Any]], dict[str, float]]) -> Reduced:
+    """Every rank's sums, gathered to every rank and added, then finished by the task
+    (`finalize`): all ranks hold the same numbers, so what they decide from them (stop early,
+    save the best) needs no further agreement, and no rank needs to know it is rank 0."""
+    summed = sum_over(distributed.gather_to_all(totals.as_host()))
+    return Reduced(values=finalize(summed), samples=int(summed["samples"]), sums=summed)
 
 
 @dataclass

@@ -33,9 +33,10 @@ def _steps(cfg: DataConfig, image_size: int) -> str:
 
 
 def describe(val: Any, cfg: DataConfig, input_shape: tuple[int, ...],
-             class_names: list[str]) -> dict[str, Any]:
+             class_names: list[str], output: dict[str, Any] | None = None) -> dict[str, Any]:
     """The model card of a job: `val` is its validation Batches (train/data/batches.py), whose
-    scale, mean and std are exactly what training applied to every batch on the device."""
+    scale, mean and std are exactly what training applied to every batch on the device;
+    `output`: what the model returns, as the task says (default: a classifier's scores)."""
     shape = [int(d) for d in input_shape]
     scale = getattr(val, "scale", None)
     if scale is None:  # data=custom: the user's Dataset gives the model its inputs as they are
@@ -51,8 +52,9 @@ def describe(val: Any, cfg: DataConfig, input_shape: tuple[int, ...],
         "input": {"dtype": "float32", "layout": "NCHW" if len(shape) == 3 else "N + sample",
                   "shape": [-1, *shape], "image_size": shape[-1]},
         "preprocessing": steps,
-        "output": {"dtype": "float32", "shape": [-1, len(class_names)],
-                   "meaning": "one score (logit) per class; argmax = index into class_names"},
+        "output": output or {"dtype": "float32", "shape": [-1, len(class_names)],
+                             "meaning": "one score (logit) per class; argmax = index into "
+                                        "class_names"},
         "class_names": list(class_names),
         "data": cfg.name,
     }

@@ -11,7 +11,7 @@ rank (train/report/metrics.py reduces them to all ranks).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -85,11 +85,15 @@ class RunLogger:
         log.info("training on %d rank(s) (%s, %s) over %s", env.world_size, backend, devices,
                  hosts)
 
-    def log_data(self, bundle: DataBundle) -> None:
+    def log_data(self, bundle: DataBundle, outputs: int,
+                 output_card: dict[str, Any] | None = None) -> None:
+        """The data's facts as params (and `model.outputs`: the model's outputs per sample,
+        which train/load.py rebuilds it with), the data set as the run's input, the model card."""
         # Not data.num_classes: that key is the config's (the synthetic set's class count).
         params = {"data.num_train": bundle.num_train, "data.num_val": bundle.num_val,
                   "data.input_shape": "x".join(map(str, bundle.input_shape)),
-                  "data.classes": bundle.num_classes}  # train/load.py rebuilds the model
+                  "data.classes": bundle.num_classes,  # train/load.py rebuilds the model
+                  "model.outputs": outputs}
         if bundle.test is not None:
             params["data.num_test"] = bundle.num_test
         self.run.log_params({k: str(v) for k, v in params.items()})
@@ -99,7 +103,7 @@ class RunLogger:
             self.run.log(records.DatasetInput(name=f"{self.cfg.data.name}-train",
                                               **asdict(bundle.description())))
         self.model_card = modelcard.describe(bundle.val, self.cfg.data, bundle.input_shape,
-                                             bundle.class_names)
+                                             bundle.class_names, output_card)
 
     def log_model_params(self, model: Any) -> None:
         """Parameters trained and frozen (model.freeze), and the weights' source (tag
@@ -117,22 +121,22 @@ class RunLogger:
         self.run.set_tags({"stop_reason": reason})
         log.info("%s", reason)
 
-    def test_outputs(self, confusion_svg: Path, table: dict[str, list]) -> None:
-        self.run.log(records.ArtifactFile(str(confusion_svg), None))
-        self.run.log(records.Table(table, "test_per_class_accuracy.json"))
+    def task_outputs(self, files: Sequence[Path], tables: Mapping[str, dict[str, list]]) -> None:
+        """The task's pictures (at the artifact root) and tables (train/tasks/)."""
+        for path in files:
+            self.run.log(records.ArtifactFile(str(path), None))
+        for name, table in tables.items():
+            self.run.log(records.Table(table, name))
 
     def run_fields(self) -> dict[str, Any]:
         """What a checkpoint needs to continue this run."""
         return {"run_id": self.run.run_id, "config": self.config_yaml, "restarts": self.restarts}
 
-    def log_outputs(self, files: Mapping[str, Path], table: dict[str, list] | None,
-                    model: Any, example: Any) -> None:
-        """The job's final files (artifact path -> file), the per-class table and the model
-        (and its registration: tracking.register_model)."""
+    def log_outputs(self, files: Mapping[str, Path], model: Any, example: Any) -> None:
+        """The job's final files (artifact path -> file) and the model (and its registration:
+        tracking.register_model)."""
         for artifact_path, path in files.items():
             self.run.log(records.ArtifactFile(str(path), artifact_path or None))
-        if table is not None:
-            self.run.log(records.Table(table, "per_class_accuracy.json"))
         tracking = self.cfg.tracking
         if tracking.log_model:
             card = self.model_card and {**self.model_card, "input": {

@@ -23,8 +23,8 @@ from train.tracking import NullRun
 
 log = logging.getLogger("train")
 T = TypeVar("T")
-SHOWN = ("train/loss", "train/accuracy", "val/loss", "val/accuracy", "train/samples_per_sec",
-         "train/mfu", "epoch_time_s")
+SHOWN = ("train/loss", "train/accuracy", "val/loss", "val/accuracy", "val/mse", "val/r2",
+         "val/miou", "train/samples_per_sec", "train/mfu", "epoch_time_s")
 
 
 class TrainingLog:
@@ -58,18 +58,13 @@ class TrainingLog:
               epoch_time_s: float, lrs: dict[str, float],
               nodes: list[Any] | None = None) -> None:
         """`lrs`: `lr` and each optim.param_groups group's `lr/<prefix>` (TrainState)."""
-        values = {"train/loss": train.loss, "train/accuracy": train.accuracy,
-                  "train/samples": float(train.samples),
+        values = {**_named("train", train.values), "train/samples": float(train.samples),
                   "train/samples_per_sec": train.samples / train_time_s,
                   **lrs, "epoch_time_s": epoch_time_s,
                   **(self.throughput.metrics(train.samples, train_time_s)
                      if self.throughput else {})}
         if val is not None:
-            values.update({"val/loss": val.loss, "val/accuracy": val.accuracy,
-                           "val/samples": float(val.samples)})
-        for split, reduced in (("train", train), ("val", val)):
-            if reduced is not None and reduced.accuracy_top5 is not None:  # > 5 classes
-                values[f"{split}/accuracy_top5"] = reduced.accuracy_top5
+            values.update({**_named("val", val.values), "val/samples": float(val.samples)})
         if nodes:
             self.run.log_metrics(system_stats.as_metrics(nodes), step=epoch)
         self.run.log_metrics(values, step=epoch)
@@ -89,10 +84,12 @@ class TrainingLog:
 
     def test(self, epoch: int, result: Reduced) -> None:
         """The test phase's metrics, once, at the last epoch's step."""
-        values = {"test/loss": result.loss, "test/accuracy": result.accuracy,
-                  "test/samples": float(result.samples)}
-        if result.accuracy_top5 is not None:
-            values["test/accuracy_top5"] = result.accuracy_top5
+        values = {**_named("test", result.values), "test/samples": float(result.samples)}
         self.run.log_metrics(values, step=epoch)
         self.final_metrics.update(values)
         log.info("test: %s", "  ".join(f"{k}={v:.4g}" for k, v in values.items()))
+
+
+def _named(split: str, values: dict[str, float]) -> dict[str, float]:
+    """A phase's metrics under their split's prefix: loss -> val/loss."""
+    return {f"{split}/{name}": float(value) for name, value in values.items()}

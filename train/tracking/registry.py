@@ -69,7 +69,7 @@ def _signature(example: Any, card: dict[str, Any] | None) -> Any:
     if card is None:
         return None
     inputs = TensorSpec(np.dtype(example.dtype), (-1, *example.shape[1:]))
-    outputs = TensorSpec(np.dtype("float32"), (-1, len(card["class_names"])))
+    outputs = TensorSpec(np.dtype("float32"), tuple(card["output"]["shape"]))
     return ModelSignature(inputs=Schema([inputs]), outputs=Schema([outputs]))
 
 
