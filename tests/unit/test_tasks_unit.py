@@ -4,6 +4,7 @@ and finalized give what the metric's textbook definition gives on the whole set 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from sklearn import metrics as skm
 
+from tests.conftest import composed, history, runs_in
+from train.app import run
 from train.tasks.base import Task, summed
 from train.tasks.classification import Classification
 from train.tasks.regression import Regression
@@ -120,3 +123,34 @@ def test_a_batch_in_uneven_micro_batches_gives_the_whole_batchs_loss_and_gradien
     means = torch.stack([F.cross_entropy(model(x), y) for x, y in
                          zip(inputs.split(UNEVEN), labels.split(UNEVEN), strict=True)]).mean()
     assert means.item() != pytest.approx(whole.item(), rel=1e-3)  # the bug this avoids
+
+
+# -- a regression job in process: bf16, early stopping, the best weights, the test split -----
+
+def test_a_regression_job_keeps_the_services_other_duties(
+        tmp_path: Path, no_launcher_env: None, user_path: None) -> None:
+    """What holds for classification holds for another task: bf16-mixed on the CPU, the best
+    checkpoint of val/loss (min), early stopping, and the test split evaluated once with the
+    best weights (patients 400-441 of the diabetes set; training on 0-399)."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = composed("task=regression", "data=custom", "data.train._target_=userpkg.tasks.Diabetes",
+                   "+data.train.stop=400", "data.test._target_=userpkg.tasks.Diabetes",
+                   "+data.test.start=400", "model=custom", "model._target_=userpkg.tasks.Regressor",
+                   "optim=adamw", "optim.lr=0.05", "optim.weight_decay=0", "data.batch_size=40",
+                   "trainer.epochs=40", "trainer.precision=bf16-mixed", "trainer.save_best=true",
+                   "trainer.test_on=best", "trainer.early_stopping_patience=2",
+                   "trainer.checkpoint_every=0", "data.num_workers=0",
+                   "tracking.batch_interval_s=0", f"tracking.uri={uri}")
+    out = tmp_path / "job"
+    objective = run(cfg, str(out), "python -m train (test)")
+    [mlflow_run] = runs_in(uri)
+    metrics, tags = mlflow_run.data.metrics, mlflow_run.data.tags
+    assert mlflow_run.info.status == "FINISHED" and tags["final_weights"] == "best"
+    assert "early stopping" in tags["stop_reason"]  # 40 epochs at lr 0.05: it stops first
+    epochs = len(history(uri, mlflow_run.info.run_id, "val/loss"))
+    assert epochs < 40
+    best = min(value for _, value in history(uri, mlflow_run.info.run_id, "val/loss"))
+    assert objective == metrics["val/loss"] and metrics["best/val/loss"] == best
+    assert (metrics["test/samples"], mlflow_run.data.params["data.num_test"]) == (42.0, "42")
+    assert {"test/mse", "test/mae", "test/r2"} <= set(metrics)
+    assert torch.load(out / "checkpoints" / "best.pt", weights_only=True)["monitor"] == "val/loss"
