@@ -57,10 +57,12 @@ ui: setup
 mlflow-server: setup
 	$(PY) -m train.server --host $(SERVER_HOST) --port $(SERVER_PORT) $(SERVER_ARGS)
 
-# `make bench`: the service against a plain DDP loop, on in-memory data and on an ImageFolder of
-# JPEGs the bench writes itself (docs/benchmarks.md).
+# `make bench`: the service against a plain DDP loop, on in-memory data, for task=regression and
+# task=segmentation (bench/task_data.py), and on an ImageFolder of JPEGs the bench writes itself
+# (docs/benchmarks.md).
 bench: setup
 	$(PY) -m bench.run $(BENCH_ARGS)
+	$(PY) -m bench.tasks
 	$(PY) -m bench.imagefolder
 	$(PY) -m bench.new_store --dirty-mb 1000
 

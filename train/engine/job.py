@@ -254,7 +254,12 @@ def run_rank(config: dict[str, Any], output_dir: str, command: str, own_process:
         distributed.init(env, backend, device, cfg.distributed.timeout_s)
         loop.fail_drill(cfg.trainer, 0, env.rank)
         with StopSignals() as stop:
-            return _train(job, logger, stop, ending)
+            final = _train(job, logger, stop, ending)
+        # Every rank is done with the group before any takes it down: a rank destroying it
+        # while a peer still used it ended that peer in C++'s terminate() at exit (an srun step
+        # FAILED after its run FINISHED, under load).
+        distributed.barrier()
+        return final
     except Preempted as stopped:
         ending.stopped(stopped)
         raise
