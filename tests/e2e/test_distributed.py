@@ -32,6 +32,8 @@ def _evaluate_on_rank(rank: int, world_size: int, port: int, results: mp.Queue) 
     from train.engine import loop
     from train.models import build as models
     from train.report import metrics
+    from train.tasks.base import summed
+    from train.tasks.classification import Classification
 
     env = distenv.detect()
     device = torch.device("cpu")
@@ -40,9 +42,12 @@ def _evaluate_on_rank(rank: int, world_size: int, port: int, results: mp.Queue) 
         bundle = data.build(DataConfig(batch_size=30 * world_size), env, device, seed=0)
         torch.manual_seed(0)
         model = models.build(ModelConfig(), models.InputSpec(1, 8, 10))
-        reduced = metrics.reduce(loop.evaluate(model, bundle.val, device, "fp32"))
+        task = Classification()
+        task.setup(summed(torch.nn.CrossEntropyLoss()), 10, [str(i) for i in range(10)])
+        reduced = metrics.reduce(loop.evaluate(model, bundle.val, device, "fp32", task),
+                                 task.finalize)
         if rank == 0:  # every rank holds the same figures
-            results.put((reduced.loss, reduced.accuracy, reduced.samples))
+            results.put((reduced.loss, reduced.values["accuracy"], reduced.samples))
     finally:
         distributed.shutdown()
 

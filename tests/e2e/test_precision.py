@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import history, kill_job_after_checkpoints, run_train, runs_in
+from tests.conftest import USER_PATH, history, kill_job_after_checkpoints, run_train, runs_in
 
 EPOCHS = 2
 STEPS_PER_EPOCH = 23  # 1438 digits, 2 ranks, 32 per rank
@@ -59,9 +59,9 @@ def uri(tmp_path_factory: pytest.TempPathFactory) -> str:
     return f"sqlite:///{tmp_path_factory.mktemp('store') / 'mlflow.db'}"
 
 
-def _job(uri: str, out: Path, *overrides: str) -> Job:
+def _job(uri: str, out: Path, *overrides: str, env: dict[str, str] | None = None) -> Job:
     result = run_train(*JOB, *overrides, f"hydra.run.dir={out}",
-                       env={"MLFLOW_TRACKING_URI": uri}, timeout=600)
+                       env={"MLFLOW_TRACKING_URI": uri, **(env or {})}, timeout=600)
     assert result.returncode == 0, result.stderr
     run_id = json.loads((out / "summary.json").read_text())["run_id"]
     return Job(uri, out, run_id, result.stderr)
@@ -106,10 +106,13 @@ def test_mixed_precision_trains_within_tolerance_of_fp32(
 
 def test_fp16_overflowing_steps_are_skipped_and_training_goes_on(uri: str,
                                                                  tmp_path: Path) -> None:
-    """A summed loss makes the first scaled gradients (x 65536) overflow float16: a real
-    overflow, not a mocked scaler. Those steps are skipped, the scale halves, training goes on."""
-    job = _job(uri, tmp_path / "job", "trainer.precision=fp16-mixed", "+trainer.loss.reduction=sum",
-               "optim.lr=0.002", "tracking.log_model=false")
+    """A loss the batch size times too loud (a user's summed loss, which the service takes for a
+    mean: tests/userpkg/losses.py) makes the first scaled gradients (x 65536) overflow float16:
+    a real overflow, not a mocked scaler. Those steps are skipped, the scale halves, training
+    goes on."""
+    job = _job(uri, tmp_path / "job", "trainer.precision=fp16-mixed",
+               "trainer.loss._target_=userpkg.losses.SummedCrossEntropy", "optim.lr=0.002",
+               "tracking.log_model=false", env={"PYTHONPATH": USER_PATH})
     [run] = [r for r in runs_in(uri) if r.info.run_id == job.run_id]
     assert run.info.status == "FINISHED"
     skipped = history(uri, job.run_id, "train/skipped_steps")
