@@ -108,9 +108,10 @@ def model_output(output: Any) -> torch.Tensor:
 
 
 def summed(loss: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """trainer.loss as a SUM over items: torch's losses are asked for reduction="sum" (a new
-    instance with the same arguments); a loss without `reduction` is taken to return the mean
-    and multiplied by its item count."""
+    """trainer.loss as a SUM over items: a torch loss module is switched to reduction="sum" (the
+    job's own instance), a function that takes `reduction` is called with "sum"; a loss without
+    `reduction` is taken to return the mean over the target's elements and multiplied by their
+    count."""
     if isinstance(loss, torch.nn.Module) and "reduction" in vars(loss):
         loss.reduction = "sum"
         return loss
