@@ -90,3 +90,25 @@ def print_table(summary: dict[str, dict[str, Any]], found: dict[str, float]) -> 
     if "tracking_cpu_share" in summary.get("c", {}):
         print(f"MLflow thread on rank 0 after the first epoch: "
               f"{summary['c']['tracking_cpu_share'] * 100:.2f}% of one core")
+
+
+def run_variant(cmd: list[str], env: dict[str, str], out: Path, timeout: float, name: str,
+                plain: bool) -> tuple[float, float, dict[str, Any]]:
+    """One variant's command, its output to `out`/output.log: (start time, wall seconds, its
+    results - `plain` loop's plain.json, else the service's summary.json); a failure ends the
+    bench with the command and its log's tail."""
+    import json
+    import time
+
+    repo = Path(__file__).resolve().parent.parent
+    log = out / "output.log"
+    with log.open("w") as sink:
+        started = time.time()
+        proc = subprocess.run(cmd, cwd=repo, env=env, stdout=sink, stderr=subprocess.STDOUT,
+                              timeout=timeout, check=False)
+        wall = time.time() - started
+    if proc.returncode != 0:
+        tail = "\n".join(log.read_text().splitlines()[-30:])
+        raise SystemExit(f"{name} failed (exit {proc.returncode}):\n  {' '.join(cmd)}\n{tail}")
+    results = out / ("plain.json" if plain else "summary.json")
+    return started, wall, json.loads(results.read_text())

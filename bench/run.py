@@ -35,7 +35,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -43,7 +42,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from bench.report import VARIANTS, machine_info, print_table, ratios, summarise
+from bench.report import VARIANTS, machine_info, print_table, ratios, run_variant, summarise
 
 REPO = Path(__file__).resolve().parent.parent
 # What d, e and f add to b's command (on CUDA, b already runs bf16 + channels_last).
@@ -169,22 +168,12 @@ def run_one(variant: str, repeat: int, args: argparse.Namespace, model: dict[str
         # A cold compiler cache, as a job's first start on a fresh node has: the start-up cost
         # measured is the one users pay (a warm cache in /tmp hides most of it).
         env["TORCHINDUCTOR_CACHE_DIR"] = str(out / "inductor-cache")
-    log = out / "output.log"
-    with log.open("w") as sink:
-        started = time.time()
-        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT,
-                              timeout=args.timeout, check=False)
-        wall = time.time() - started
-    if proc.returncode != 0:
-        tail = "\n".join(log.read_text().splitlines()[-30:])
-        raise SystemExit(f"{VARIANTS[variant]} failed (exit {proc.returncode}):\n"
-                         f"  {' '.join(cmd)}\n{tail}")
+    started, wall, result = run_variant(cmd, env, out, args.timeout, VARIANTS[variant],
+                                        variant == "a")
     if variant == "a":
-        result = json.loads((out / "plain.json").read_text())
         by_epoch = [e["samples_per_sec"] for e in result["epochs"]]
         extra = {"epochs": result["epochs"]}
     else:
-        result = json.loads((out / "summary.json").read_text())
         epochs = result["by_epoch"]
         by_epoch = [e["samples_per_sec"] for e in epochs]
         extra = {"run_id": result["run_id"], "by_epoch": epochs,

@@ -24,15 +24,13 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench.report import machine_info
+from bench.report import machine_info, run_variant
 from bench.run import steady_rate
 
 REPO = Path(__file__).resolve().parent.parent
@@ -121,22 +119,9 @@ def run_one(task: str, variant: str, repeat: int, args: argparse.Namespace,
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(REPO), env.get("PYTHONPATH"))))
     maker = plain_command if variant == "a" else service_command
     cmd = maker(task, s, args, out)
-    log = out / "output.log"
-    with log.open("w") as sink:
-        started = time.time()
-        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT,
-                              timeout=args.timeout, check=False)
-        wall = time.time() - started
-    if proc.returncode != 0:
-        tail = "\n".join(log.read_text().splitlines()[-30:])
-        raise SystemExit(f"{task} {NAMES[variant]} failed (exit {proc.returncode}):\n"
-                         f"  {' '.join(cmd)}\n{tail}")
-    if variant == "a":
-        result = json.loads((out / "plain.json").read_text())
-        by_epoch = [e["samples_per_sec"] for e in result["epochs"]]
-    else:
-        result = json.loads((out / "summary.json").read_text())
-        by_epoch = [e["samples_per_sec"] for e in result["by_epoch"]]
+    started, wall, result = run_variant(cmd, env, out, args.timeout,
+                                        f"{task} {NAMES[variant]}", variant == "a")
+    by_epoch = [e["samples_per_sec"] for e in result["epochs" if variant == "a" else "by_epoch"]]
     return {"task": task, "variant": variant, "repeat": repeat,
             "samples_per_sec": steady_rate(by_epoch),
             "by_epoch": [round(v, 1) for v in by_epoch],
