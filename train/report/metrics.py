@@ -28,15 +28,27 @@ class Totals:
         # float64 so that sums over a long epoch stay exact enough to compare across world sizes
         self.sums = {name: torch.zeros(shape, dtype=dtype, device=device)
                      for name, (shape, dtype) in {**BASE_LAYOUT, **layout}.items()}
+        # Plain numbers (counts from shapes) are added on the host: a kernel per step saved,
+        # and folded into `sums` when they are read.
+        self._pending: dict[str, int | float] = {}
         self._host: dict[str, Any] | None = None
 
     @torch.no_grad()
     def add(self, sums: Mapping[str, torch.Tensor | float | int]) -> None:
         for name, value in sums.items():
-            self.sums[name] += value.detach() if isinstance(value, torch.Tensor) else value
+            if isinstance(value, torch.Tensor):
+                self.sums[name] += value.detach()  # a float32 loss adds into float64 exactly
+            else:
+                self._pending[name] = self._pending.get(name, 0) + value
+
+    def _fold(self) -> None:
+        for name, value in self._pending.items():
+            self.sums[name] += value
+        self._pending = {}
 
     def snapshot(self) -> dict[str, Any]:
         """The running sums, mid-epoch (for a checkpoint)."""
+        self._fold()
         return {name: value.tolist() for name, value in self.sums.items()}
 
     def restore(self, values: Mapping[str, Any] | Sequence[float]) -> None:
@@ -45,12 +57,14 @@ class Totals:
             values["items"] = values["samples"]
         for name, value in values.items():
             if name in self.sums:
+                self._pending.pop(name, None)
                 self.sums[name].copy_(torch.as_tensor(value, dtype=self.sums[name].dtype))
 
     def as_host(self) -> dict[str, Any]:
         """The one host sync of an epoch (call it once the epoch is over: the result is kept):
         every sum as a float or a nested list, counts as ints."""
         if self._host is None:
+            self._fold()
             flat = torch.cat([v.double().flatten() for v in self.sums.values()]).tolist()
             self._host, at = {}, 0
             for name, value in self.sums.items():

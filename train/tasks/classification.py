@@ -40,7 +40,7 @@ class Classification(Task):
         n = labels.shape[0]
         with torch.no_grad():
             predicted = logits.argmax(dim=1)
-            sums: Sums = {"loss": loss.detach().double(), "items": n, "samples": n,
+            sums: Sums = {"loss": loss.detach(), "items": n, "samples": n,
                           "correct": (predicted == labels).sum()}
             if self.top_k is not None:  # one small kernel on the device, no sync
                 best = logits.topk(self.top_k, dim=1).indices

@@ -1,8 +1,9 @@
 """task=regression: float targets of any shape, the model's output reshaped to the target's.
 
-Sums (float64, over every target element): the loss, squared and absolute errors, the targets
-and their squares, so that mse, mae and r2 (1 - SSE / SST over all elements pooled) are exact
-at any world size. Its picture plots predicted against true values of validation samples.
+Sums (float64, over every target element): the loss, and `moments`: the squared and absolute
+errors, the targets and their squares, so that mse, mae and r2 (1 - SSE / SST over all elements
+pooled) are exact at any world size. Its picture plots predicted against true values of
+validation samples.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from train.report.figures import render_scatter
 from train.tasks.base import Layout, Outputs, Sums, Task, model_output
 
 MAX_POINTS_PER_SHOWN = 200
+MOMENTS = ("sq_err", "abs_err", "sum_y", "sum_y2")
+"""What the `moments` sum holds, in order: one vector, summed in one kernel per step."""
 
 
 class Regression(Task):
@@ -28,7 +31,7 @@ class Regression(Task):
         self.points: list[tuple[float, float]] = []
 
     def layout(self, detailed: bool) -> Layout:
-        return {name: ((), torch.float64) for name in ("sq_err", "abs_err", "sum_y", "sum_y2")}
+        return {"moments": ((len(MOMENTS),), torch.float64)}
 
     def _prediction(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         return model_output(output).reshape(target.shape)
@@ -38,19 +41,20 @@ class Regression(Task):
         target = target.to(prediction.dtype)
         loss = self.loss_fn(prediction, target)
         with torch.no_grad():  # summed in float64, fewest kernels: a small model's step is short
-            error = prediction.detach().float() - target.float()  # no-ops in fp32
-            target, f64 = target.float(), torch.float64
-            sums: Sums = {"loss": loss.detach().double(), "items": target.numel(),
-                          "samples": target.shape[0], "sq_err": error.square().sum(dtype=f64),
-                          "abs_err": error.abs().sum(dtype=f64), "sum_y": target.sum(dtype=f64),
-                          "sum_y2": target.square().sum(dtype=f64)}
+            error = prediction.detach().float() - target.float()  # .float(): no-ops in fp32
+            target = target.float()
+            moments = torch.stack((error.square(), error.abs(), target, target.square()))
+            sums: Sums = {"loss": loss.detach(), "items": target.numel(),
+                          "samples": target.shape[0],
+                          "moments": moments.flatten(1).sum(dim=1, dtype=torch.float64)}
         return loss, sums
 
     def finalize(self, sums: Mapping[str, Any]) -> dict[str, float]:
         n = max(1, sums["items"])
-        total = sums["sum_y2"] - sums["sum_y"] ** 2 / n  # sum of squares about the mean
-        return {"loss": sums["loss"] / n, "mse": sums["sq_err"] / n, "mae": sums["abs_err"] / n,
-                "r2": 1.0 - sums["sq_err"] / total if total > 0 else 0.0}
+        sq_err, abs_err, sum_y, sum_y2 = sums["moments"]
+        total = sum_y2 - sum_y ** 2 / n  # sum of squares about the mean
+        return {"loss": sums["loss"] / n, "mse": sq_err / n, "mae": abs_err / n,
+                "r2": 1.0 - sq_err / total if total > 0 else 0.0}
 
     def output_problem(self, output: Any, target: Any, inputs: Any) -> str | None:
         scores = model_output(output)

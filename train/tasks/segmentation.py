@@ -37,7 +37,7 @@ class Segmentation(Task):
         loss = self.loss_fn(scores, mask)
         with torch.no_grad():
             valid = mask != self.ignore_index
-            sums: Sums = {"loss": loss.detach().double(), "items": valid.sum(),
+            sums: Sums = {"loss": loss.detach(), "items": valid.sum(),
                           "samples": mask.shape[0],
                           "confusion": pixel_confusion(scores, mask, valid, self.num_classes)}
         return loss, sums
