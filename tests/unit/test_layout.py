@@ -33,9 +33,11 @@ one after it and never a root command. `errors` is the one wing that is a single
 (train/errors.py, the user-facing error hierarchy that every wing raises); every other wing is a
 package, train/<wing>/."""
 
-ROOT_COMMANDS = {"__init__", "__main__", "app", "load", "server", "outbox", "_moved"}
+ROOT_COMMANDS = {"__init__", "__main__", "app", "load", "server", "outbox", "prepare_text",
+                 "_moved"}
 """The only other modules at train/'s root: what users run or import (`python -m train`,
-`python -m train.server`, `python -m train.outbox`, `train.load.load_model`), and `_moved`
+`python -m train.server`, `python -m train.outbox`, `python -m train.prepare_text`,
+`train.load.load_model`), and `_moved`
 (old pickled class paths). They may import any wing, and another root command only as
 ROOT_TO_ROOT lists."""
 

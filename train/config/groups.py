@@ -97,6 +97,9 @@ class DataConfig:
     device; imagefolder the default train_transforms (else training uses the eval ones)."""
     num_samples: int = 4096
     """synthetic: number of samples."""
+    seq_len: int = 256
+    """tokens: tokens per window (a sample): the model's context must hold it (model=gpt's
+    block_size defaults to it)."""
     channels: int = 3
     """synthetic: image channels."""
     image_size: int = 32
