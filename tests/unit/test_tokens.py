@@ -94,3 +94,19 @@ def test_the_language_model_loss_counts_only_real_tokens() -> None:
     assert metrics["perplexity"] == pytest.approx(5.0)
     assert task.output_problem(torch.zeros(2, 3, 4), target, None) is not None
     assert task.output_problem(logits, target, None) is None
+
+
+@pytest.mark.parametrize(("n", "world", "epoch"), [(10, 3, 0), (7, 2, 5), (64, 4, 1), (5, 8, 0)])
+def test_the_window_sampler_gives_distributed_samplers_order(n: int, world: int,
+                                                              epoch: int) -> None:
+    """The same shuffle, padding and shards (so the order of an epoch is the one every
+    DistributedSampler-based resume expects), from a tensor instead of a list."""
+    from torch.utils.data import DistributedSampler
+
+    data = list(range(n))
+    for rank in range(world):
+        mine = tokens.WindowSampler(data, num_replicas=world, rank=rank, seed=3)
+        theirs = DistributedSampler(data, num_replicas=world, rank=rank, seed=3)
+        mine.set_epoch(epoch)
+        theirs.set_epoch(epoch)
+        assert list(mine) == list(theirs) and len(mine) == len(theirs)

@@ -197,6 +197,8 @@ class Source:
     vocab_size: int | None = None
     tokenizer: str | None = None
     """data=tokens: the vocabulary and the tokenizer (train/data/tokens.py)."""
+    sampler: type[DistributedSampler] = DistributedSampler
+    """The training order's sampler (data=tokens: one that keeps it as a tensor)."""
 
 
 def _first_shape(dataset: Dataset, tries: int = 16) -> tuple[int, ...]:
@@ -305,8 +307,8 @@ def build(cfg: DataConfig, env: DistEnv, device: torch.device, seed: int, per_ra
     workers = (cfg.num_workers if cfg.num_workers is not None
                else batching.default_num_workers(env.local_world_size, streamed=True))
     source = _source(cfg, workers, classes)
-    sampler = DistributedSampler(source.train, num_replicas=world_size, rank=rank, shuffle=True,
-                                 seed=seed, drop_last=False)
+    sampler = source.sampler(source.train, num_replicas=world_size, rank=rank, shuffle=True,
+                             seed=seed, drop_last=False)
     shard = Rows(source.val, torch.arange(rank, len(source.val), world_size))  # type: ignore[arg-type]
 
     def batches(dataset: Dataset, sampler: DistributedSampler | None) -> StreamedBatches:
