@@ -9,7 +9,7 @@ The architecture is rebuilt from the run's config.yaml (read with yaml.safe_load
 with this project's code (and, for model=custom, your own package's), and the weights are a
 state dict read with `torch.load(weights_only=True)`, which refuses any pickled object but
 tensors. `mlflow.pytorch.load_model("runs:/<id>/model")` instead unpickles the logged model:
-whoever can replace that artifact runs code as the user who loads it (README, "Security").
+whoever can replace that artifact runs code as the user who loads it (docs/security.md).
 """
 
 from __future__ import annotations
