@@ -309,6 +309,16 @@ def test_a_second_job_is_refused_and_hup_to_the_launcher_stops_its_ranks(
     assert not (job.out_dir / joblock.LOCK_FILE).exists()
 
 
+def test_ctrl_c_stops_the_job_after_a_checkpoint(fresh_store: dict[str, str],
+                                                 tmp_path: Path) -> None:
+    """Ctrl-C once: INT to the terminal's whole process group (the ranks get it directly too);
+    the same coordinated stop as TERM, exit code 130."""
+    job = Job(tmp_path / "job", fresh_store)
+    before = job.checkpoints()
+    os.killpg(job.proc.pid, signal.SIGINT)
+    _stopped_cleanly(job, before, "SIGINT", 128 + signal.SIGINT)
+
+
 def test_term_to_the_group_with_dataloader_workers_writes_the_stop_checkpoint(
         fresh_store: dict[str, str], tmp_path: Path) -> None:
     """As Slurm signals a job: every process of the group at once, workers included."""
