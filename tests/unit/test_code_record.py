@@ -116,3 +116,37 @@ def test_a_run_records_its_dirty_user_package(tmp_path: Path, no_launcher_env: N
                                            str(tmp_path / "got"))).read_text()
     assert "+                                                         num_classes))  # edited" \
         in patch
+
+
+def test_a_submission_snapshot_holds_the_tree_and_the_user_package_as_they_are(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """train/launch/snapshot.py, as the Slurm launcher takes it: the project's checkout with
+    its uncommitted state (the same commit and diff a run records), the user's dirty package,
+    and the sbatch lines that put them first on the job's PYTHONPATH."""
+    from tests.conftest import REPO, typed
+    from train.launch import snapshot
+
+    user_repo = checkout(tmp_path / "research", {"src/snappkg/__init__.py": PACKAGE})
+    (user_repo / "src" / "snappkg" / "__init__.py").write_text(PACKAGE + "# edited\n")
+    (user_repo / "src" / "snappkg" / "extra.py").write_text("NEW = 1\n")  # untracked
+    monkeypatch.syspath_prepend(str(user_repo / "src"))
+    monkeypatch.setenv("PYTHONPATH", f"{user_repo / 'src'}:{REPO / 'tests'}")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cfg = typed("+cluster=slurm", "model=custom", "model._target_=snappkg.Net")
+    assert cfg.cluster.snapshot_code is True
+
+    snap = snapshot.take(tmp_path / "sweep", [cfg])
+    project = tmp_path / "sweep" / "code" / "project"
+    assert snap.project == project and (project / "train" / "app.py").is_file()
+    recorded, here = code.git_state(project), code.git_state(REPO)
+    assert recorded is not None and here is not None
+    assert (recorded["commit"], recorded["diff"]) == (here["commit"], here["diff"])
+    assert code.collect({}, project).tags["code.snapshot"] == str(project)
+    package = tmp_path / "sweep" / "code" / "packages" / "snappkg" / "src"
+    assert (package / "snappkg" / "__init__.py").read_text().endswith("# edited\n")
+    assert (package / "snappkg" / "extra.py").read_text() == "NEW = 1\n"
+    assert snap.pythonpath == [str(project), str(package), str(project / "tests")]
+    assert snap.setup_lines()[:2] == [
+        f"export PYTHONPATH={':'.join(snap.pythonpath)}${{PYTHONPATH:+:$PYTHONPATH}}",
+        "export PYTHONSAFEPATH=1"]
+    assert snap.bytes > 0 and snap.seconds > 0

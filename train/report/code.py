@@ -39,6 +39,10 @@ NOT_USER_PACKAGES = frozenset({"train", "torch", "torchvision", "hydra", "omegac
 """`_target_` roots that are the service's own stack, recorded by requirements.txt."""
 CUT_NOTE = "# train: diff cut at {limit} bytes of {total}: the run's code is not complete.\n"
 DIFF_FILE = "code/diff.patch"
+SNAPSHOT_MARK = ".git/train_snapshot"
+"""In a snapshot taken at Slurm submission (train/launch/snapshot.py): the run records the
+snapshot's directory as the tag `code.snapshot` (a rerun can run it as it is). Inside .git, so
+that the snapshot's tree is exactly the submitted one (not dirty by this file)."""
 SNAPSHOT_FILE = ".train_code.json"
 """In a code snapshot that is no git checkout (train/launch/rerun.py makes one from a run):
 the commit, dirty flag and diff it was made from, recorded again by the runs it runs."""
@@ -77,19 +81,35 @@ def _new_file_patch(path: str, text: str) -> str:
             f"+++ b/{path}\n{hunk}{body}")
 
 
-def _untracked(top: Path, status: str) -> Iterator[str]:
-    """The untracked source files `git status -z` lists, as patches."""
+def untracked_sources(top: Path, status: str) -> list[str]:
+    """The untracked source files (relative to `top`) that `git status -z` lists: no data,
+    nothing ignored, nothing over MAX_UNTRACKED_BYTES."""
+    found = []
     for entry in status.split("\0"):
-        if not entry.startswith("?? "):
-            continue
         rel = entry[3:]
+        if not entry.startswith("?? ") or not rel.endswith(SOURCE_SUFFIXES):
+            continue
         path = top / rel
-        if not rel.endswith(SOURCE_SUFFIXES) or not path.is_file():
-            continue
-        if path.stat().st_size > MAX_UNTRACKED_BYTES:
-            continue
+        if path.is_file() and path.stat().st_size <= MAX_UNTRACKED_BYTES:
+            found.append(rel)
+    return found
+
+
+def untracked_in(where: Path) -> list[str]:
+    """untracked_sources of the checkout holding `where`, relative to its top."""
+    top = _git(where, "rev-parse", "--show-toplevel")
+    if not top:
+        return []
+    status = _git(where, "status", "--porcelain=v1", "-z", "--untracked-files=all",
+                  *_pathspec(".")) or ""
+    return untracked_sources(Path(top.strip()), status)
+
+
+def _untracked(top: Path, status: str) -> Iterator[str]:
+    """The untracked source files as patches."""
+    for rel in untracked_sources(top, status):
         try:
-            yield _new_file_patch(rel, path.read_text(encoding="utf-8"))
+            yield _new_file_patch(rel, (top / rel).read_text(encoding="utf-8"))
         except (UnicodeDecodeError, OSError):
             continue
 
@@ -163,6 +183,12 @@ def package_dir(name: str) -> Path | None:
     return Path(spec.origin).resolve() if spec.origin else None
 
 
+def dist_of(name: str) -> str | None:
+    """The installed distribution that provides the top-level package `name`, if any."""
+    dists = importlib.metadata.packages_distributions().get(name)
+    return dists[0] if dists else None
+
+
 def files_hash(where: Path) -> str:
     """sha256 over a package's .py files (relative names and contents), 16 hex digits."""
     digest = hashlib.sha256()
@@ -197,9 +223,7 @@ def _package(name: str, project: Path, record: CodeRecord) -> None:
         if not whole:
             record.tags["code.complete"] = "false"
         return
-    dists = importlib.metadata.packages_distributions().get(name)
-    if dists:
-        dist = dists[0]
+    if dist := dist_of(name):
         record.tags[key] = f"dist:{dist}=={importlib.metadata.version(dist)}"
         return
     record.tags.update({key: f"sha256:{files_hash(where)}", f"{key}.path": str(where.parent)})
@@ -218,6 +242,8 @@ def collect(config: Mapping[str, Any], project: Path) -> CodeRecord:
     and a walk over the installed distributions' metadata: tens of milliseconds."""
     record = CodeRecord(tags={"python_version": platform.python_version(),
                               "code.complete": "true"})
+    if (project / SNAPSHOT_MARK).is_file():
+        record.tags["code.snapshot"] = str(project)
     state = git_state(project) or snapshot_state(project)
     if state is None:
         record.tags["git_dirty"] = "unknown"
