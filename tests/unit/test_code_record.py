@@ -150,3 +150,17 @@ def test_a_submission_snapshot_holds_the_tree_and_the_user_package_as_they_are(
         f"export PYTHONPATH={':'.join(snap.pythonpath)}${{PYTHONPATH:+:$PYTHONPATH}}",
         "export PYTHONSAFEPATH=1"]
     assert snap.bytes > 0 and snap.seconds > 0
+
+
+def test_a_snapshot_is_refused_in_one_line_with_nothing_made(tmp_path: Path) -> None:
+    from tests.conftest import typed
+    from train.errors import SubmitError
+    from train.launch import snapshot
+
+    cfg = typed("+cluster=slurm")
+    with pytest.raises(SubmitError, match="holds a control character: choose a plain path"):
+        snapshot.take(tmp_path / "bad\nsweep", [cfg])
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "sweep" / "code").mkdir(parents=True)
+    with pytest.raises(SubmitError, match="exists already: submit into a new sweep directory"):
+        snapshot.take(tmp_path / "sweep", [cfg])

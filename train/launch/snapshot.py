@@ -22,12 +22,14 @@ import dataclasses
 import os
 import shlex
 import shutil
+import subprocess
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from train.config.safe_text import has_control
 from train.errors import SubmitError
 from train.report import code
 from train.tracking import REPO_ROOT, embedded_uri
@@ -129,12 +131,7 @@ def targets_of(cfg: Any) -> dict[str, Any]:
     return tree
 
 
-def take(sweep_dir: Path, configs: list[Any]) -> Snapshot:
-    """Snapshot the project and the user packages of every job's config into sweep_dir/code."""
-    start = time.monotonic()
-    root = Path(sweep_dir).absolute() / "code"
-    if root.exists():
-        raise SubmitError(f"{root} exists already: submit into a new sweep directory.")
+def _copy(root: Path, configs: list[Any]) -> Snapshot:
     mapped: dict[str, str] = {}
     if is_snapshot(REPO_ROOT):  # a rerun's code: made for it, changed by nobody
         snap = Snapshot(root, REPO_ROOT)
@@ -147,6 +144,30 @@ def take(sweep_dir: Path, configs: list[Any]) -> Snapshot:
         for name in names:
             _package(name, root / "packages" / name, mapped)
     snap.pythonpath = _pythonpath(snap.project, mapped)
+    return snap
+
+
+def take(sweep_dir: Path, configs: list[Any]) -> Snapshot:
+    """Snapshot the project and the user packages of every job's config into sweep_dir/code."""
+    start = time.monotonic()
+    root = Path(sweep_dir).absolute() / "code"
+    if has_control(str(root)):  # it becomes a line of the job's script
+        raise SubmitError(f"hydra.sweep.dir {str(sweep_dir)!r} holds a control character: "
+                          "choose a plain path.")
+    if has_control(os.environ.get("PYTHONPATH", "")):
+        raise SubmitError("PYTHONPATH holds a control character: it would become a line of the "
+                          "job's script. Fix PYTHONPATH.")
+    if root.exists():
+        raise SubmitError(f"{root} exists already: submit into a new sweep directory.")
+    try:
+        snap = _copy(root, configs)
+    except (OSError, subprocess.CalledProcessError) as e:
+        shutil.rmtree(root, ignore_errors=True)  # nothing half-made is left to be mistaken
+        raise SubmitError(f"the code could not be snapshotted into {root} ({e}); fix that, or "
+                          "submit without a snapshot: cluster.snapshot_code=false.") from None
+    except SubmitError:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
     snap.seconds = time.monotonic() - start
     snap.bytes = sum(p.stat().st_size for p in snap.root.rglob("*") if p.is_file())
     return snap
