@@ -14,7 +14,6 @@ Both read the store training logs to: MLFLOW_TRACKING_URI, else the embedded sto
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import os
 import shutil
@@ -125,19 +124,28 @@ def diff(run_a: str, run_b: str) -> str:
     return "\n".join(out)
 
 
+USAGE = """usage: python -m train rerun RUN_ID [--current-code] [hydra flags] [key=value ...]
+       python -m train diff RUN_A RUN_B
+
+rerun: a new job from the run's recorded config and code, the overrides on top (tagged
+       rerun_of=RUN_ID); --current-code runs today's code instead of the run's; Hydra's flags
+       (-m, --cfg job) work as for any job.
+diff:  what differs between two runs: config keys, code, package versions.
+Both read MLFLOW_TRACKING_URI, else the embedded store. docs/reproducibility.md"""
+
+
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m train")
-    commands = parser.add_subparsers(dest="command", required=True)
-    again = commands.add_parser("rerun", help="a new job from a run's config and code")
-    again.add_argument("run_id")
-    again.add_argument("overrides", nargs="*", help="key=value on top of the run's config")
-    again.add_argument("--current-code", action="store_true",
-                       help="run the code as it is now, not the run's recorded code")
-    compare = commands.add_parser("diff", help="what differs between two runs")
-    compare.add_argument("run_a")
-    compare.add_argument("run_b")
-    args = parser.parse_args(argv)
-    if args.command == "diff":
-        print(diff(args.run_a, args.run_b))
+    """`rerun ...` or `diff ...` (argv without `python -m train`); the exit code."""
+    command, rest = argv[0], argv[1:]
+    if not rest or rest[0] in ("-h", "--help"):
+        print(USAGE, file=sys.stderr if not rest else sys.stdout)
+        return 2 if not rest else 0
+    if command == "diff":
+        if len(rest) != 2:
+            print(USAGE, file=sys.stderr)
+            return 2
+        print(diff(*rest))
         return 0
-    return rerun(args.run_id, args.overrides, args.current_code)
+    current = "--current-code" in rest
+    # The rest goes to Hydra as typed: its flags (-m for a sweep of reruns) and the overrides.
+    return rerun(rest[0], [a for a in rest[1:] if a != "--current-code"], current)
