@@ -192,8 +192,14 @@ class TrainSlurmLauncher(SlurmLauncher):
                 shutil.copytree(where, copy)
             element.path = str(copy)
         loader.repository = ConfigRepository(config_search_path=search_path)
-        print(f"code snapshot: {snap.root} ({snap.bytes / 1e6:.1f} MB in {snap.seconds:.1f} s;"
-              " cluster.snapshot_code=false turns it off)", file=sys.stderr, flush=True)
+        if snap.reused:
+            print(f"code snapshot: {snap.root}, taken when this sweep directory was first "
+                  "submitted: its jobs resume with the code they started with (a new sweep "
+                  "directory takes a new one)", file=sys.stderr, flush=True)
+        else:
+            print(f"code snapshot: {snap.root} ({snap.bytes / 1e6:.1f} MB in "
+                  f"{snap.seconds:.1f} s; cluster.snapshot_code=false turns it off)",
+                  file=sys.stderr, flush=True)
         return snap.setup_lines()
 
 

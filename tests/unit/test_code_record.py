@@ -149,7 +149,12 @@ def test_a_submission_snapshot_holds_the_tree_and_the_user_package_as_they_are(
     assert snap.setup_lines()[:2] == [
         f"export PYTHONPATH={':'.join(snap.pythonpath)}${{PYTHONPATH:+:$PYTHONPATH}}",
         "export PYTHONSAFEPATH=1"]
-    assert snap.bytes > 0 and snap.seconds > 0
+    assert snap.bytes > 0 and snap.seconds > 0 and not snap.reused
+    # Submitted again into the same sweep directory (to resume its jobs): the same code.
+    (user_repo / "src" / "snappkg" / "__init__.py").write_text(PACKAGE + "# edited again\n")
+    again = snapshot.take(tmp_path / "sweep", [cfg])
+    assert again.reused and again.pythonpath == snap.pythonpath
+    assert (package / "snappkg" / "__init__.py").read_text().endswith("# edited\n")
 
 
 def test_a_snapshot_is_refused_in_one_line_with_nothing_made(tmp_path: Path) -> None:
@@ -162,5 +167,5 @@ def test_a_snapshot_is_refused_in_one_line_with_nothing_made(tmp_path: Path) -> 
         snapshot.take(tmp_path / "bad\nsweep", [cfg])
     assert list(tmp_path.iterdir()) == []
     (tmp_path / "sweep" / "code").mkdir(parents=True)
-    with pytest.raises(SubmitError, match="exists already: submit into a new sweep directory"):
+    with pytest.raises(SubmitError, match="exists and is no code snapshot: submit into another"):
         snapshot.take(tmp_path / "sweep", [cfg])

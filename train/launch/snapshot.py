@@ -46,6 +46,9 @@ class Snapshot:
     pythonpath: list[str] = field(default_factory=list)
     seconds: float = 0.0
     bytes: int = 0
+    reused: bool = False
+    """Taken by an earlier submission into the same sweep directory (a resubmission to resume
+    its jobs): they resume with the code they started with, which their runs recorded."""
 
     def setup_lines(self) -> list[str]:
         """The sbatch script's lines that make the job import the snapshot."""
@@ -77,22 +80,30 @@ def _rsync_snapshot(into: Path, top: Path) -> None:
 
 
 def _package(name: str, into: Path, mapped: dict[str, str]) -> None:
-    """Copy one user package (outside the project) and note where its sys.path entry went."""
+    """Copy one user package (outside the project), unless an earlier submission into this
+    sweep directory did, and note where its sys.path entry went."""
     where = code.package_dir(name)
     if where is None or where.is_relative_to(REPO_ROOT):
         return  # not found (pre-flight refused it already), or part of the project's snapshot
     state = code.git_state(where if where.is_dir() else where.parent, whole_tree=False)
     if state is not None:
-        _rsync_snapshot(into, state["top"])
+        if not into.exists():
+            try:
+                _rsync_snapshot(into, state["top"])
+            except BaseException:
+                shutil.rmtree(into, ignore_errors=True)  # never reused half-made
+                raise
         mapped[str(where.parent)] = str(into / where.parent.relative_to(state["top"]))
     elif not code.dist_of(name):  # an installed distribution stays in the environment
+        mapped[str(where.parent)] = str(into)
+        if into.exists():
+            return
         target = into / where.name
         if where.is_dir():
             shutil.copytree(where, target, ignore=IGNORED)
         else:
             into.mkdir(parents=True)
             shutil.copy2(where, target)
-        mapped[str(where.parent)] = str(into)
 
 
 def _pythonpath(project: Path, mapped: Mapping[str, str]) -> list[str]:
@@ -135,11 +146,13 @@ def _copy(root: Path, configs: list[Any]) -> Snapshot:
     mapped: dict[str, str] = {}
     if is_snapshot(REPO_ROOT):  # a rerun's code: made for it, changed by nobody
         snap = Snapshot(root, REPO_ROOT)
-        root.mkdir(parents=True)
+        root.mkdir(parents=True, exist_ok=True)
     else:
         snap = Snapshot(root, root / "project")
-        _rsync_snapshot(snap.project, REPO_ROOT)
-        (snap.project / code.SNAPSHOT_MARK).write_text(f"taken from {REPO_ROOT}\n")
+        snap.reused = (snap.project / code.SNAPSHOT_MARK).is_file()
+        if not snap.reused:
+            _rsync_snapshot(snap.project, REPO_ROOT)
+            (snap.project / code.SNAPSHOT_MARK).write_text(f"taken from {REPO_ROOT}\n")
         names = sorted({n for c in configs for n in code.user_packages(targets_of(c))})
         for name in names:
             _package(name, root / "packages" / name, mapped)
@@ -157,16 +170,20 @@ def take(sweep_dir: Path, configs: list[Any]) -> Snapshot:
     if has_control(os.environ.get("PYTHONPATH", "")):
         raise SubmitError("PYTHONPATH holds a control character: it would become a line of the "
                           "job's script. Fix PYTHONPATH.")
-    if root.exists():
-        raise SubmitError(f"{root} exists already: submit into a new sweep directory.")
+    if root.exists() and not (root / "project" / code.SNAPSHOT_MARK).is_file() \
+            and not is_snapshot(REPO_ROOT):
+        raise SubmitError(f"{root} exists and is no code snapshot: submit into another sweep "
+                          "directory.")
     try:
         snap = _copy(root, configs)
     except (OSError, subprocess.CalledProcessError) as e:
-        shutil.rmtree(root, ignore_errors=True)  # nothing half-made is left to be mistaken
+        if not (root / "project" / code.SNAPSHOT_MARK).is_file():  # never an earlier one
+            shutil.rmtree(root, ignore_errors=True)  # nothing half-made is left to be mistaken
         raise SubmitError(f"the code could not be snapshotted into {root} ({e}); fix that, or "
                           "submit without a snapshot: cluster.snapshot_code=false.") from None
     except SubmitError:
-        shutil.rmtree(root, ignore_errors=True)
+        if not (root / "project" / code.SNAPSHOT_MARK).is_file():
+            shutil.rmtree(root, ignore_errors=True)
         raise
     snap.seconds = time.monotonic() - start
     snap.bytes = sum(p.stat().st_size for p in snap.root.rglob("*") if p.is_file())
