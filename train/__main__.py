@@ -29,8 +29,26 @@ def private_by_default() -> None:
             sys.argv[i] = match[1] + move_uri_credentials_to_env(uri, os.environ)
 
 
+RUN_COMMANDS = ("rerun", "diff")
+"""`python -m train rerun RUN_ID [overrides]`, `python -m train diff RUN_A RUN_B`: commands on
+recorded runs (train/launch/rerun.py), not a Hydra job."""
+
+
+def run_command(argv: list[str]) -> int:
+    from train.errors import TrainError
+    from train.launch.rerun import main as commands
+
+    try:
+        return commands(argv)
+    except TrainError as e:
+        print(f"\n{e.terminal_line()}\n", file=sys.stderr)
+        return e.exit_code
+
+
 if __name__ == "__main__":
     private_by_default()
+    if len(sys.argv) > 1 and sys.argv[1] in RUN_COMMANDS:
+        sys.exit(run_command(sys.argv[1:]))
     from train.app import main
 
     main()

@@ -47,7 +47,9 @@ def job(cfg: DictConfig) -> float | None:
             raise LaunchError(f"not started: the sweep was stopped by {_sweep_stopped_by}")
         # What the user typed (also inside a Slurm job, where argv is submitit's).
         overrides = config_lib.typed_by_user(hydra_cfg.overrides.task)
-        command = " ".join(["python -m train", *overrides])
+        rerun_of = cfg.get("tracking", {}).get("rerun_of")  # python -m train rerun <run_id>
+        command = " ".join(["python -m train", *(["rerun", rerun_of] if rerun_of else []),
+                            *overrides])
         return run(cfg, hydra_cfg.runtime.output_dir, command,
                    preflighted=launched_by_us(hydra_cfg))
     except TrainError as e:

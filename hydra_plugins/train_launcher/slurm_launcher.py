@@ -74,7 +74,7 @@ class TrainSlurmLauncher(SlurmLauncher):
         # A dry run checks the request itself but needs no cluster, store or data set.
         experiment_id = checked_jobs.preflight_jobs(configs, on_slurm=True, dry_run=self.dry_run)
         try:
-            executor = self._executor(submitit)
+            executor = self._executor(submitit, None if self.dry_run else configs)
         except RuntimeError as e:  # submitit: no srun here
             checked_jobs.refuse(f"{e} (sbatch and srun must be on PATH, even for a dry run)")
         if self.dry_run:
@@ -129,9 +129,10 @@ class TrainSlurmLauncher(SlurmLauncher):
 
         return Singleton.get_state()
 
-    def _executor(self, submitit: Any) -> Any:
+    def _executor(self, submitit: Any, configs: Any = None) -> Any:
         """The executor the stock launcher would build, from the same parameters (with
-        cluster.setup's lines checked: train/launch/submit.py checked_setup)."""
+        cluster.setup's lines checked: train/launch/submit.py checked_setup); with the jobs'
+        `configs` (none for a dry run), their code snapshot taken first (cluster.snapshot_code)."""
         from pathlib import Path
 
         from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
@@ -146,6 +147,8 @@ class TrainSlurmLauncher(SlurmLauncher):
         params = dict(self.params)
         params.pop("max_num_timeout")
         params["setup"] = slurm.checked_setup(params.get("setup") or [])
+        if configs and configs[0].cluster.snapshot_code:
+            params["setup"] += self._snapshot(configs)
         params["srun_args"] = slurm.srun_args(params.get("srun_args") or [])
         # One requeue budget: the job's own (cluster.max_requeues, counted in its checkpoints,
         # train/distributed/slurm.py requeue_after_stop). Each rank replaces submitit's USR2
@@ -160,6 +163,44 @@ class TrainSlurmLauncher(SlurmLauncher):
                                       for k, v in params.items()})
         Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
         return executor
+
+
+    def _snapshot(self, configs: Any) -> list[str]:
+        """Snapshot the jobs' code (train/launch/snapshot.py) and point Hydra's config search
+        path at the snapshot's configs, which each job composes its config from again; the
+        sbatch lines that make the job import it."""
+        import shutil
+        from pathlib import Path
+
+        from hydra._internal.config_repository import ConfigRepository
+
+        from train.errors import TrainError
+        from train.launch import snapshot
+
+        try:
+            snap = snapshot.take(Path(str(self.config.hydra.sweep.dir)), configs)
+        except TrainError as e:
+            checked_jobs.refuse(e)
+        loader = self.hydra_context.config_loader
+        search_path = loader.get_search_path()
+        for i, element in enumerate(search_path.get_path()):
+            where = Path(str(element.path).removeprefix("file://"))
+            if element.provider not in ("main", "command-line") or not where.is_dir():
+                continue
+            copy = snapshot.config_copy(snap, where, i)
+            if not copy.exists():
+                shutil.copytree(where, copy)
+            element.path = str(copy)
+        loader.repository = ConfigRepository(config_search_path=search_path)
+        if snap.reused:
+            print(f"code snapshot: {snap.root}, taken when this sweep directory was first "
+                  "submitted: its jobs resume with the code they started with (a new sweep "
+                  "directory takes a new one)", file=sys.stderr, flush=True)
+        else:
+            print(f"code snapshot: {snap.root} ({snap.bytes / 1e6:.1f} MB in "
+                  f"{snap.seconds:.1f} s; cluster.snapshot_code=false turns it off)",
+                  file=sys.stderr, flush=True)
+        return snap.setup_lines()
 
 
 def _forget_sweep_dir(sweep_dir: str) -> None:

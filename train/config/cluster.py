@@ -52,6 +52,11 @@ class ClusterConfig:
     """Further sbatch options, e.g. {mail-type: END}."""
     job_name: str | None = None
     """Job name; null = the experiment name."""
+    snapshot_code: bool = True
+    """At submission, copy the project's code and the user packages its `_target_`s name into
+    `<sweep dir>/code/`, and have the job (and its requeues) import that copy: a queued job runs
+    the code it was submitted with, not the tree as edited meanwhile (train/launch/snapshot.py).
+    false = the job imports the tree as it is when it starts."""
     dry_run: bool = False
     """Print the sbatch script that would be submitted and exit."""
     wait: bool = True

@@ -236,6 +236,9 @@ class TrackingConfig:
     """Handed to every job of a sweep by the launcher (an override): its parent run."""
     run_name: str | None = None
     """MLflow run name; null = MLflow's generated name."""
+    rerun_of: str | None = None
+    """Set by `python -m train rerun <run_id>` (docs/reproducibility.md): the run this job
+    reruns, recorded as the tag `rerun_of`. null = a new job."""
     log_model: bool = True
     """Also log the model with mlflow.pytorch.log_model (the weights are always stored)."""
     register_model: str | None = None

@@ -19,10 +19,10 @@ from typing import Any
 from train.config.groups import TrainConfig
 from train.data.build import DataBundle
 from train.distributed.env import DistEnv
-from train.report import modelcard
+from train.report import code, modelcard
 from train.report.progress import Progress
 from train.report.trainlog import TrainingLog
-from train.tracking import NullRun, TrackingIncomplete, how_to_view, records
+from train.tracking import REPO_ROOT, NullRun, TrackingIncomplete, how_to_view, records
 from train.tracking.attribution import source_commit
 
 log = logging.getLogger("train")
@@ -75,6 +75,13 @@ class RunLogger:
                     "torch_version": str(torch.__version__),
                     "git_commit": source_commit() or "unknown",
                     "restarts": str(self.restarts), **tags}
+        if self.cfg.tracking.rerun_of:
+            all_tags["rerun_of"] = self.cfg.tracking.rerun_of
+        # The code it runs (report/code.py): once, by the rank that records (git runs here,
+        # before any DataLoader worker is forked: see tracking/run.py's start).
+        code_record = code.collect(config, REPO_ROOT) if env.is_main and not previous else None
+        if code_record is not None:
+            all_tags.update(code_record.tags)
         self.run.start(all_tags, run_name=self.cfg.tracking.run_name,
                        resume_run_id=previous[0] if previous else None)
         if previous:
@@ -82,6 +89,8 @@ class RunLogger:
         else:  # a continued run holds them already
             self.run.log_params(flatten(config))
             self.run.log(records.Text(text=config_yaml, artifact_file="config.yaml"))
+            for artifact_file, text in (code_record.files if code_record else {}).items():
+                self.run.log(records.Text(text=text, artifact_file=artifact_file))
         log.info("training on %d rank(s) (%s, %s) over %s", env.world_size, backend, devices,
                  hosts)
 
