@@ -84,8 +84,8 @@ def test_one_task_per_node_through_a_container_python_makes_one_run(
     assert tags["world_size"] == "4" and tags["launcher"] == "submitit per node"
     assert tags["rank_hostnames"] == "node1,node1,node2,node2"
     assert tags["slurm.nodes"] == "node1,node2"
-    assert history(uri, run.info.run_id, "train/samples") == [(0, 1440.0)]
-    assert history(uri, run.info.run_id, "val/samples") == [(0, 359.0)]
+    assert history(uri, run.info.run_id, "train/samples") == [(1, 1440.0)]
+    assert history(uri, run.info.run_id, "val/samples") == [(1, 359.0)]
 
 
 def test_a_failing_rank_on_one_node_ends_the_per_node_job(

@@ -40,7 +40,8 @@ def test_two_rank_run_is_one_complete_mlflow_run(store: dict[str, str], tmp_path
     assert tags["hostnames"] and tags["git_commit"]
 
     for key in EPOCH_METRICS:
-        assert [step for step, _ in history(uri, run.info.run_id, key)] == list(range(epochs)), key
+        steps = [step for step, _ in history(uri, run.info.run_id, key)]
+        assert steps == list(range(1, epochs + 1)), key
     # Exact counts: every validation sample once; training covers the (evenly split) train set.
     assert {v for _, v in history(uri, run.info.run_id, "val/samples")} == {359.0}
     assert {v for _, v in history(uri, run.info.run_id, "train/samples")} == {1438.0}
@@ -51,7 +52,7 @@ def test_two_rank_run_is_one_complete_mlflow_run(store: dict[str, str], tmp_path
     # Model FLOPs: the small CNN on 8x8 digits, forward and backward, over both ranks' peak.
     tflops = history(uri, run.info.run_id, "train/tflops_per_sec")
     mfu = history(uri, run.info.run_id, "train/mfu")
-    assert [s for s, _ in mfu] == list(range(epochs))
+    assert [s for s, _ in mfu] == list(range(1, epochs + 1))
     for (_, rate), (_, share) in zip(tflops, mfu, strict=True):
         assert rate > 0 and share == pytest.approx(rate / (2 * 0.05))
     val_acc = history(uri, run.info.run_id, "val/accuracy")
@@ -97,8 +98,8 @@ def test_three_ranks_count_what_they_process(store: dict[str, str], tmp_path: Pa
     uri = store["MLFLOW_TRACKING_URI"]
     [run] = runs_in(uri)
     assert run.data.tags["world_size"] == "3"
-    assert history(uri, run.info.run_id, "val/samples") == [(0, 359.0)]
-    assert history(uri, run.info.run_id, "train/samples") == [(0, 1440.0)]
+    assert history(uri, run.info.run_id, "val/samples") == [(1, 359.0)]
+    assert history(uri, run.info.run_id, "train/samples") == [(1, 1440.0)]
 
 
 def test_torchrun_launch_works_unchanged(store: dict[str, str], tmp_path: Path) -> None:
@@ -109,7 +110,7 @@ def test_torchrun_launch_works_unchanged(store: dict[str, str], tmp_path: Path) 
     [run] = runs_in(store["MLFLOW_TRACKING_URI"])
     assert run.info.status == "FINISHED"
     assert run.data.tags["world_size"] == "2" and run.data.tags["launcher"] == "torchrun"
-    assert history(store["MLFLOW_TRACKING_URI"], run.info.run_id, "val/samples") == [(0, 359.0)]
+    assert history(store["MLFLOW_TRACKING_URI"], run.info.run_id, "val/samples") == [(1, 359.0)]
 
 
 def test_system_metrics_of_every_node(store: dict[str, str], tmp_path: Path) -> None:
@@ -124,7 +125,7 @@ def test_system_metrics_of_every_node(store: dict[str, str], tmp_path: Path) -> 
         "cpu_utilization_percentage", "system_memory_usage_megabytes",
         "system_memory_usage_percentage")}
     for key in system:
-        assert [s for s, _ in history(uri, run.info.run_id, key)] == [0, 1]
+        assert [s for s, _ in history(uri, run.info.run_id, key)] == [1, 2]
     memory = history(uri, run.info.run_id, f"system/{host}/system_memory_usage_megabytes")
     assert memory[0][1] > 0
 

@@ -208,7 +208,7 @@ def test_a_server_outage_loses_no_metric(tmp_path: Path) -> None:
         assert run.info.status == "FINISHED"
         for key in EPOCH_METRICS:
             assert [s for s, _ in history(server.url, run.info.run_id, key)] == \
-                list(range(epochs)), key
+                list(range(1, epochs + 1)), key
         steps = [s for s, _ in history(server.url, run.info.run_id, "train/step_loss")]
         assert steps == list(range(5, epochs * 23 + 1, 5))  # 23 steps of 64 per epoch
     finally:
@@ -249,7 +249,7 @@ def test_what_the_server_never_took_is_kept_and_uploaded_later(tmp_path: Path) -
         assert run.info.status == "FINISHED"
         for key in EPOCH_METRICS:  # every epoch once
             assert [s for s, _ in history(server.url, run.info.run_id, key)] == \
-                list(range(epochs)), key
+                list(range(1, epochs + 1)), key
         steps = [s for s, _ in history(server.url, run.info.run_id, "train/step_loss")]
         assert steps == list(range(5, epochs * 23 + 1, 5))
         # What was logged besides metrics arrived too: params, config, weights, figures.
