@@ -180,8 +180,8 @@ def test_an_optuna_search_cannot_leave_its_trials_unwaited(tmp_path: Path) -> No
 def test_a_failing_rank_ends_the_job_promptly(cluster: None, store: dict[str, str],
                                               tmp_path: Path) -> None:
     result = slurm_job(tmp_path, "cluster.nodes=2", "cluster.tasks_per_node=2",
-                       "trainer.epochs=50", "trainer.fail_on_rank=3", "trainer.fail_at_step=2",
-                       env=store, timeout=300)  # well under the job's 10-minute limit
+                       "trainer.epochs=50", env={**store, "TRAIN_FAIL_DRILL": "3:2"},
+                       timeout=300)  # well under the job's 10-minute limit
     assert result.returncode == 1, result.stdout + result.stderr
     assert ": FAILED" in result.stdout
     assert "FailureDrill" in result.stderr  # the failing rank's log tail
@@ -243,9 +243,9 @@ def test_an_unwaited_sweep_whose_jobs_fail_ends_its_parent_failed(
         cluster: None, store: dict[str, str], tmp_path: Path) -> None:
     """One job fails at start-up, before its run exists; the other fails while training. The
     last of them to end still ends the parent, FAILED, counting both."""
-    result = slurm_job(tmp_path, "-m", "trainer.fail_on_rank=0", "trainer.fail_at_step=0,3",
-                       "cluster.wait=false", "trainer.epochs=1", "tracking.log_model=false",
-                       env=store, timeout=120)
+    result = slurm_job(tmp_path, "-m", "optim.lr=0.1,0.05", "cluster.wait=false",
+                       "trainer.epochs=1", "tracking.log_model=false",
+                       env={**store, "TRAIN_FAIL_DRILL": "0/0:0,1/0:3"}, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     uri = store["MLFLOW_TRACKING_URI"]
     parent = _parent_once_ended(uri)

@@ -90,8 +90,8 @@ def test_one_task_per_node_through_a_container_python_makes_one_run(
 
 def test_a_failing_rank_on_one_node_ends_the_per_node_job(
         cluster: None, store: dict[str, str], tmp_path: Path) -> None:
-    result = slurm_job(tmp_path, *PER_NODE, "trainer.epochs=50", "trainer.fail_on_rank=3",
-                       "trainer.fail_at_step=2", env=store, timeout=300)
+    result = slurm_job(tmp_path, *PER_NODE, "trainer.epochs=50",
+                       env={**store, "TRAIN_FAIL_DRILL": "3:2"}, timeout=300)
     assert result.returncode == 1, result.stdout + result.stderr
     assert ": FAILED" in result.stdout
     # The run's root cause, as the terminal's last word (node1's ranks only saw a closed

@@ -64,10 +64,10 @@ def test_a_sweep_whose_jobs_are_all_refused_leaves_no_run(store: dict[str, str],
 
 
 def test_a_failing_job_does_not_stop_the_sweep(store: dict[str, str], tmp_path: Path) -> None:
-    # Step 0: at start-up, before the job's run exists; no step 10**6 in one epoch: it finishes.
-    result = run_train("-m", "trainer.fail_on_rank=0", "trainer.fail_at_step=0,1,1000000",
-                       "trainer.epochs=1", "tracking.log_model=false",
-                       f"hydra.sweep.dir={tmp_path}/sweep", env=store, timeout=600)
+    # Job 0 fails at start-up, before its run exists; job 1 at step 1; job 2 finishes.
+    result = run_train("-m", "optim.lr=0.1,0.05,0.01", "trainer.epochs=1",
+                       "tracking.log_model=false", f"hydra.sweep.dir={tmp_path}/sweep",
+                       env={**store, "TRAIN_FAIL_DRILL": "0/0:0,1/0:1"}, timeout=600)
     assert result.returncode != 0  # the sweep reports its failure...
     parent, children = parent_and_children(store["MLFLOW_TRACKING_URI"])
     statuses = sorted(c.info.status for c in children)

@@ -23,6 +23,7 @@ from mlflow import MlflowClient
 from tests.conftest import REPO, history, run_train, runs_in, wait_until
 from tests.servers import EPOCH_METRICS, ServerProcess, jobs_at_once, tracking_server
 from train.distributed.env import free_port
+from train.report.params import applicable
 from train.security import server_auth
 from train.tracking import errors
 from train.tracking.client import RunClient
@@ -73,10 +74,14 @@ def test_a_two_rank_run_lands_once_with_its_artifacts_behind_the_server(tmp_path
                                                                           "weights")}
         config = Path(client.download_artifacts(run.info.run_id, "config.yaml",
                                                 str(tmp_path / "download")))
-        params = flat(yaml.safe_load(config.read_text()))
+        composed = yaml.safe_load(config.read_text())
+        params = flat(applicable(composed))  # the keys the chosen options read
         assert params["optim.lr"] == run.data.params["optim.lr"]
         assert params["distributed.nproc_per_node"] == "2"
         assert {k: run.data.params.get(k) for k in params} == params
+        # Not the synthetic set's keys, and the normalisation digits got, not ImageNet's.
+        assert "data.num_samples" in flat(composed) and "data.num_samples" not in run.data.params
+        assert run.data.params["data.mean"] != str(composed["data"]["mean"])
 
 
 def test_eight_jobs_at_once_land_complete_in_a_new_experiment(tmp_path: Path) -> None:

@@ -180,12 +180,6 @@ class TrainerConfig:
     resume: str = "auto"
     """auto (continue this output directory's job if it has a checkpoint or run), never, or a
     checkpoint file or directory."""
-    fail_on_rank: int | None = None
-    """Drill: raise an error on this rank at step `fail_at_step`, to see how a job ends when one
-    rank fails (on a new cluster, say). null = never."""
-    fail_at_step: int = 1
-    """Drill: the optimiser step at which `fail_on_rank` raises; 0 = at start-up, before the
-    job's MLflow run exists."""
     peak_tflops: float | None = None
     """Peak TFLOP/s of ONE device for train/mfu; null = known GPUs' data-sheet figure (H100,
     A100, ...) for the precision in use, and no train/mfu elsewhere (e.g. on CPUs)."""

@@ -39,7 +39,7 @@ from train.distributed import process_group as distributed
 from train.distributed import slurm
 from train.distributed.devices import device_name
 from train.distributed.stopping import Preempted, StopSignals
-from train.engine import checkpoint, loop
+from train.engine import checkpoint, drill, loop
 from train.engine import monitor as monitor_lib
 from train.engine import state as train_state
 from train.engine.ending import JobEnding
@@ -153,6 +153,8 @@ class Job:
     command: str
     device: torch.device
     backend: str
+    fail_at: int | None = None
+    """This rank's failure drill (train/engine/drill.py, TRAIN_FAIL_DRILL); None = none."""
 
 
 def _train(job: Job, logger: RunLogger, stop: StopSignals,
@@ -198,7 +200,8 @@ def _train(job: Job, logger: RunLogger, stop: StopSignals,
         before_write=lambda: logger.run.flush(
             cfg.tracking.checkpoint_flush_s, created_within_s=cfg.distributed.timeout_s / 2),
         run_fields=lambda: {**logger.run_fields(), "monitor": monitor.state_dict()})
-    duties = loop.Duties(logger.training, checkpointer, stop, env.rank, env.local_rank, monitor)
+    duties = loop.Duties(logger.training, checkpointer, stop, env.rank, env.local_rank, monitor,
+                         job.fail_at)
     final_val = loop.fit(cfg, state, bundle, device, duties, task)
     if monitor.stop_reason:
         logger.stopped_early(monitor.stop_reason)
@@ -248,11 +251,11 @@ def run_rank(config: dict[str, Any], output_dir: str, command: str, own_process:
                         cfg.data.batch_size)
     logger = RunLogger(cfg, tracking.open_run(cfg.tracking, out, env.is_main), progress)
     logger.output_dir = str(out)
-    job = Job(cfg, config, env, out, command, device, backend)
+    job = Job(cfg, config, env, out, command, device, backend, drill.fail_at(env.rank, out))
     ending = JobEnding(cfg, env, out, command, logger)
     try:  # from the process group on: a job that fails in it has ended too (sweep, below)
         distributed.init(env, backend, device, cfg.distributed.timeout_s)
-        loop.fail_drill(cfg.trainer, 0, env.rank)
+        drill.check(job.fail_at, 0, env.rank)
         with StopSignals() as stop:
             final = _train(job, logger, stop, ending)
         # Every rank is done with the group before any takes it down: a rank destroying it

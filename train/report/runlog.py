@@ -19,7 +19,7 @@ from typing import Any
 from train.config.groups import TrainConfig
 from train.data.build import DataBundle
 from train.distributed.env import DistEnv
-from train.report import modelcard
+from train.report import modelcard, params
 from train.report.progress import Progress
 from train.report.trainlog import TrainingLog
 from train.tracking import NullRun, TrackingIncomplete, how_to_view, records
@@ -80,7 +80,7 @@ class RunLogger:
         if previous:
             log.info("continuing MLflow run %s (restart %d)", previous[0], self.restarts)
         else:  # a continued run holds them already
-            self.run.log_params(flatten(config))
+            self.run.log_params(flatten(params.applicable(config)))
             self.run.log(records.Text(text=config_yaml, artifact_file="config.yaml"))
         log.info("training on %d rank(s) (%s, %s) over %s", env.world_size, backend, devices,
                  hosts)
@@ -90,20 +90,25 @@ class RunLogger:
         """The data's facts as params (and `model.outputs`: the model's outputs per sample,
         which train/load.py rebuilds it with), the data set as the run's input, the model card."""
         # Not data.num_classes: that key is the config's (the synthetic set's class count).
-        params = {"data.num_train": bundle.num_train, "data.num_val": bundle.num_val,
-                  "data.input_shape": "x".join(map(str, bundle.input_shape)),
-                  "data.classes": bundle.num_classes,  # train/load.py rebuilds the model
-                  "model.outputs": outputs}
+        facts: dict[str, Any] = {
+            "data.num_train": bundle.num_train, "data.num_val": bundle.num_val,
+            "data.input_shape": "x".join(map(str, bundle.input_shape)),
+            "data.classes": bundle.num_classes,  # train/load.py rebuilds the model
+            "model.outputs": outputs}
         if bundle.test is not None:
-            params["data.num_test"] = bundle.num_test
-        self.run.log_params({k: str(v) for k, v in params.items()})
-        log.info("data: %s, %d classes", ", ".join(f"{k}={v}" for k, v in params.items()),
+            facts["data.num_test"] = bundle.num_test
+        self.run.log_params({k: str(v) for k, v in facts.items()})
+        log.info("data: %s, %d classes", ", ".join(f"{k}={v}" for k, v in facts.items()),
                  bundle.num_classes)
         if not self.restarts:  # recorded by the first start
             self.run.log(records.DatasetInput(name=f"{self.cfg.data.name}-train",
                                               **asdict(bundle.description())))
         self.model_card = modelcard.describe(bundle.val, self.cfg.data, bundle.input_shape,
                                              bundle.class_names, output_card)
+        # The normalisation every batch got (the data set's own statistics, or data.mean/std
+        # for an image folder), not the config's defaults.
+        used = {f"data.{k}": self.model_card["preprocessing"].get(k) for k in ("mean", "std")}
+        self.run.log_params({k: str(v) for k, v in used.items() if v is not None})
 
     def log_model_params(self, model: Any) -> None:
         """Parameters trained and frozen (model.freeze), and the weights' source (tag
