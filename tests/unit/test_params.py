@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import composed, runs_in
+from tests.conftest import composed, runs_in, typed
 from train.app import run
+from train.config.naming import default_run_name
 from train.config.schema import to_container
 from train.report.params import applicable
 
@@ -24,6 +25,7 @@ def test_a_digits_run_with_a_custom_model_logs_what_shaped_it(
                    "+model.depth=1", f"tracking.uri={uri}")
     run(cfg, str(tmp_path / "job"), "python -m train (test)")
     [mlflow_run] = runs_in(uri)
+    assert mlflow_run.info.run_name == "TinyConvNet-digits"  # no tracking.run_name given
     params = mlflow_run.data.params
     assert params["model.name"] == "TinyConvNet" and params["model.depth"] == "1"
     assert params["data.name"] == "digits" and params["data.input_shape"] == "1x8x8"
@@ -58,3 +60,17 @@ def test_only_the_keys_the_chosen_options_read(overrides: tuple[str, ...], prese
         assert key in params, key
     for key in absent:
         assert key not in params, key
+
+
+@pytest.mark.parametrize(("overrides", "output_dir", "name"), [
+    ((), "outputs/2026-11-25/20-06-19", "cnn-digits"),
+    (("model=resnet18", "data=cifar10"), None, "resnet18-cifar10"),
+    (("task=regression", "data=synthetic"), None, "cnn-synthetic-regression"),
+    (("data=custom", "data.train._target_=userpkg.data.Lines"), None, "cnn-Lines"),
+    (("tracking.parent_run_id=abc",), "multirun/2026-11-25/20-06-19/3", "cnn-digits-3"),
+    (("tracking.run_name=mine",), None, "mine"),
+])
+def test_a_run_is_named_after_what_it_trains(overrides: tuple[str, ...], output_dir: str | None,
+                                             name: str) -> None:
+    cfg = typed(*overrides)
+    assert (cfg.tracking.run_name or default_run_name(cfg, output_dir)) == name

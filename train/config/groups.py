@@ -226,7 +226,8 @@ class TrackingConfig:
     parent_run_id: str | None = None
     """Handed to every job of a sweep by the launcher (an override): its parent run."""
     run_name: str | None = None
-    """MLflow run name; null = MLflow's generated name."""
+    """MLflow run name; null = `<model>-<data>[-<task>]` (train/config/naming.py; a sweep's jobs
+    add their number)."""
     log_model: bool = True
     """Also log the model with mlflow.pytorch.log_model (the weights are always stored)."""
     register_model: str | None = None

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from train.config.groups import TrainConfig
+from train.config.naming import default_run_name
 from train.data.build import DataBundle
 from train.distributed.env import DistEnv
 from train.report import modelcard, params
@@ -75,7 +76,8 @@ class RunLogger:
                     "torch_version": str(torch.__version__),
                     "git_commit": source_commit() or "unknown",
                     "restarts": str(self.restarts), **tags}
-        self.run.start(all_tags, run_name=self.cfg.tracking.run_name,
+        name = self.cfg.tracking.run_name or default_run_name(self.cfg, self.output_dir)
+        self.run.start(all_tags, run_name=name,
                        resume_run_id=previous[0] if previous else None)
         if previous:
             log.info("continuing MLflow run %s (restart %d)", previous[0], self.restarts)
