@@ -277,6 +277,10 @@ def test_make_ui_serves_a_store_and_prints_its_url(tmp_path: Path,
                        f"hydra.run.dir={tmp_path}/job",
                        env={"MLFLOW_TRACKING_URI": f"sqlite:///{store / 'mlflow.db'}"})
     assert result.returncode == 0, result.stderr[-3000:]
+    # The job's closing hint: this command, and where its login will be (not the password).
+    assert f"`make ui UI_STORE={store}`" in result.stderr
+    assert f"user admin, password MLFLOW_TRACKING_PASSWORD in {store}/server-auth.env" in \
+        result.stderr
     port = free_port()
     ui = subprocess.Popen(["make", "ui", f"UI_PORT={port}", f"UI_STORE={store}"], cwd=REPO,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

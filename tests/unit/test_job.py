@@ -33,6 +33,7 @@ def test_train_in_process_records_one_complete_run(tmp_path: Path, no_launcher_e
                                                   caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, "train")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    (tmp_path / "server-auth.env").write_text("export MLFLOW_TRACKING_PASSWORD=s3cret-password\n")
     cfg = composed(*SMALL, "trainer.epochs=2", f"tracking.uri={uri}", "tracking.run_name=fast")
     out = tmp_path / "job"
     objective = run(cfg, str(out), "python -m train (test)")
@@ -53,6 +54,11 @@ def test_train_in_process_records_one_complete_run(tmp_path: Path, no_launcher_e
     best = history(uri, run_id, "best/val/accuracy")
     assert str(best[-1][0]) == best_epoch
     assert dict(history(uri, run_id, "val/accuracy"))[int(best_epoch)] == best[-1][1]
+    # The closing hint: how to view the run, and where the UI's login is - not the password.
+    [view] = [m for m in said if "view it:" in m]
+    assert f"`make ui UI_STORE={tmp_path}`" in view and run_id in view
+    assert f"user admin, password MLFLOW_TRACKING_PASSWORD in {tmp_path}/server-auth.env" in view
+    assert "s3cret-password" not in "\n".join(said)
     assert mlflow_run.data.params["data.num_train"] == "77"
     assert mlflow_run.data.tags["world_size"] == "1"
     summary = json.loads((out / "summary.json").read_text())
