@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,21 @@ def test_tracking_disabled_leaves_mlflow_alone(store: dict[str, str], tmp_path: 
     assert runs_in(store["MLFLOW_TRACKING_URI"]) == []
     summary = json.loads((tmp_path / "job" / "summary.json").read_text())
     assert summary["run_id"] is None and summary["metrics"]["val/samples"] == 359
+
+
+LOG_LINE = re.compile(r"\[\d\d:\d\d:\d\d\]\[(rank \d|train)\]\[(INFO|WARNING|ERROR)\] \S")
+"""Ours, one rank or many: `[20:06:31][rank 0][INFO] ...` (the launching process: `[train]`)."""
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_one_log_format_for_one_rank_and_many(store: dict[str, str], tmp_path: Path,
+                                              ranks: int) -> None:
+    out_dir = tmp_path / "job"
+    result = run_train(f"distributed.nproc_per_node={ranks}", "trainer.epochs=1",
+                       "tracking.log_model=false", f"hydra.run.dir={out_dir}", env=store)
+    assert result.returncode == 0, result.stderr
+    log = (out_dir / "train.log").read_text()
+    for text in (result.stderr, log):
+        ours = [line for line in text.splitlines() if line.startswith("[")]
+        assert ours and all(LOG_LINE.match(line) for line in ours), ours
+        assert "[rank 0][INFO] epoch 1/1 " in text

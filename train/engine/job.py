@@ -15,13 +15,14 @@ This file reads top to bottom as the job's script.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import resource
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,15 +57,41 @@ from train.tasks.base import Task, summed
 log = logging.getLogger("train")
 
 
+DATE_FORMAT = "%H:%M:%S"
+"""conf/train.yaml's job_logging (the launching process's lines) uses the same."""
+
+
+def rank_format(rank: int) -> logging.Formatter:
+    """One format for a rank's lines, one rank or many: `[20:06:31][rank 0][INFO] ...`."""
+    return logging.Formatter(f"[%(asctime)s][rank {rank}][%(levelname)s] %(message)s",
+                             DATE_FORMAT)
+
+
 def setup_logging(rank: int, log_file: Path) -> None:
     """Rank 0 tells the story; the other ranks speak only about problems. On stderr, and in the
     job's log file beside its outputs (Hydra's train.log), which every rank appends to."""
     level = logging.INFO if rank == 0 else logging.WARNING
-    fmt = "[%(asctime)s][rank " + str(rank) + "][%(levelname)s] %(message)s"
     log_file.parent.mkdir(parents=True, exist_ok=True)
-    logging.basicConfig(level=level, format=fmt, datefmt="%H:%M:%S", force=True,
-                        handlers=[logging.StreamHandler(sys.stderr),
-                                  logging.FileHandler(log_file, mode="a")])
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr),
+                                       logging.FileHandler(log_file, mode="a")]
+    for handler in handlers:
+        handler.setFormatter(rank_format(rank))
+    logging.basicConfig(level=level, force=True, handlers=handlers)
+
+
+@contextlib.contextmanager
+def rank_log_format(rank: int) -> Iterator[None]:
+    """A rank run inside the launching process (one local rank) keeps Hydra's handlers (stderr,
+    the job's train.log) but writes its lines as every rank does; put back afterwards."""
+    handlers = logging.getLogger().handlers
+    before = [h.formatter for h in handlers]
+    for handler in handlers:
+        handler.setFormatter(rank_format(rank))
+    try:
+        yield
+    finally:
+        for handler, formatter in zip(handlers, before, strict=True):
+            handler.setFormatter(formatter)
 
 
 def peak_rss_mb() -> float:
