@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 USER_PATH = str(REPO / "tests")
 """What a user puts on PYTHONPATH: the directory that holds their package (tests/userpkg)."""
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                 "MASTER_PORT", "SUBMITIT_EXECUTOR", "CUDA_VISIBLE_DEVICES")
+                 "MASTER_PORT", "SUBMITIT_EXECUTOR", "CUDA_VISIBLE_DEVICES", "TRAIN_LAUNCHER")
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
 

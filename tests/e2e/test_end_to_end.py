@@ -156,3 +156,5 @@ def test_one_log_format_for_one_rank_and_many(store: dict[str, str], tmp_path: P
         ours = [line for line in text.splitlines() if line.startswith("[")]
         assert ours and all(LOG_LINE.match(line) for line in ours), ours
         assert "[rank 0][INFO] epoch 1/1 " in text
+    [run] = runs_in(store["MLFLOW_TRACKING_URI"])
+    assert run.data.tags["launcher"] == "local"  # what started it: no torchrun here

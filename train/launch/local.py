@@ -64,7 +64,8 @@ def run_in_process(config: dict[str, Any], output_dir: str, command: str) -> dic
     """A one-rank job in this process: no second interpreter to start (seconds saved per job,
     and per job of a local sweep). Its torchrun-style variables are removed again afterwards,
     so that the next job of a sweep is launched afresh."""
-    env = distenv.torchrun_env(0, 0, 1, 1, "127.0.0.1", distenv.free_port())
+    env = {**distenv.torchrun_env(0, 0, 1, 1, "127.0.0.1", distenv.free_port()),
+           distenv.LAUNCHER_VAR: distenv.LOCAL}
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
     try:
