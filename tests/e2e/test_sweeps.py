@@ -38,7 +38,10 @@ def test_local_sweep_groups_jobs_under_a_parent_run(store: dict[str, str],
     assert combos == {(lr, m) for lr in ("0.1", "0.02") for m in ("cnn", "mlp")}
     for child in children:
         assert child.info.status == "FINISHED"
-        assert history(uri, child.info.run_id, "val/samples") == [(0, 359.0)]
+        assert history(uri, child.info.run_id, "val/samples") == [(1, 359.0)]
+        # Named after what it trained, and its job's number: the children tell apart.
+        assert child.info.run_name == "-".join(
+            [child.data.params["model.name"], "digits", Path(child.data.tags["output_dir"]).name])
         # The ids the launcher appended are not part of what the user typed.
         assert "_id=" not in child.data.tags["command"]
         assert "tracking.log_model=" in child.data.tags["command"]
@@ -52,6 +55,9 @@ def test_local_sweep_groups_jobs_under_a_parent_run(store: dict[str, str],
     assert parent.data.metrics["best/val/accuracy"] == best.data.metrics["val/accuracy"]
     assert parent.data.metrics["sweep/children"] == 4
     assert parent.data.metrics["sweep/failed_children"] == 0
+    # The closing line rounds the best value as every other line does.
+    best_value = parent.data.metrics["best/val/accuracy"]
+    assert f"best val/accuracy = {best_value:.4g} (run {best.info.run_id})" in result.stdout
 
 
 def test_a_sweep_whose_jobs_are_all_refused_leaves_no_run(store: dict[str, str],

@@ -89,8 +89,8 @@ def test_eight_jobs_at_once_land_complete_in_a_new_experiment(tmp_path: Path) ->
         runs = jobs_at_once(url, "crowd", tmp_path)
         assert runs_in(url, "Default") == []
         for run in runs:  # every job validated on the whole validation split, each epoch
-            assert history(url, run.info.run_id, "val/samples") == [(0, DIGITS_VAL),
-                                                                    (1, DIGITS_VAL)]
+            assert history(url, run.info.run_id, "val/samples") == [(1, DIGITS_VAL),
+                                                                    (2, DIGITS_VAL)]
             assert run.data.params["data.num_val"] == str(int(DIGITS_VAL))
 
 

@@ -177,3 +177,37 @@ def test_stop_signals_are_noted_and_handlers_put_back() -> None:
         assert stop.received == "SIGUSR2"
         assert stop.preempted().signal_name == "SIGUSR2"
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_the_closing_line_shows_the_test_metrics(tmp_path: Path, no_launcher_env: None,
+                                                 user_path: None,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "train")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = composed("data=custom", "data.train._target_=userpkg.data.Lines",
+                   "+data.train.length=48", "data.test._target_=userpkg.data.Lines",
+                   "+data.test.length=20", "model.width=8", "trainer.epochs=1",
+                   "data.batch_size=16", "data.num_workers=0", "tracking.log_model=false",
+                   f"tracking.uri={uri}")
+    run(cfg, str(tmp_path / "job"), "python -m train (test)")
+    [mlflow_run] = runs_in(uri)
+    [closing] = [r.getMessage() for r in caplog.records if "FINISHED" in r.getMessage()]
+    accuracy = mlflow_run.data.metrics["test/accuracy"]
+    assert f"test/accuracy={accuracy:.4g}" in closing and "val/accuracy=" in closing
+
+
+def test_a_slurm_jobs_closing_line_shows_its_val_and_test_metrics(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """What the login node prints as a followed job ends, read from the job's own files."""
+    from types import SimpleNamespace
+
+    from train.launch import follow
+
+    (tmp_path / "summary.json").write_text(json.dumps({"run_id": "r1", "metrics": {
+        "val/accuracy": 0.841225626740947, "test/accuracy": 0.8, "train/samples": 9.0}}))
+    (tmp_path / "mlflow_run.json").write_text(json.dumps({
+        "tracking_uri": "http://mlflow:5000", "experiment_id": "1"}))
+    follow.report_finished([SimpleNamespace(working_dir=str(tmp_path))])
+    printed = capsys.readouterr().out
+    assert "MLflow run r1 FINISHED  val/accuracy=0.8412  test/accuracy=0.8\n" in printed
+    assert "http://mlflow:5000/#/experiments/1/runs/r1" in printed

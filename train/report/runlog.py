@@ -192,7 +192,7 @@ class RunLogger:
             raise TrackingIncomplete(self._undelivered())
         if run_id and error is None:
             shown = "  ".join(f"{k}={v:.4g}" for k, v in self.training.final_metrics.items()
-                              if k.startswith("val/") or k == "train/loss")
+                              if k.startswith(("val/", "test/")) or k == "train/loss")
             log.info("MLflow run %s FINISHED  %s\n  view it: %s", run_id, shown,
                      how_to_view(self.run.uri, self.run.experiment_id, run_id))
         elif run_id:
