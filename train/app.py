@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from train.config import groups as config_lib
+from train.config import keys
 from train.config.groups import TrainConfig
 from train.config.keys import override_hint
 from train.config.schema import register_schema, to_container, to_typed
@@ -71,6 +72,9 @@ def main() -> None:
     value of the wrong type, a missing config option, bad override syntax) told in one line
     with exit code 2 instead of Hydra's report. HYDRA_FULL_ERROR=1 still shows the trace."""
     global _full_error_is_ours
+    if (group := _help_group(sys.argv[1:])) is not None:
+        print(keys.group_help(group))
+        return
     if _FULL_ERROR in os.environ:
         _hydra_main()
         return
@@ -83,6 +87,15 @@ def main() -> None:
         raise SystemExit(2) from None
     finally:
         _keep_hydras_short_errors()
+
+
+def _help_group(argv: list[str]) -> str | None:
+    """`python -m train --help trainer`: the group whose keys and docs to show (Hydra's own
+    --help shows the groups' options and the composed config)."""
+    for flag, group in zip(argv, argv[1:], strict=False):
+        if flag in ("--help", "-h") and group in keys.groups():
+            return group
+    return None
 
 
 def _keep_hydras_short_errors() -> None:

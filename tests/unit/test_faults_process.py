@@ -54,3 +54,14 @@ def test_a_misspelt_key_added_with_plus_gets_the_near_key() -> None:
     assert str(refused.value) == ("trainer.epoch: Key 'epoch' not in 'TrainerConfig'; did you "
                                   "mean trainer.epochs? `python -m train --help` lists every "
                                   "setting.")
+
+
+def test_every_group_has_help_with_a_doc_for_every_key() -> None:
+    from train.config import keys
+
+    for group in keys.groups():
+        shown = keys.group_help(group)
+        for key, _, doc in keys.fields(group):
+            assert doc and f"\n{key}=" in shown, key
+    assert app._help_group(["--help", "trainer"]) == "trainer"
+    assert app._help_group(["--help"]) is None and app._help_group(["trainer.epochs=1"]) is None

@@ -11,6 +11,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import json
 import re
 import typing
 from functools import cache
@@ -77,13 +78,26 @@ def did_you_mean(key: str) -> str | None:
     return elsewhere[0] if len(elsewhere) == 1 else None
 
 
+def _as_typed(value: Any) -> str:
+    """A default as it is written on the command line (null, true, [0.9, 0.999])."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list | dict):
+        return json.dumps(value)
+    return str(value)
+
+
 def group_help(group: str) -> str:
     """`python -m train --help <group>`: the group's keys, defaults and docs."""
     if group not in groups():
         raise KeyError(group)
-    lines = [f"== {group} (override as {group}.<key>=<value>) =="]
+    lines = [f"== {group} (override as {group}.<key>=<value>) ==",
+             "The defaults of the schema; an option of the group may set others "
+             "(`python -m train --cfg job` shows the composed values)."]
     for key, default, doc in fields(group):
-        lines.append(f"\n{key} = {default!r}")
+        lines.append(f"\n{key}={_as_typed(default)}")
         lines.extend(f"    {line}" for line in doc.splitlines())
     if not fields(group):
         lines.append("(no fixed keys: its option's own, see conf/" + group + "/)")
