@@ -4,7 +4,7 @@ Runs `python -m train distributed.nproc_per_node=2` (digits, a fresh SQLite MLfl
 run) from each source tree given (default: this checkout), interleaved, --repeats times:
 
   start          1 epoch: command start -> first optimiser step (summary.json's first_step_at)
-  fail           trainer.fail_on_rank=1 trainer.fail_at_step=3: exit code, seconds to exit,
+  fail           rank 1 fails at step 3 (TRAIN_FAIL_DRILL=1:3): exit code, seconds to exit,
                  whether rank 1's traceback reaches the terminal and the run's `error` tag
   kill-rank      rank 1 SIGKILLed once training is under way (first checkpoint written):
                  seconds from the kill to exit, the message, the run's status and tag
@@ -42,7 +42,7 @@ from bench.run import machine_info
 REPO = Path(__file__).resolve().parent.parent
 SCENARIOS: dict[str, list[str]] = {
     "start": ["trainer.epochs=1"],
-    "fail": ["trainer.epochs=3", "trainer.fail_on_rank=1", "trainer.fail_at_step=3"],
+    "fail": ["trainer.epochs=3"],
     "kill-rank": ["trainer.epochs=200"],
     "kill-launcher": ["trainer.epochs=200"],
 }
@@ -51,15 +51,25 @@ LEFT_AFTER_S = 5.0
 left behind (PDEATHSIG and SIGTERM handling take a moment)."""
 
 
+def _fail_drill(tree: Path) -> list[str]:
+    """Trees before TRAIN_FAIL_DRILL took the drill as config keys."""
+    old = "fail_on_rank" in (tree / "train" / "config" / "groups.py").read_text() \
+        if (tree / "train" / "config" / "groups.py").exists() else True
+    return ["trainer.fail_on_rank=1", "trainer.fail_at_step=3"] if old else []
+
+
 def run_once(tree: Path, scenario: str, out: Path, timeout: float) -> dict[str, Any]:
     """One command; what it printed, how it ended and what it left behind."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                         "MASTER_PORT") and not k.startswith(("SLURM_", "SUBMITIT_"))}
     env.update(PYTHONPATH=str(tree), MLFLOW_TRACKING_URI=f"sqlite:///{out / 'mlflow.db'}")
+    drill = _fail_drill(tree) if scenario == "fail" else []
+    if scenario == "fail" and not drill:
+        env["TRAIN_FAIL_DRILL"] = "1:3"
     # data.num_workers=0: the ranks are then the leaves of the process tree.
     cmd = [sys.executable, "-m", "train", "distributed.nproc_per_node=2", "data.num_workers=0",
-           f"hydra.run.dir={out / 'job'}", *SCENARIOS[scenario]]
+           f"hydra.run.dir={out / 'job'}", *SCENARIOS[scenario], *drill]
     with (out / "stderr.log").open("w") as err, (out / "stdout.log").open("w") as std:
         started = time.time()
         proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=std, stderr=err,

@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 USER_PATH = str(REPO / "tests")
 """What a user puts on PYTHONPATH: the directory that holds their package (tests/userpkg)."""
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                 "MASTER_PORT", "SUBMITIT_EXECUTOR", "CUDA_VISIBLE_DEVICES")
+                 "MASTER_PORT", "SUBMITIT_EXECUTOR", "CUDA_VISIBLE_DEVICES", "TRAIN_LAUNCHER")
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
 
@@ -44,7 +44,21 @@ def skip_or_fail(reason: str) -> None:
     pytest.skip(reason)
 
 
+DEFAULT_STORE = REPO / "mlflow.db"
+"""MLflow's own default store when run from the repository (sqlite:///mlflow.db): a user's
+`mlflow ui` there would find it, not the runs in mlruns/mlflow.db. No test may make it."""
+_default_store_before = pytest.StashKey[bool]()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_default_store_before] = DEFAULT_STORE.exists()
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if DEFAULT_STORE.exists() and not session.config.stash.get(_default_store_before, True):
+        print(f"\n{DEFAULT_STORE} was created by a test: something used MLflow's default "
+              "tracking URI instead of the store it was given.")
+        session.exitstatus = 1
     # Belt and braces: a skip from anywhere (a plain pytest.skip) also fails CI - except a
     # `gpu` test's: no CI machine of this project has CUDA (tests/{unit,e2e}/test_gpu.py).
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")

@@ -20,7 +20,9 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from train.config import groups as config_lib
+from train.config import keys
 from train.config.groups import TrainConfig
+from train.config.keys import override_hint
 from train.config.schema import register_schema, to_container, to_typed
 from train.distributed import env as distenv
 from train.errors import ConfigError, LaunchError, StoppedBySignal, TrainError
@@ -72,6 +74,9 @@ def main() -> None:
     value of the wrong type, a missing config option, bad override syntax) told in one line
     with exit code 2 instead of Hydra's report. HYDRA_FULL_ERROR=1 still shows the trace."""
     global _full_error_is_ours
+    if (group := _help_group(sys.argv[1:])) is not None:
+        print(keys.group_help(group))
+        return
     if _FULL_ERROR in os.environ:
         _hydra_main()
         return
@@ -84,6 +89,15 @@ def main() -> None:
         raise SystemExit(2) from None
     finally:
         _keep_hydras_short_errors()
+
+
+def _help_group(argv: list[str]) -> str | None:
+    """`python -m train --help trainer`: the group whose keys and docs to show (Hydra's own
+    --help shows the groups' options and the composed config)."""
+    for flag, group in zip(argv, argv[1:], strict=False):
+        if flag in ("--help", "-h") and group in keys.groups():
+            return group
+    return None
 
 
 def _keep_hydras_short_errors() -> None:
@@ -115,8 +129,21 @@ def one_line(error: BaseException) -> str:
                 parts.append(line)
         texts.append(" ".join(parts))
         current = current.__cause__
-    return ": ".join(t.rstrip(".") for t in texts if t) + \
-        ". `python -m train --help` lists every setting."
+    hint = override_hint(_chain_text(error))
+    return _with_hint(": ".join(t.rstrip(".") for t in texts if t), hint)
+
+
+def _with_hint(line: str, hint: str | None) -> str:
+    return line + (f"; {hint} " if hint else ". ") + "`python -m train --help` lists every setting."
+
+
+def _chain_text(error: BaseException) -> str:
+    """The error and its causes, unfiltered (the hint reads Hydra's "To append" line)."""
+    texts, current = [], error
+    while current is not None:
+        texts.append(str(current))
+        current = current.__cause__
+    return "\n".join(texts)
 
 
 def _typed(cfg: DictConfig) -> tuple[dict, TrainConfig]:
@@ -126,7 +153,11 @@ def _typed(cfg: DictConfig) -> tuple[dict, TrainConfig]:
         config = to_container(cfg)
         return config, to_typed(config)
     except OmegaConfBaseException as e:
-        raise ConfigError(f"{getattr(e, 'full_key', '') or 'config'}: {one_line(e)}") from None
+        key = getattr(e, "full_key", "") or "config"
+        line = one_line(e)
+        if hint := override_hint(f"{key}: {e}"):  # `+trainer.epoch=1`: no such key to add
+            line = _with_hint(line.partition(". `python -m train --help`")[0], hint)
+        raise ConfigError(f"{key}: {line}") from None
 
 
 def launched_by_us(hydra_cfg: DictConfig) -> bool:

@@ -7,7 +7,9 @@ The ids reach jobs this one way, as explicit overrides (`tracking.experiment_id=
 """
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, NoReturn
 
 from omegaconf import open_dict
@@ -19,6 +21,34 @@ def refuse(message: object) -> NoReturn:
     """One clear message and exit code 2: nothing has started or been submitted."""
     print(f"\nerror: {message}\n", file=sys.stderr)
     raise SystemExit(2)
+
+
+@contextmanager
+def nothing_left_behind(launcher: Any) -> Iterator[None]:
+    """A command that ends inside (a refusal, a dry run: SystemExit) leaves no
+    `multirun/<date>/<time>/` behind: Hydra's sweeper made it for multirun.yaml alone before
+    calling the launcher."""
+    try:
+        yield
+    except SystemExit:
+        forget_sweep_dir(str(launcher.config.hydra.sweep.dir))
+        raise
+
+
+def forget_sweep_dir(sweep_dir: str) -> None:
+    """The sweep directory, removed only while empty but for multirun.yaml, and its parents
+    only below the working directory (never a directory that holds anything else)."""
+    leaf, cwd = Path(sweep_dir).absolute(), Path.cwd()
+    if not leaf.is_dir() or {p.name for p in leaf.iterdir()} - {"multirun.yaml"}:
+        return
+    (leaf / "multirun.yaml").unlink(missing_ok=True)
+    for directory in [leaf, *leaf.parents]:
+        if directory != leaf and cwd not in directory.parents:
+            break
+        try:
+            directory.rmdir()
+        except OSError:
+            break
 
 
 def job_configs(launcher: Any, job_overrides: Sequence[Sequence[str]]) -> list[Any]:

@@ -31,7 +31,8 @@ class TrainLocalLauncher(BasicLauncher):
                initial_job_idx: int) -> Sequence[JobReturn]:
         from hydra_plugins.train_launcher import checked_jobs
 
-        configs = checked_jobs.job_configs(self, job_overrides)
-        experiment_id = checked_jobs.preflight_jobs(configs)
+        with checked_jobs.nothing_left_behind(self):
+            configs = checked_jobs.job_configs(self, job_overrides)
+            experiment_id = checked_jobs.preflight_jobs(configs)
         handed, _ = checked_jobs.with_ids(self, job_overrides, experiment_id)
         return super().launch(handed, initial_job_idx)

@@ -13,7 +13,8 @@ exits non-zero. Submission, arrays and the sbatch script itself stay submitit's.
 
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,28 +60,14 @@ class TrainSlurmLauncher(SlurmLauncher):
 
     def launch(self, job_overrides: Sequence[Sequence[str]],
                initial_job_idx: int) -> Sequence[JobReturn]:
-        import submitit
-
         from train.launch import follow as slurm_follow
         from train.launch import submit as slurm
 
-        sweeper = str(self.config.hydra.sweeper.get("_target_", "BasicSweeper"))
-        if not self.wait and "BasicSweeper" not in sweeper:
-            checked_jobs.refuse(
-                f"cluster.wait=false cannot serve {sweeper.rsplit('.', 1)[-1]}: it needs each "
-                "trial's result before it proposes the next. Drop cluster.wait=false (the "
-                "search then follows its jobs).")
-        configs = checked_jobs.job_configs(self, job_overrides)
-        # A dry run checks the request itself but needs no cluster, store or data set.
-        experiment_id = checked_jobs.preflight_jobs(configs, on_slurm=True, dry_run=self.dry_run)
-        try:
-            executor = self._executor(submitit, None if self.dry_run else configs)
-        except RuntimeError as e:  # submitit: no srun here
-            checked_jobs.refuse(f"{e} (sbatch and srun must be on PATH, even for a dry run)")
-        if self.dry_run:
-            print(slurm.show_script(executor, len(job_overrides)))
-            _forget_sweep_dir(str(self.config.hydra.sweep.dir))
-            raise SystemExit(0)
+        with checked_jobs.nothing_left_behind(self):
+            executor, experiment_id, configs = self._checked(job_overrides)
+            if self.dry_run:
+                print(slurm.show_script(executor, len(job_overrides)))
+                raise SystemExit(0)
         job_overrides, parent = checked_jobs.with_ids(self, job_overrides, experiment_id)
         job_params = [(o, "hydra.sweep.dir", initial_job_idx + i, f"job_id_for_{i}",
                        self._singleton_state()) for i, o in enumerate(job_overrides)]
@@ -104,6 +91,26 @@ class TrainSlurmLauncher(SlurmLauncher):
         if outcomes.failed or outcomes.stopped:
             raise SystemExit(1)
         return outcomes.returns
+
+    def _checked(self, job_overrides: Sequence[Sequence[str]]) -> tuple[Any, str | None, list]:
+        """Every job pre-flighted and the executor built, or the command refused."""
+        import submitit
+
+        sweeper = str(self.config.hydra.sweeper.get("_target_", "BasicSweeper"))
+        if not self.wait and "BasicSweeper" not in sweeper:
+            checked_jobs.refuse(
+                f"cluster.wait=false cannot serve {sweeper.rsplit('.', 1)[-1]}: it needs each "
+                "trial's result before it proposes the next. Drop cluster.wait=false (the "
+                "search then follows its jobs).")
+        configs = checked_jobs.job_configs(self, job_overrides)
+        # A dry run checks the request itself but needs no cluster, store or data set.
+        experiment_id = checked_jobs.preflight_jobs(configs, on_slurm=True, dry_run=self.dry_run)
+        try:
+            with _srun_not_needed(self.dry_run):
+                executor = self._executor(submitit, None if self.dry_run else configs)
+        except RuntimeError as e:  # submitit: no srun here
+            checked_jobs.refuse(f"{e} (sbatch and srun must be on PATH to submit)")
+        return executor, experiment_id, configs
 
     def __call__(self, *args: Any) -> JobReturn:
         """One rank, inside the Slurm job. A rank that failed exits non-zero (Hydra would have
@@ -203,20 +210,18 @@ class TrainSlurmLauncher(SlurmLauncher):
         return snap.setup_lines()
 
 
-def _forget_sweep_dir(sweep_dir: str) -> None:
-    """A dry run submits nothing, so it leaves no `multirun/<date>/<time>/` behind: Hydra's
-    sweeper made it for multirun.yaml alone. Removed only while empty but for that file, and
-    parents only below the working directory (never a directory that holds anything else)."""
-    from pathlib import Path
+@contextmanager
+def _srun_not_needed(dry_run: bool) -> Iterator[None]:
+    """submitit's Slurm executor refuses to exist where `srun` is not on PATH, though a dry
+    run only prints the script it would submit: for a dry run, it is told srun is there."""
+    from submitit.slurm.slurm import SlurmExecutor
 
-    leaf, cwd = Path(sweep_dir).absolute(), Path.cwd()
-    if not leaf.is_dir() or {p.name for p in leaf.iterdir()} - {"multirun.yaml"}:
+    if not dry_run:
+        yield
         return
-    (leaf / "multirun.yaml").unlink(missing_ok=True)
-    for directory in [leaf, *leaf.parents]:
-        if directory != leaf and cwd not in directory.parents:
-            break
-        try:
-            directory.rmdir()
-        except OSError:
-            break
+    detected = SlurmExecutor.__dict__["affinity"]
+    SlurmExecutor.affinity = classmethod(lambda cls: 1)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        SlurmExecutor.affinity = detected  # type: ignore[method-assign]

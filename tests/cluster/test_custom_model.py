@@ -50,7 +50,7 @@ def test_a_segmentation_task_on_two_slurm_nodes(cluster: None, store: dict[str, 
     assert run.info.status == "FINISHED" and run.data.tags["world_size"] == "2"
     assert run.data.tags["hostnames"] == "node1,node2"
     assert 0 <= run.data.metrics["val/miou"] <= 1 and "val/accuracy" not in run.data.metrics
-    assert history(uri, run.info.run_id, "val/samples") == [(0, 8.0), (1, 8.0)]
+    assert history(uri, run.info.run_id, "val/samples") == [(1, 8.0), (2, 8.0)]
     table = json.loads(Path(MlflowClient(uri).download_artifacts(
         run.info.run_id, "per_class_iou.json", str(tmp_path))).read_text())
     assert table["columns"] == ["class", "iou", "pixels"]

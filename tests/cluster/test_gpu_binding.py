@@ -102,4 +102,4 @@ def test_the_sbatch_template_requeues_itself_on_usr2_into_the_same_run(
     tags = run.data.tags
     assert tags["slurm.job_id"] == job_id and tags["launcher"] == "slurm"
     assert tags["restarts"] == "1" and tags["stopped_by"] == "SIGUSR2"
-    assert [s for s, _ in history(uri, run.info.run_id, "train/loss")] == list(range(epochs))
+    assert [s for s, _ in history(uri, run.info.run_id, "train/loss")] == list(range(1, epochs + 1))

@@ -31,8 +31,8 @@ def test_two_nodes_four_ranks_make_one_run(cluster: None, store: dict[str, str],
     assert tags["hostnames"] == "node1,node2" and tags["slurm.nodes"] == "node1,node2"
     assert tags["slurm.partition"] == "debug" and tags["slurm.job_id"].isdigit()
     assert "slurm.array_task_id" not in tags or tags["slurm.array_task_id"] == "0"
-    assert history(uri, run.info.run_id, "val/samples") == [(0, 359.0), (1, 359.0)]
-    assert history(uri, run.info.run_id, "train/samples") == [(0, 1440.0), (1, 1440.0)]
+    assert history(uri, run.info.run_id, "val/samples") == [(1, 359.0), (2, 359.0)]
+    assert history(uri, run.info.run_id, "train/samples") == [(1, 1440.0), (2, 1440.0)]
 
 
 def test_the_plain_sbatch_template_runs_the_same_code(cluster: None, store: dict[str, str],
@@ -56,7 +56,7 @@ def test_the_plain_sbatch_template_runs_the_same_code(cluster: None, store: dict
     tags = run.data.tags
     assert tags["world_size"] == "4" and tags["launcher"] == "slurm"
     assert tags["hostnames"] == "node1,node2" and tags["slurm.job_id"].isdigit()
-    assert history(uri, run.info.run_id, "val/samples") == [(0, 359.0)]
+    assert history(uri, run.info.run_id, "val/samples") == [(1, 359.0)]
 
 
 
@@ -180,8 +180,8 @@ def test_an_optuna_search_cannot_leave_its_trials_unwaited(tmp_path: Path) -> No
 def test_a_failing_rank_ends_the_job_promptly(cluster: None, store: dict[str, str],
                                               tmp_path: Path) -> None:
     result = slurm_job(tmp_path, "cluster.nodes=2", "cluster.tasks_per_node=2",
-                       "trainer.epochs=50", "trainer.fail_on_rank=3", "trainer.fail_at_step=2",
-                       env=store, timeout=300)  # well under the job's 10-minute limit
+                       "trainer.epochs=50", env={**store, "TRAIN_FAIL_DRILL": "3:2"},
+                       timeout=300)  # well under the job's 10-minute limit
     assert result.returncode == 1, result.stdout + result.stderr
     assert ": FAILED" in result.stdout
     assert "FailureDrill" in result.stderr  # the failing rank's log tail
@@ -207,7 +207,7 @@ def test_a_sweep_is_one_job_array_under_a_parent_run(cluster: None, store: dict[
     assert {c.data.params["optim.lr"] for c in children} == {"0.1", "0.02"}
     for child in children:
         assert child.info.status == "FINISHED" and child.data.tags["world_size"] == "2"
-        assert history(uri, child.info.run_id, "val/samples") == [(0, 359.0)]
+        assert history(uri, child.info.run_id, "val/samples") == [(1, 359.0)]
 
 
 def _parent_once_ended(uri: str) -> Any:
@@ -243,9 +243,9 @@ def test_an_unwaited_sweep_whose_jobs_fail_ends_its_parent_failed(
         cluster: None, store: dict[str, str], tmp_path: Path) -> None:
     """One job fails at start-up, before its run exists; the other fails while training. The
     last of them to end still ends the parent, FAILED, counting both."""
-    result = slurm_job(tmp_path, "-m", "trainer.fail_on_rank=0", "trainer.fail_at_step=0,3",
-                       "cluster.wait=false", "trainer.epochs=1", "tracking.log_model=false",
-                       env=store, timeout=120)
+    result = slurm_job(tmp_path, "-m", "optim.lr=0.1,0.05", "cluster.wait=false",
+                       "trainer.epochs=1", "tracking.log_model=false",
+                       env={**store, "TRAIN_FAIL_DRILL": "0/0:0,1/0:3"}, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     uri = store["MLFLOW_TRACKING_URI"]
     parent = _parent_once_ended(uri)
@@ -283,7 +283,7 @@ def test_a_time_limit_requeues_and_resumes_into_the_same_run(cluster: None,
     assert run.info.status == "FINISHED"
     assert int(run.data.tags["restarts"]) >= 1 and run.data.tags["stopped_by"] == "SIGUSR2"
     for key in ("train/loss", "val/accuracy", "val/samples"):
-        assert [s for s, _ in history(uri, run.info.run_id, key)] == list(range(epochs)), key
+        assert [s for s, _ in history(uri, run.info.run_id, key)] == list(range(1, epochs + 1)), key
     steps = [s for s, _ in history(uri, run.info.run_id, "train/step_loss")]
     total_steps = epochs * 23  # ceil(719 / 32) steps per epoch and rank
     assert steps == list(range(5, total_steps + 1, 5))
@@ -310,7 +310,7 @@ def test_scontrol_requeue_resumes_from_the_checkpoint(cluster: None, store: dict
     [run] = runs_in(uri)
     assert run.info.status == "FINISHED"
     assert run.data.tags["restarts"] == "1" and run.data.tags["stopped_by"] == "SIGTERM"
-    assert [s for s, _ in history(uri, run.info.run_id, "train/loss")] == list(range(20))
+    assert [s for s, _ in history(uri, run.info.run_id, "train/loss")] == list(range(1, 21))
     steps = [s for s, _ in history(uri, run.info.run_id, "train/step_loss")]
     assert steps == sorted(set(steps))
     assert "resumed from" in _attempts(tmp_path)

@@ -84,14 +84,14 @@ def test_one_task_per_node_through_a_container_python_makes_one_run(
     assert tags["world_size"] == "4" and tags["launcher"] == "submitit per node"
     assert tags["rank_hostnames"] == "node1,node1,node2,node2"
     assert tags["slurm.nodes"] == "node1,node2"
-    assert history(uri, run.info.run_id, "train/samples") == [(0, 1440.0)]
-    assert history(uri, run.info.run_id, "val/samples") == [(0, 359.0)]
+    assert history(uri, run.info.run_id, "train/samples") == [(1, 1440.0)]
+    assert history(uri, run.info.run_id, "val/samples") == [(1, 359.0)]
 
 
 def test_a_failing_rank_on_one_node_ends_the_per_node_job(
         cluster: None, store: dict[str, str], tmp_path: Path) -> None:
-    result = slurm_job(tmp_path, *PER_NODE, "trainer.epochs=50", "trainer.fail_on_rank=3",
-                       "trainer.fail_at_step=2", env=store, timeout=300)
+    result = slurm_job(tmp_path, *PER_NODE, "trainer.epochs=50",
+                       env={**store, "TRAIN_FAIL_DRILL": "3:2"}, timeout=300)
     assert result.returncode == 1, result.stdout + result.stderr
     assert ": FAILED" in result.stdout
     # The run's root cause, as the terminal's last word (node1's ranks only saw a closed

@@ -62,7 +62,7 @@ def test_two_ranks_accumulating_two_equal_four_ranks(store: dict[str, str],
     # 1440 / 48 = 30 optimiser steps an epoch: state.step counts them, not micro-batches.
     steps = [s for s, _ in history(uri, accumulated.info.run_id, "train/step_loss")]
     assert steps == list(range(4, 61, 4))
-    assert history(uri, accumulated.info.run_id, "train/samples") == [(0, 1440.0), (1, 1440.0)]
+    assert history(uri, accumulated.info.run_id, "train/samples") == [(1, 1440.0), (2, 1440.0)]
     _assert_same_steps(uri, accumulated, plain)
 
 
@@ -85,7 +85,7 @@ def test_accumulation_on_one_rank_equals_the_whole_batch_and_resumes_exactly(
     _assert_same_weights(k3, tmp_path / "k1", atol=1e-5)
     _assert_same_steps(uri, _run("k3", uri), _run("k1", uri))
 
-    # Checkpoints at every logging step (interval 0): step 8 is mid-epoch 0 (15 steps each),
+    # Checkpoints at every logging step (interval 0): step 8 is mid-epoch 1 (15 steps each),
     # 24 micro-batches in.
     mid = k3 / "checkpoints" / "step-000000008.pt"
     assert torch.load(mid, weights_only=True)["batch_in_epoch"] == 24

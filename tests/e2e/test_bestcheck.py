@@ -44,7 +44,7 @@ def test_best_pt_holds_the_best_epochs_weights_and_becomes_the_final_model(
     assert run.data.metrics["best/val/accuracy"] == pytest.approx(best_value)
     # The epoch-end checkpoint of the best epoch holds the same weights; model.pt is them.
     [at_best] = [p for p in (out / "checkpoints").glob("step-*.pt")
-                 if torch.load(p, weights_only=True)["epoch"] == best_step + 1]
+                 if torch.load(p, weights_only=True)["epoch"] == best_step]
     weights = torch.load(at_best, weights_only=True)["model"]
     final = torch.load(out / "model.pt", weights_only=True)
     for name, tensor in weights.items():
@@ -70,7 +70,7 @@ def test_early_stopping_on_two_ranks_and_an_exact_test_split(store: dict[str, st
     run = _one_run(uri)
     assert run.info.status == "FINISHED"
     # lr ~ 0: the first evaluation is the best, two more without improvement, then the stop.
-    assert [s for s, _ in history(uri, run.info.run_id, "val/accuracy")] == [0, 1, 2]
+    assert [s for s, _ in history(uri, run.info.run_id, "val/accuracy")] == [1, 2, 3]
     reason = run.data.tags["stop_reason"]
     assert reason.startswith("early stopping: val/accuracy did not improve for 2 evaluations")
     assert result.stderr.count("early stopping:") == 1
@@ -121,7 +121,7 @@ def test_a_resumed_job_keeps_the_best_so_far_and_the_patience_used(store: dict[s
     assert second.returncode == 0, second.stderr
     uri = store["MLFLOW_TRACKING_URI"]
     run = _one_run(uri)
-    assert [s for s, _ in history(uri, run.info.run_id, "val/accuracy")] == [0, 1, 2, 3]
+    assert [s for s, _ in history(uri, run.info.run_id, "val/accuracy")] == [1, 2, 3, 4]
     assert "epoch 1)" in run.data.tags["stop_reason"]  # best 1-based epoch 1 kept
 
 

@@ -30,6 +30,20 @@ def test_help_lists_groups_without_importing_heavy_modules() -> None:
     assert not {"torch", "torchvision", "mlflow"} & imported
 
 
+def test_help_of_a_group_shows_its_keys_defaults_and_docs() -> None:
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "train", "--help",
+                          "trainer"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "trainer.epochs=10\n    Passes over the training set.\n" in out.stdout
+    assert "trainer.max_steps=null\n" in out.stdout and "optim.lr" not in out.stdout
+    imported = {row.rsplit("|", 1)[-1].strip() for row in out.stderr.splitlines()
+                if row.startswith("import time:")}
+    assert "train" in imported and not {"torch", "mlflow"} & imported
+    # The general --help says how to get there (and no longer that README documents it all).
+    general = run_train("--help", timeout=60).stdout
+    assert "python -m train --help GROUP" in general and "README.md" not in general
+
+
 def test_cfg_job_prints_the_composed_config() -> None:
     out = run_train("--cfg", "job", "model=mlp", "optim.lr=0.2", timeout=60)
     assert out.returncode == 0, out.stderr

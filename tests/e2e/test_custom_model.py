@@ -53,7 +53,7 @@ def assert_custom_run(uri: str, run, epochs: int, world_size: int) -> None:
     assert params["model._target_"] == NET and params["model.depth"] == "3"
     assert params["trainer.loss._target_"] == "torch.nn.CrossEntropyLoss"
     for key in ("train/loss", "val/accuracy", "val/accuracy_top5", "train/accuracy_top5"):
-        assert [s for s, _ in history(uri, run.info.run_id, key)] == list(range(epochs)), key
+        assert [s for s, _ in history(uri, run.info.run_id, key)] == list(range(1, epochs + 1)), key
     assert {v for _, v in history(uri, run.info.run_id, "val/samples")} == {359.0}
     for (_, top1), (_, top5) in zip(history(uri, run.info.run_id, "val/accuracy"),
                                     history(uri, run.info.run_id, "val/accuracy_top5"),

@@ -150,8 +150,9 @@ def test_the_local_launcher_shows_the_failing_ranks_traceback(store: dict[str, s
                                                               tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "train", "distributed.nproc_per_node=2", "trainer.epochs=3",
-         "trainer.fail_on_rank=1", "trainer.fail_at_step=3", f"hydra.run.dir={tmp_path}/job"],
-        cwd=REPO, env={**os.environ, **store}, capture_output=True, text=True, timeout=120)
+         f"hydra.run.dir={tmp_path}/job"],
+        cwd=REPO, env={**os.environ, **store, "TRAIN_FAIL_DRILL": "1:3"}, capture_output=True,
+        text=True, timeout=120)
     assert result.returncode == 1
     assert "the training job failed; rank 1 failed first:" in result.stderr
     assert "Traceback" in result.stderr and "FailureDrill" in result.stderr
@@ -160,4 +161,5 @@ def test_the_local_launcher_shows_the_failing_ranks_traceback(store: dict[str, s
     assert run.data.tags["error"].startswith("rank 1 on ")
     # What was logged before the failure is kept: the steps before step 3 never reached an epoch
     # end, so there is no epoch metric, but the params are all there.
-    assert run.data.params["trainer.fail_on_rank"] == "1"
+    assert run.data.params["trainer.epochs"] == "3"
+    assert not [k for k in run.data.params if "fail" in k]  # the drill is no user setting

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -40,7 +41,8 @@ def test_two_rank_run_is_one_complete_mlflow_run(store: dict[str, str], tmp_path
     assert tags["hostnames"] and tags["git_commit"]
 
     for key in EPOCH_METRICS:
-        assert [step for step, _ in history(uri, run.info.run_id, key)] == list(range(epochs)), key
+        steps = [step for step, _ in history(uri, run.info.run_id, key)]
+        assert steps == list(range(1, epochs + 1)), key
     # Exact counts: every validation sample once; training covers the (evenly split) train set.
     assert {v for _, v in history(uri, run.info.run_id, "val/samples")} == {359.0}
     assert {v for _, v in history(uri, run.info.run_id, "train/samples")} == {1438.0}
@@ -51,7 +53,7 @@ def test_two_rank_run_is_one_complete_mlflow_run(store: dict[str, str], tmp_path
     # Model FLOPs: the small CNN on 8x8 digits, forward and backward, over both ranks' peak.
     tflops = history(uri, run.info.run_id, "train/tflops_per_sec")
     mfu = history(uri, run.info.run_id, "train/mfu")
-    assert [s for s, _ in mfu] == list(range(epochs))
+    assert [s for s, _ in mfu] == list(range(1, epochs + 1))
     for (_, rate), (_, share) in zip(tflops, mfu, strict=True):
         assert rate > 0 and share == pytest.approx(rate / (2 * 0.05))
     val_acc = history(uri, run.info.run_id, "val/accuracy")
@@ -97,8 +99,8 @@ def test_three_ranks_count_what_they_process(store: dict[str, str], tmp_path: Pa
     uri = store["MLFLOW_TRACKING_URI"]
     [run] = runs_in(uri)
     assert run.data.tags["world_size"] == "3"
-    assert history(uri, run.info.run_id, "val/samples") == [(0, 359.0)]
-    assert history(uri, run.info.run_id, "train/samples") == [(0, 1440.0)]
+    assert history(uri, run.info.run_id, "val/samples") == [(1, 359.0)]
+    assert history(uri, run.info.run_id, "train/samples") == [(1, 1440.0)]
 
 
 def test_torchrun_launch_works_unchanged(store: dict[str, str], tmp_path: Path) -> None:
@@ -109,7 +111,7 @@ def test_torchrun_launch_works_unchanged(store: dict[str, str], tmp_path: Path) 
     [run] = runs_in(store["MLFLOW_TRACKING_URI"])
     assert run.info.status == "FINISHED"
     assert run.data.tags["world_size"] == "2" and run.data.tags["launcher"] == "torchrun"
-    assert history(store["MLFLOW_TRACKING_URI"], run.info.run_id, "val/samples") == [(0, 359.0)]
+    assert history(store["MLFLOW_TRACKING_URI"], run.info.run_id, "val/samples") == [(1, 359.0)]
 
 
 def test_system_metrics_of_every_node(store: dict[str, str], tmp_path: Path) -> None:
@@ -124,7 +126,7 @@ def test_system_metrics_of_every_node(store: dict[str, str], tmp_path: Path) -> 
         "cpu_utilization_percentage", "system_memory_usage_megabytes",
         "system_memory_usage_percentage")}
     for key in system:
-        assert [s for s, _ in history(uri, run.info.run_id, key)] == [0, 1]
+        assert [s for s, _ in history(uri, run.info.run_id, key)] == [1, 2]
     memory = history(uri, run.info.run_id, f"system/{host}/system_memory_usage_megabytes")
     assert memory[0][1] > 0
 
@@ -136,3 +138,23 @@ def test_tracking_disabled_leaves_mlflow_alone(store: dict[str, str], tmp_path: 
     assert runs_in(store["MLFLOW_TRACKING_URI"]) == []
     summary = json.loads((tmp_path / "job" / "summary.json").read_text())
     assert summary["run_id"] is None and summary["metrics"]["val/samples"] == 359
+
+
+LOG_LINE = re.compile(r"\[\d\d:\d\d:\d\d\]\[(rank \d|train)\]\[(INFO|WARNING|ERROR)\] \S")
+"""Ours, one rank or many: `[20:06:31][rank 0][INFO] ...` (the launching process: `[train]`)."""
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_one_log_format_for_one_rank_and_many(store: dict[str, str], tmp_path: Path,
+                                              ranks: int) -> None:
+    out_dir = tmp_path / "job"
+    result = run_train(f"distributed.nproc_per_node={ranks}", "trainer.epochs=1",
+                       "tracking.log_model=false", f"hydra.run.dir={out_dir}", env=store)
+    assert result.returncode == 0, result.stderr
+    log = (out_dir / "train.log").read_text()
+    for text in (result.stderr, log):
+        ours = [line for line in text.splitlines() if line.startswith("[")]
+        assert ours and all(LOG_LINE.match(line) for line in ours), ours
+        assert "[rank 0][INFO] epoch 1/1 " in text
+    [run] = runs_in(store["MLFLOW_TRACKING_URI"])
+    assert run.data.tags["launcher"] == "local"  # what started it: no torchrun here

@@ -31,7 +31,6 @@ from tests.conftest import (
     rank_processes,
     run_train,
     runs_in,
-    skip_or_fail,
     wait_until,
 )
 from train.launch import joblock
@@ -358,14 +357,22 @@ def test_command_line_mistakes_and_dry_runs_leave_nothing(tmp_path: Path) -> Non
         assert result.returncode == 2 and lines[-1].startswith(start), result.stderr
         assert "Traceback" not in result.stderr
     assert not any((tmp_path / "job").glob("*.pt")) and not list(tmp_path.glob("mlruns*"))
-    if subprocess.run(["which", "srun"], capture_output=True).returncode != 0:
-        skip_or_fail("a dry run needs srun and sbatch on PATH (the local cluster's packages)")
+    # A laptop without Slurm: a dry run prints the script and calls nothing; a submission is
+    # refused in one line; neither leaves multirun/<date>/<time>/multirun.yaml behind.
+    no_slurm = {"PATH": str(tmp_path / "bin")}
+    (tmp_path / "bin").mkdir()
     for sweep in ((), ("-m", "optim.lr=0.1,0.2")):
         flags = [o for o in sweep if o == "-m"]
         result = run_train(*flags, "+cluster=slurm", "cluster.dry_run=true",
-                           *[o for o in sweep if o != "-m"], cwd=tmp_path, timeout=60)
+                           *[o for o in sweep if o != "-m"], cwd=tmp_path, timeout=60,
+                           env=no_slurm)
         assert result.returncode == 0 and "#SBATCH" in result.stdout, result.stderr
+        assert ("#SBATCH --array=0-1" in result.stdout) == bool(flags), result.stdout
         assert not (tmp_path / "multirun").exists()
+    result = run_train("+cluster=slurm", cwd=tmp_path, timeout=60, env=no_slurm)
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith(
+        "error: sbatch is not on PATH"), result.stderr
+    assert not (tmp_path / "multirun").exists()
 
 
 def test_ctrl_c_twice_stops_at_once_without_the_stop_checkpoint(

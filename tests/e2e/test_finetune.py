@@ -45,7 +45,7 @@ def test_a_runs_model_fine_tuned_with_frozen_layers(tmp_path: Path) -> None:
     assert not torch.equal(resumed["3.weight"], end["3.weight"])
     assert len(runs_in(uri)) == 2
     lrs = {key: history(uri, second.info.run_id, key) for key in ("lr", "lr/6")}
-    assert [step for step, _ in lrs["lr/6"]] == [0, 1]
+    assert [step for step, _ in lrs["lr/6"]] == [1, 2]
     assert [v for _, v in lrs["lr/6"]] == pytest.approx([0.1 * v for _, v in lrs["lr"]])
 
 

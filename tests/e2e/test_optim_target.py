@@ -72,8 +72,8 @@ def test_a_killed_job_with_steplr_resumes_into_the_same_run_continuing_the_sched
     assert run.info.run_id == killed.info.run_id
     assert run.info.status == "FINISHED" and run.data.tags["restarts"] == "1"
     lrs = history(uri, run.info.run_id, "lr")
-    assert [step for step, _ in lrs] == list(range(6))
+    assert [step for step, _ in lrs] == list(range(1, 7))
     assert [value for _, value in lrs] == pytest.approx([1.0, 1.0, 0.5, 0.5, 0.25, 0.25])
     if task:
-        assert [step for step, _ in history(uri, run.info.run_id, "val/mse")] == list(range(6))
+        assert [step for step, _ in history(uri, run.info.run_id, "val/mse")] == list(range(1, 7))
         assert "val/accuracy" not in run.data.metrics

@@ -37,7 +37,8 @@ def the_run(uri: str, classes: list[str], num_val: int, epochs: int) -> str:
     [run] = runs_in(uri)
     assert run.info.status == "FINISHED"
     run_id = run.info.run_id
-    assert history(uri, run_id, "val/samples") == [(e, float(num_val)) for e in range(epochs)]
+    epochs_logged = [(e, float(num_val)) for e in range(1, epochs + 1)]
+    assert history(uri, run_id, "val/samples") == epochs_logged
     client = MlflowClient(tracking_uri=uri)
     path = client.download_artifacts(run_id, "per_class_accuracy.json",
                                      str(Path(uri.removeprefix("sqlite:///")).parent))
@@ -57,7 +58,7 @@ def test_an_image_folder_on_two_local_ranks_is_one_run(folders: dict[str, Path],
     assert result.returncode == 0, result.stderr
     uri = store["MLFLOW_TRACKING_URI"]
     run_id = the_run(uri, class_names(4), num_val=28, epochs=2)
-    assert history(uri, run_id, "train/samples") == [(0, 96.0), (1, 96.0)]
+    assert history(uri, run_id, "train/samples") == [(1, 96.0), (2, 96.0)]
     run = MlflowClient(tracking_uri=uri).get_run(run_id)
     assert run.data.params["data.input_shape"] == "3x16x16"
     [dataset] = run.inputs.dataset_inputs
@@ -92,7 +93,7 @@ def test_a_custom_dataset_from_pythonpath_on_two_local_ranks(store: dict[str, st
     run_id = the_run(uri, ["horizontal", "vertical", "diagonal"], num_val=31, epochs=2)
     run = MlflowClient(tracking_uri=uri).get_run(run_id)
     assert run.data.params["data.input_shape"] == "1x16x16"  # the first sample's shape
-    assert history(uri, run_id, "train/samples") == [(0, 120.0), (1, 120.0)]
+    assert history(uri, run_id, "train/samples") == [(1, 120.0), (2, 120.0)]
 
 
 def test_a_killed_streaming_job_resumes_mid_epoch_into_the_same_run(
@@ -112,7 +113,7 @@ def test_a_killed_streaming_job_resumes_mid_epoch_into_the_same_run(
     [run] = runs_in(uri)
     assert run.info.run_id == killed.info.run_id and run.data.tags["restarts"] == "1"
     for key in ("train/loss", "train/samples", "val/samples", "lr"):
-        assert [s for s, _ in history(uri, run.info.run_id, key)] == [0, 1, 2], key
+        assert [s for s, _ in history(uri, run.info.run_id, key)] == [1, 2, 3], key
     assert {v for _, v in history(uri, run.info.run_id, "train/samples")} == {128.0}
     assert {v for _, v in history(uri, run.info.run_id, "val/samples")} == {32.0}
     steps = [s for s, _ in history(uri, run.info.run_id, "train/step_loss")]

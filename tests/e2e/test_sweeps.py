@@ -42,7 +42,10 @@ def test_local_sweep_groups_jobs_under_a_parent_run(store: dict[str, str],
     assert combos == {(lr, m) for lr in ("0.1", "0.02") for m in ("cnn", "mlp")}
     for child in children:
         assert child.info.status == "FINISHED"
-        assert history(uri, child.info.run_id, "val/samples") == [(0, 359.0)]
+        assert history(uri, child.info.run_id, "val/samples") == [(1, 359.0)]
+        # Named after what it trained, and its job's number: the children tell apart.
+        assert child.info.run_name == "-".join(
+            [child.data.params["model.name"], "digits", Path(child.data.tags["output_dir"]).name])
         # The ids the launcher appended are not part of what the user typed.
         assert "_id=" not in child.data.tags["command"]
         assert "tracking.log_model=" in child.data.tags["command"]
@@ -56,6 +59,9 @@ def test_local_sweep_groups_jobs_under_a_parent_run(store: dict[str, str],
     assert parent.data.metrics["best/val/accuracy"] == best.data.metrics["val/accuracy"]
     assert parent.data.metrics["sweep/children"] == 4
     assert parent.data.metrics["sweep/failed_children"] == 0
+    # The closing line rounds the best value as every other line does.
+    best_value = parent.data.metrics["best/val/accuracy"]
+    assert f"best val/accuracy = {best_value:.4g} (run {best.info.run_id})" in result.stdout
 
 
 def test_a_sweep_whose_jobs_are_all_refused_leaves_no_run(store: dict[str, str],
@@ -68,10 +74,10 @@ def test_a_sweep_whose_jobs_are_all_refused_leaves_no_run(store: dict[str, str],
 
 
 def test_a_failing_job_does_not_stop_the_sweep(store: dict[str, str], tmp_path: Path) -> None:
-    # Step 0: at start-up, before the job's run exists; no step 10**6 in one epoch: it finishes.
-    result = run_train("-m", "trainer.fail_on_rank=0", "trainer.fail_at_step=0,1,1000000",
-                       "trainer.epochs=1", "tracking.log_model=false",
-                       f"hydra.sweep.dir={tmp_path}/sweep", env=store, timeout=600)
+    # Job 0 fails at start-up, before its run exists; job 1 at step 1; job 2 finishes.
+    result = run_train("-m", "optim.lr=0.1,0.05,0.01", "trainer.epochs=1",
+                       "tracking.log_model=false", f"hydra.sweep.dir={tmp_path}/sweep",
+                       env={**store, "TRAIN_FAIL_DRILL": "0/0:0,1/0:1"}, timeout=600)
     assert result.returncode != 0  # the sweep reports its failure...
     parent, children = parent_and_children(store["MLFLOW_TRACKING_URI"])
     statuses = sorted(c.info.status for c in children)

@@ -91,7 +91,7 @@ def test_validation_metrics_do_not_depend_on_the_world_size(task: str, store: di
     for world_size, run in by_world.items():
         assert run.info.status == "FINISHED"
         assert run.data.params["task.name"] == task
-        assert history(uri, run.info.run_id, "val/samples") == [(0, float(val_samples))]
+        assert history(uri, run.info.run_id, "val/samples") == [(1, float(val_samples))]
         values[world_size] = {m: run.data.metrics[f"val/{m}"] for m in metrics}
     for world_size in (2, 3):
         for metric in metrics:
@@ -112,10 +112,10 @@ def test_a_user_task_from_outside_train_logs_its_own_metric_and_picks_the_best(
     run = _one_run(uri)
     assert run.data.params["task._target_"] == "userpkg.tasks.AbsoluteError"
     within = history(uri, run.info.run_id, "val/within_tolerance")
-    assert [s for s, _ in within] == [0, 1]
+    assert [s for s, _ in within] == [1, 2]
     assert all(0 <= v <= 1 for _, v in within)
-    assert [s for s, _ in history(uri, run.info.run_id, "val/loss")] == [0, 1]
-    assert [s for s, _ in history(uri, run.info.run_id, "train/within_tolerance")] == [0, 1]
+    assert [s for s, _ in history(uri, run.info.run_id, "val/loss")] == [1, 2]
+    assert [s for s, _ in history(uri, run.info.run_id, "train/within_tolerance")] == [1, 2]
     assert "val/accuracy" not in run.data.metrics
     # Its own metric picked the best epoch: the higher share within tolerance (auto mode: max).
     best_value = max(v for _, v in within)
@@ -142,7 +142,7 @@ def test_regression_learns_diabetes_and_loads_back(store: dict[str, str], tmp_pa
     params = run.data.params
     assert (params["data.classes"], params["model.outputs"]) == ("0", "1")
     assert (params["data.num_train"], params["data.num_val"]) == ("354", "88")
-    assert history(uri, run.info.run_id, "val/samples")[-1] == (11, 88.0)
+    assert history(uri, run.info.run_id, "val/samples")[-1] == (12, 88.0)  # epoch 12 of 12
     assert run.data.metrics["val/r2"] >= R2_FLOOR
     assert run.data.metrics["val/mse"] == pytest.approx(run.data.metrics["val/loss"])
     assert 0 < run.data.metrics["val/mae"] < 1  # standardised targets
@@ -178,9 +178,9 @@ def test_a_torchvision_segmentation_model_on_shapes(store: dict[str, str],
     run = _one_run(uri)
     assert (run.data.params["data.classes"], run.data.params["model.outputs"]) == ("3", "3")
     for key in ("val/miou", "val/pixel_accuracy"):
-        assert [s for s, _ in history(uri, run.info.run_id, key)] == [0]
+        assert [s for s, _ in history(uri, run.info.run_id, key)] == [1]
         assert 0 <= run.data.metrics[key] <= 1
-    assert history(uri, run.info.run_id, "val/samples") == [(0, 2.0)]
+    assert history(uri, run.info.run_id, "val/samples") == [(1, 2.0)]
     artifacts = _artifacts(uri, run.info.run_id)
     assert {"per_class_iou.json", "segmentation_examples.png"} <= artifacts
     table = json.loads(Path(MlflowClient(tracking_uri=uri).download_artifacts(

@@ -23,6 +23,7 @@ from mlflow import MlflowClient
 from tests.conftest import REPO, history, run_train, runs_in, wait_until
 from tests.servers import EPOCH_METRICS, ServerProcess, jobs_at_once, tracking_server
 from train.distributed.env import free_port
+from train.report.params import applicable
 from train.security import server_auth
 from train.tracking import errors
 from train.tracking.client import RunClient
@@ -73,10 +74,14 @@ def test_a_two_rank_run_lands_once_with_its_artifacts_behind_the_server(tmp_path
                                                                           "weights")}
         config = Path(client.download_artifacts(run.info.run_id, "config.yaml",
                                                 str(tmp_path / "download")))
-        params = flat(yaml.safe_load(config.read_text()))
+        composed = yaml.safe_load(config.read_text())
+        params = flat(applicable(composed))  # the keys the chosen options read
         assert params["optim.lr"] == run.data.params["optim.lr"]
         assert params["distributed.nproc_per_node"] == "2"
         assert {k: run.data.params.get(k) for k in params} == params
+        # Not the synthetic set's keys, and the normalisation digits got, not ImageNet's.
+        assert "data.num_samples" in flat(composed) and "data.num_samples" not in run.data.params
+        assert run.data.params["data.mean"] != str(composed["data"]["mean"])
 
 
 def test_eight_jobs_at_once_land_complete_in_a_new_experiment(tmp_path: Path) -> None:
@@ -84,8 +89,8 @@ def test_eight_jobs_at_once_land_complete_in_a_new_experiment(tmp_path: Path) ->
         runs = jobs_at_once(url, "crowd", tmp_path)
         assert runs_in(url, "Default") == []
         for run in runs:  # every job validated on the whole validation split, each epoch
-            assert history(url, run.info.run_id, "val/samples") == [(0, DIGITS_VAL),
-                                                                    (1, DIGITS_VAL)]
+            assert history(url, run.info.run_id, "val/samples") == [(1, DIGITS_VAL),
+                                                                    (2, DIGITS_VAL)]
             assert run.data.params["data.num_val"] == str(int(DIGITS_VAL))
 
 
@@ -208,7 +213,7 @@ def test_a_server_outage_loses_no_metric(tmp_path: Path) -> None:
         assert run.info.status == "FINISHED"
         for key in EPOCH_METRICS:
             assert [s for s, _ in history(server.url, run.info.run_id, key)] == \
-                list(range(epochs)), key
+                list(range(1, epochs + 1)), key
         steps = [s for s, _ in history(server.url, run.info.run_id, "train/step_loss")]
         assert steps == list(range(5, epochs * 23 + 1, 5))  # 23 steps of 64 per epoch
     finally:
@@ -249,7 +254,7 @@ def test_what_the_server_never_took_is_kept_and_uploaded_later(tmp_path: Path) -
         assert run.info.status == "FINISHED"
         for key in EPOCH_METRICS:  # every epoch once
             assert [s for s, _ in history(server.url, run.info.run_id, key)] == \
-                list(range(epochs)), key
+                list(range(1, epochs + 1)), key
         steps = [s for s, _ in history(server.url, run.info.run_id, "train/step_loss")]
         assert steps == list(range(5, epochs * 23 + 1, 5))
         # What was logged besides metrics arrived too: params, config, weights, figures.
@@ -272,6 +277,10 @@ def test_make_ui_serves_a_store_and_prints_its_url(tmp_path: Path,
                        f"hydra.run.dir={tmp_path}/job",
                        env={"MLFLOW_TRACKING_URI": f"sqlite:///{store / 'mlflow.db'}"})
     assert result.returncode == 0, result.stderr[-3000:]
+    # The job's closing hint: this command, and where its login will be (not the password).
+    assert f"`make ui UI_STORE={store}`" in result.stderr
+    assert f"user admin, password MLFLOW_TRACKING_PASSWORD in {store}/server-auth.env" in \
+        result.stderr
     port = free_port()
     ui = subprocess.Popen(["make", "ui", f"UI_PORT={port}", f"UI_STORE={store}"], cwd=REPO,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -55,6 +55,8 @@ def test_constructor_arguments_are_filled_from_the_data(user_path: None) -> None
     # What the user set wins over what the data says.
     mine = models.build(CustomModelConfig(NET, {"num_classes": 5}), spec)
     assert mine.num_classes == 5
+    own = models.build(CustomModelConfig("userpkg.models.NamedItsOwnWay", {"n_classes": 4}), spec)
+    assert own(torch.zeros(2, 3, 16, 16)).shape == (2, 4)  # set with +model.n_classes=4
     factory = models.build(CustomModelConfig("userpkg.models.tiny_conv_net"), spec)
     assert factory.depth == 1 and factory.num_classes == 12
 
@@ -99,6 +101,9 @@ BAD_INPUTS = [
     (("model=custom", "model._target_=userpkg.models.ThreeScores"),
      ["returns shape (2, 3) for inputs of shape (2, 1, 8, 8)", "(batch, num_classes) = (2, 10)"]),
     ((*CUSTOM, "+model.dept=4"), ["got an unexpected keyword argument 'dept'"]),
+    (("model=custom", "model._target_=userpkg.models.NamedItsOwnWay"),
+     ["its constructor needs n_classes, which nothing sets", "The data fills only num_classes, "
+      "in_channels, channels, image_size", "+model.n_classes=<value>"]),
     (("trainer.loss._target_=torch.nn.CrossEntropyLos",),
      ["trainer.loss._target_='torch.nn.CrossEntropyLos'", "has no 'CrossEntropyLos'"]),
     (("trainer.loss._target_=math.pi",), ["is a float (3.14", "not a loss class or function"]),

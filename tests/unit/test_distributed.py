@@ -14,7 +14,7 @@ TORCHRUN_KEYS = distenv.TORCHRUN_VARS
 
 def _clear(monkeypatch: pytest.MonkeyPatch) -> None:
     """Start from no launcher; whatever detect() exports is removed again after the test."""
-    for key in {*TORCHRUN_KEYS, "SUBMITIT_EXECUTOR"}:
+    for key in {*TORCHRUN_KEYS, "SUBMITIT_EXECUTOR", distenv.LAUNCHER_VAR}:
         monkeypatch.setenv(key, "")
         monkeypatch.delenv(key)
     for key in list(os.environ):
@@ -37,6 +37,15 @@ def test_torchrun_env_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
     env = distenv.detect()
     assert (env.rank, env.local_rank, env.world_size, env.local_world_size) == (3, 1, 4, 2)
     assert (env.master_addr, env.master_port, env.launcher) == ("node1", 29500, "torchrun")
+
+
+def test_ranks_of_a_plain_python_m_train_are_tagged_local(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not "torchrun": the user started no torchrun; this package's local launcher did."""
+    _clear(monkeypatch)
+    for key, value in distenv.this_machine(2).env(1).items():
+        monkeypatch.setenv(key, value)
+    assert distenv.detect().launcher == "local"
 
 
 def test_slurm_step_env_is_exported_torchrun_style(monkeypatch: pytest.MonkeyPatch) -> None:

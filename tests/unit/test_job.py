@@ -5,6 +5,7 @@ restored; stop signals noted and their handlers put back."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 from collections.abc import Iterator
@@ -28,8 +29,11 @@ SMALL = ("data=synthetic", "data.num_samples=96", "data.val_fraction=0.2", "data
          "data.num_workers=0", "tracking.batch_interval_s=0")
 
 
-def test_train_in_process_records_one_complete_run(tmp_path: Path, no_launcher_env: None) -> None:
+def test_train_in_process_records_one_complete_run(tmp_path: Path, no_launcher_env: None,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "train")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    (tmp_path / "server-auth.env").write_text("export MLFLOW_TRACKING_PASSWORD=s3cret-password\n")
     cfg = composed(*SMALL, "trainer.epochs=2", f"tracking.uri={uri}", "tracking.run_name=fast")
     out = tmp_path / "job"
     objective = run(cfg, str(out), "python -m train (test)")
@@ -39,9 +43,22 @@ def test_train_in_process_records_one_complete_run(tmp_path: Path, no_launcher_e
     assert objective == mlflow_run.data.metrics["val/accuracy"]
     # 96 samples, 20 % validation: 77 train (5 steps of 16), 19 validation, each epoch.
     run_id = mlflow_run.info.run_id
-    assert history(uri, run_id, "train/samples") == [(0, 77.0), (1, 77.0)]
-    assert history(uri, run_id, "val/samples") == [(0, 19.0), (1, 19.0)]
+    assert history(uri, run_id, "train/samples") == [(1, 77.0), (2, 77.0)]
+    assert history(uri, run_id, "val/samples") == [(1, 19.0), (2, 19.0)]  # epochs 1 and 2
     assert [s for s, _ in history(uri, run_id, "train/step_loss")] == [2, 4, 6, 8, 10]
+    # One epoch numbering (1-based) in the log, the best_epoch tag and the metrics' steps.
+    said = [r.getMessage() for r in caplog.records]
+    assert [m.split()[1] for m in said if m.startswith("epoch ")] == ["1/2", "2/2"]
+    best_epoch = [m for m in said if m.startswith("best val/accuracy so far")][-1].split()[-1]
+    assert mlflow_run.data.tags["best_epoch"] == best_epoch
+    best = history(uri, run_id, "best/val/accuracy")
+    assert str(best[-1][0]) == best_epoch
+    assert dict(history(uri, run_id, "val/accuracy"))[int(best_epoch)] == best[-1][1]
+    # The closing hint: how to view the run, and where the UI's login is - not the password.
+    [view] = [m for m in said if "view it:" in m]
+    assert f"`make ui UI_STORE={tmp_path}`" in view and run_id in view
+    assert f"user admin, password MLFLOW_TRACKING_PASSWORD in {tmp_path}/server-auth.env" in view
+    assert "s3cret-password" not in "\n".join(said)
     assert mlflow_run.data.params["data.num_train"] == "77"
     assert mlflow_run.data.tags["world_size"] == "1"
     summary = json.loads((out / "summary.json").read_text())
@@ -65,8 +82,8 @@ def test_max_steps_ends_training_mid_epoch_and_a_larger_one_continues_it(
     [mlflow_run] = runs_in(uri)
     run_id = mlflow_run.info.run_id
     assert mlflow_run.info.status == "FINISHED"
-    assert history(uri, run_id, "train/samples") == [(0, 77.0), (1, 32.0)]  # 2 steps of 16
-    assert history(uri, run_id, "val/samples") == [(0, 19.0), (1, 19.0)]  # evaluated at the end
+    assert history(uri, run_id, "train/samples") == [(1, 77.0), (2, 32.0)]  # 2 steps of 16
+    assert history(uri, run_id, "val/samples") == [(1, 19.0), (2, 19.0)]  # evaluated at the end
     assert [s for s, _ in history(uri, run_id, "train/step_loss")] == [2, 4, 6]
     # The cosine schedule spans the 7 steps: after the last one the lr is at its floor.
     assert history(uri, run_id, "lr")[-1][1] == pytest.approx(0.05 * 0.1)
@@ -81,7 +98,7 @@ def test_max_steps_ends_training_mid_epoch_and_a_larger_one_continues_it(
     run(more, str(out), "python -m train (test)")  # continues the same run, to step 9
     [mlflow_run] = runs_in(uri)
     assert mlflow_run.info.run_id == run_id and mlflow_run.info.status == "FINISHED"
-    assert history(uri, run_id, "train/samples")[-1] == (2, 32.0)
+    assert history(uri, run_id, "train/samples")[-1] == (3, 32.0)
     assert checkpoint.candidates(checkpoint.directory(out))[0].name == "step-000000009.pt"
 
 
@@ -160,3 +177,37 @@ def test_stop_signals_are_noted_and_handlers_put_back() -> None:
         assert stop.received == "SIGUSR2"
         assert stop.preempted().signal_name == "SIGUSR2"
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_the_closing_line_shows_the_test_metrics(tmp_path: Path, no_launcher_env: None,
+                                                 user_path: None,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "train")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = composed("data=custom", "data.train._target_=userpkg.data.Lines",
+                   "+data.train.length=48", "data.test._target_=userpkg.data.Lines",
+                   "+data.test.length=20", "model.width=8", "trainer.epochs=1",
+                   "data.batch_size=16", "data.num_workers=0", "tracking.log_model=false",
+                   f"tracking.uri={uri}")
+    run(cfg, str(tmp_path / "job"), "python -m train (test)")
+    [mlflow_run] = runs_in(uri)
+    [closing] = [r.getMessage() for r in caplog.records if "FINISHED" in r.getMessage()]
+    accuracy = mlflow_run.data.metrics["test/accuracy"]
+    assert f"test/accuracy={accuracy:.4g}" in closing and "val/accuracy=" in closing
+
+
+def test_a_slurm_jobs_closing_line_shows_its_val_and_test_metrics(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """What the login node prints as a followed job ends, read from the job's own files."""
+    from types import SimpleNamespace
+
+    from train.launch import follow
+
+    (tmp_path / "summary.json").write_text(json.dumps({"run_id": "r1", "metrics": {
+        "val/accuracy": 0.841225626740947, "test/accuracy": 0.8, "train/samples": 9.0}}))
+    (tmp_path / "mlflow_run.json").write_text(json.dumps({
+        "tracking_uri": "http://mlflow:5000", "experiment_id": "1"}))
+    follow.report_finished([SimpleNamespace(working_dir=str(tmp_path))])
+    printed = capsys.readouterr().out
+    assert "MLflow run r1 FINISHED  val/accuracy=0.8412  test/accuracy=0.8\n" in printed
+    assert "http://mlflow:5000/#/experiments/1/runs/r1" in printed

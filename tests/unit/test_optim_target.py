@@ -300,7 +300,7 @@ def test_a_job_with_adadelta_and_steplr_logs_steplrs_lr_each_epoch(
     run_id = mlflow_run.info.run_id
     assert mlflow_run.info.status == "FINISHED"
     lrs = history(uri, run_id, "lr")
-    assert [step for step, _ in lrs] == [0, 1, 2, 3, 4]
+    assert [step for step, _ in lrs] == [1, 2, 3, 4, 5]  # epochs, 1-based
     assert [v for _, v in lrs] == pytest.approx([1.0, 1.0, 0.5, 0.5, 0.25])
     assert [v for _, v in history(uri, run_id, "lr/3")] == pytest.approx(
         [0.1, 0.1, 0.05, 0.05, 0.025])
@@ -310,8 +310,8 @@ def test_a_job_with_adadelta_and_steplr_logs_steplrs_lr_each_epoch(
     assert params["optim.scheduler_interval"] == "epoch"
 
 
-@pytest.mark.parametrize(("step", "where"), [(10, "at the end of epoch 1"),
-                                             (12, "mid-epoch 2, after 2 of its 5 steps")])
+@pytest.mark.parametrize(("step", "where"), [(10, "at the end of epoch 2"),
+                                             (12, "mid-epoch 3, after 2 of its 5 steps")])
 def test_a_job_resumed_from_a_checkpoint_steps_the_per_epoch_scheduler_once_per_epoch(
         tmp_path: Path, no_launcher_env: None, step: int, where: str) -> None:
     """An epoch-end checkpoint is taken after the epoch's scheduler step, a mid-epoch one
@@ -327,14 +327,14 @@ def test_a_job_resumed_from_a_checkpoint_steps_the_per_epoch_scheduler_once_per_
     assert saved is not None and saved.state["step"] == step
     assert (saved.state["epoch"], saved.state["batch_in_epoch"]) == (
         (2, 0) if step == 10 else (2, 2))
-    assert saved.state["scheduler"]["last_epoch"] == 2  # after epochs 0 and 1: not epoch 2's
+    assert saved.state["scheduler"]["last_epoch"] == 2  # after epochs 1 and 2: not epoch 3's
 
     run(composed(*common, f"trainer.resume={resumed_from}"), str(tmp_path / "second"),
         "python -m train (test)")
     first_run = json.loads((first / "summary.json").read_text())["run_id"]
     [second] = [r for r in runs_in(uri) if r.info.run_id != first_run]  # another directory
     lrs = history(uri, second.info.run_id, "lr")
-    assert [s for s, _ in lrs] == [2, 3, 4], where
+    assert [s for s, _ in lrs] == [3, 4, 5], where
     assert [v for _, v in lrs] == pytest.approx([0.5, 0.5, 0.25]), where
     final = checkpoint.load_newest(checkpoint.candidates(tmp_path / "second" / "checkpoints"))
     assert final is not None and final.state["scheduler"]["last_epoch"] == 5

@@ -183,12 +183,6 @@ class TrainerConfig:
     resume: str = "auto"
     """auto (continue this output directory's job if it has a checkpoint or run), never, or a
     checkpoint file or directory."""
-    fail_on_rank: int | None = None
-    """Drill: raise an error on this rank at step `fail_at_step`, to see how a job ends when one
-    rank fails (on a new cluster, say). null = never."""
-    fail_at_step: int = 1
-    """Drill: the optimiser step at which `fail_on_rank` raises; 0 = at start-up, before the
-    job's MLflow run exists."""
     peak_tflops: float | None = None
     """Peak TFLOP/s of ONE device for train/mfu; null = known GPUs' data-sheet figure (H100,
     A100, ...) for the precision in use, and no train/mfu elsewhere (e.g. on CPUs)."""
@@ -235,7 +229,8 @@ class TrackingConfig:
     parent_run_id: str | None = None
     """Handed to every job of a sweep by the launcher (an override): its parent run."""
     run_name: str | None = None
-    """MLflow run name; null = MLflow's generated name."""
+    """MLflow run name; null = `<model>-<data>[-<task>]` (train/config/naming.py; a sweep's jobs
+    add their number)."""
     rerun_of: str | None = None
     """Set by `python -m train rerun <run_id>` (docs/reproducibility.md): the run this job
     reruns, recorded as the tag `rerun_of`. null = a new job."""

@@ -8,11 +8,8 @@ docs/configuration.md is this module's output; tests/unit/test_docs.py fails whe
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import inspect
 import sys
-import textwrap
 from typing import Any
 
 from train.config.cluster import ClusterConfig
@@ -25,6 +22,7 @@ from train.config.groups import (
     TrackingConfig,
     TrainerConfig,
 )
+from train.config.keys import default_of, field_docs
 from train.config.task import TaskConfig
 
 GROUPS: tuple[tuple[str, type, str], ...] = (
@@ -44,27 +42,6 @@ GROUPS: tuple[tuple[str, type, str], ...] = (
 )
 
 
-def field_docs(cls: type) -> dict[str, str]:
-    """Each field's docstring: the string literal right after its annotated assignment."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for node, after in zip(body, body[1:], strict=False):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-                and isinstance(after.value.value, str)):
-            docs[node.target.id] = " ".join(after.value.value.split())
-    return docs
-
-
-def default_of(f: dataclasses.Field) -> Any:
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        return f.default_factory()  # type: ignore[misc]
-    return "(required)"
-
-
 def _cell(value: Any) -> str:
     text = "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(
         value) if isinstance(value, str) else str(value)
@@ -72,7 +49,7 @@ def _cell(value: Any) -> str:
 
 
 def group_table(group: str, cls: type) -> list[str]:
-    docs = field_docs(cls)
+    docs = {k: " ".join(v.split()) for k, v in field_docs(cls).items()}
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for f in dataclasses.fields(cls):
         if f.name == "kwargs":

@@ -100,6 +100,31 @@ def fill_arguments(target: Any, given: Mapping[str, Any],
     return {name: value for name, value in known.items() if name in takes and name not in given}
 
 
+def required_arguments(target: Any) -> list[str]:
+    """The arguments `target` cannot be called without (no default), in order; empty where its
+    signature cannot be read."""
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [name for name, p in signature.parameters.items()
+            if p.kind in kinds and p.default is inspect.Parameter.empty]
+
+
+def check_filled(target: Any, path: str, key: str, given: Mapping[str, Any],
+                 known: Mapping[str, Any]) -> None:
+    """Refuse, before calling it, a constructor that needs an argument nobody gives: neither the
+    config (`+model.<name>=...`) nor the data (only the names in `known` are filled)."""
+    missing = [a for a in required_arguments(target) if a not in given and a not in known]
+    if missing:
+        names, group = ", ".join(missing), key.removesuffix("._target_")
+        raise UserCodeError(
+            f"{key}={path!r}: its constructor needs {names}, which nothing sets. The data fills "
+            f"only {', '.join(known)} (where the constructor takes them by those names); set "
+            f"the rest yourself: {' '.join(f'+{group}.{a}=<value>' for a in missing)}.")
+
+
 def build(path: str, key: str, kwargs: Mapping[str, Any]) -> Any:
     """hydra.utils.instantiate of {_target_: path, **kwargs} (nested `_target_`s too), with
     plain dicts and lists as arguments; a failing call is one line naming the call."""

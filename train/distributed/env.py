@@ -35,8 +35,10 @@ master node may hold the port: a sweep's array task failed with EADDRINUSE."""
 
 
 LAUNCHER_VAR = "TRAIN_LAUNCHER"
-"""Set by the local launcher for its ranks when it is a Slurm node's task: the run's
-`launcher` tag then says so instead of "torchrun"."""
+"""Set by the local launcher for its ranks (`local` for a plain `python -m train`, `slurm per
+node` / `submitit per node` for a Slurm node's task): the run's `launcher` tag then says what
+started them; torchrun-style variables without it are a user's torchrun."""
+LOCAL = "local"
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,8 @@ class DistEnv:
     master_addr: str
     master_port: int
     launcher: str
-    """torchrun (also our local launcher), slurm (srun) or submitit."""
+    """local (`python -m train` on this machine), torchrun (the user's), slurm (srun), submitit,
+    or `slurm per node` / `submitit per node` (cluster.ranks=per_node)."""
 
     @property
     def is_main(self) -> bool:
@@ -58,7 +61,7 @@ class DistEnv:
     def on_one_node(cls, rank: int, world_size: int) -> DistEnv:
         """Rank `rank` of `world_size` ranks on this machine, as the local launcher starts
         them (for code that builds a rank's share without a process group, e.g. tests)."""
-        return cls(rank, rank, world_size, world_size, "127.0.0.1", 0, "torchrun")
+        return cls(rank, rank, world_size, world_size, "127.0.0.1", 0, LOCAL)
 
 
 def torchrun_env(rank: int, local_rank: int, world_size: int, local_world_size: int,
@@ -79,7 +82,7 @@ class NodeRanks:
     per_node: int
     master_addr: str
     master_port: int
-    launcher: str = "torchrun"
+    launcher: str = LOCAL
 
     @property
     def world_size(self) -> int:

@@ -15,13 +15,14 @@ This file reads top to bottom as the job's script.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import resource
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ from train.distributed import process_group as distributed
 from train.distributed import slurm
 from train.distributed.devices import device_name
 from train.distributed.stopping import Preempted, StopSignals
-from train.engine import checkpoint, loop
+from train.engine import checkpoint, drill, loop
 from train.engine import monitor as monitor_lib
 from train.engine import state as train_state
 from train.engine.ending import JobEnding
@@ -56,15 +57,41 @@ from train.tasks.base import Task, summed
 log = logging.getLogger("train")
 
 
+DATE_FORMAT = "%H:%M:%S"
+"""conf/train.yaml's job_logging (the launching process's lines) uses the same."""
+
+
+def rank_format(rank: int) -> logging.Formatter:
+    """One format for a rank's lines, one rank or many: `[20:06:31][rank 0][INFO] ...`."""
+    return logging.Formatter(f"[%(asctime)s][rank {rank}][%(levelname)s] %(message)s",
+                             DATE_FORMAT)
+
+
 def setup_logging(rank: int, log_file: Path) -> None:
     """Rank 0 tells the story; the other ranks speak only about problems. On stderr, and in the
     job's log file beside its outputs (Hydra's train.log), which every rank appends to."""
     level = logging.INFO if rank == 0 else logging.WARNING
-    fmt = "[%(asctime)s][rank " + str(rank) + "][%(levelname)s] %(message)s"
     log_file.parent.mkdir(parents=True, exist_ok=True)
-    logging.basicConfig(level=level, format=fmt, datefmt="%H:%M:%S", force=True,
-                        handlers=[logging.StreamHandler(sys.stderr),
-                                  logging.FileHandler(log_file, mode="a")])
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr),
+                                       logging.FileHandler(log_file, mode="a")]
+    for handler in handlers:
+        handler.setFormatter(rank_format(rank))
+    logging.basicConfig(level=level, force=True, handlers=handlers)
+
+
+@contextlib.contextmanager
+def rank_log_format(rank: int) -> Iterator[None]:
+    """A rank run inside the launching process (one local rank) keeps Hydra's handlers (stderr,
+    the job's train.log) but writes its lines as every rank does; put back afterwards."""
+    handlers = logging.getLogger().handlers
+    before = [h.formatter for h in handlers]
+    for handler in handlers:
+        handler.setFormatter(rank_format(rank))
+    try:
+        yield
+    finally:
+        for handler, formatter in zip(handlers, before, strict=True):
+            handler.setFormatter(formatter)
 
 
 def peak_rss_mb() -> float:
@@ -156,6 +183,8 @@ class Job:
     command: str
     device: torch.device
     backend: str
+    fail_at: int | None = None
+    """This rank's failure drill (train/engine/drill.py, TRAIN_FAIL_DRILL); None = none."""
 
 
 def _train(job: Job, logger: RunLogger, stop: StopSignals,
@@ -201,7 +230,8 @@ def _train(job: Job, logger: RunLogger, stop: StopSignals,
         before_write=lambda: logger.run.flush(
             cfg.tracking.checkpoint_flush_s, created_within_s=cfg.distributed.timeout_s / 2),
         run_fields=lambda: {**logger.run_fields(), "monitor": monitor.state_dict()})
-    duties = loop.Duties(logger.training, checkpointer, stop, env.rank, env.local_rank, monitor)
+    duties = loop.Duties(logger.training, checkpointer, stop, env.rank, env.local_rank, monitor,
+                         job.fail_at)
     final_val = loop.fit(cfg, state, bundle, device, duties, task)
     if monitor.stop_reason:
         logger.stopped_early(monitor.stop_reason)
@@ -251,11 +281,11 @@ def run_rank(config: dict[str, Any], output_dir: str, command: str, own_process:
                         cfg.data.batch_size)
     logger = RunLogger(cfg, tracking.open_run(cfg.tracking, out, env.is_main), progress)
     logger.output_dir = str(out)
-    job = Job(cfg, config, env, out, command, device, backend)
+    job = Job(cfg, config, env, out, command, device, backend, drill.fail_at(env.rank, out))
     ending = JobEnding(cfg, env, out, command, logger)
     try:  # from the process group on: a job that fails in it has ended too (sweep, below)
         distributed.init(env, backend, device, cfg.distributed.timeout_s)
-        loop.fail_drill(cfg.trainer, 0, env.rank)
+        drill.check(job.fail_at, 0, env.rank)
         with StopSignals() as stop:
             final = _train(job, logger, stop, ending)
         # Every rank is done with the group before any takes it down: a rank destroying it

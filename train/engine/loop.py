@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from train.config.groups import TrainConfig, TrainerConfig
+from train.config.groups import TrainConfig
 from train.data.build import Batches, DataBundle
 from train.distributed import process_group as distributed
 from train.distributed.stopping import StopSignals
-from train.engine import optim
+from train.engine import drill, optim
 from train.engine.checkpoint import Checkpointer
 from train.engine.monitor import Monitor
 from train.engine.state import TrainState
@@ -38,16 +38,6 @@ class ModelOutputError(ValueError):
     """The model's output does not fit the task (e.g. not (batch, num_classes))."""
 
 
-class FailureDrill(RuntimeError):
-    """The failure asked for with trainer.fail_on_rank."""
-
-
-def fail_drill(trainer: TrainerConfig, step: int, rank: int) -> None:
-    """trainer.fail_on_rank: raise on that rank at step trainer.fail_at_step (0: start-up)."""
-    if step == trainer.fail_at_step and rank == trainer.fail_on_rank:
-        raise FailureDrill(f"trainer.fail_on_rank={rank}: failing on purpose at step {step}")
-
-
 @dataclass
 class Duties:
     """What a rank must look after besides training: record, checkpoint, heed stop signals."""
@@ -58,6 +48,8 @@ class Duties:
     rank: int
     local_rank: int
     monitor: Monitor
+    fail_at: int | None = None
+    """The step of this rank's failure drill (train/engine/drill.py); None = none."""
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
@@ -194,7 +186,7 @@ def train_epoch(cfg: TrainConfig, state: TrainState, batches: Batches, device: t
         window_steps += 1
         if state.step == 1:
             duties.logger.first_step()
-        fail_drill(cfg.trainer, state.step, duties.rank)
+        drill.check(duties.fail_at, state.step, duties.rank)
         if state.step % every == 0:
             _log_step(state, duties, totals, step_loss / step_items,
                       (time.perf_counter() - window_start) / window_steps, end, count)

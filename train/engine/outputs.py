@@ -46,7 +46,7 @@ class JobOutputs:
             if self.cfg.trainer.save_best:
                 path = checkpoint.save_best(
                     self.checkpoints, state.module.state_dict(),
-                    {"epoch": best.epoch, "step": best.step, "monitor": best.monitor,
+                    {"epoch": best.epoch + 1, "step": best.step, "monitor": best.monitor,
                      "mode": best.mode, "value": best.value})
             self.logger.training.best(best.epoch, best.monitor, best.value, path)
         return on_best

@@ -24,7 +24,9 @@ from train.errors import StoppedBySignal
 TERMINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                    "PREEMPTED", "BOOT_FAIL", "DEADLINE")
 POLL_S = 2.0
-SHOWN = ("val/loss", "val/accuracy", "train/loss")
+def is_shown(key: str) -> bool:
+    """A job's final metrics on its closing line, as a local job shows them (report/runlog.py)."""
+    return key.startswith(("val/", "test/")) or key == "train/loss"
 
 
 def _stamp() -> str:
@@ -159,7 +161,7 @@ def report_finished(returns: Sequence[Any]) -> None:
             print(f"job outputs in {out} (no run recorded)", flush=True)
             continue
         shown = "  ".join(f"{k}={v:.4g}" for k, v in summary.get("metrics", {}).items()
-                          if k in SHOWN)
+                          if is_shown(k))
         run_id = summary["run_id"]
         view = how_to_view(where["tracking_uri"], where.get("experiment_id"), run_id)
         print(f"MLflow run {run_id} FINISHED  {shown}\n  outputs: {out}\n  view it: {view}",

@@ -64,13 +64,15 @@ def run_in_process(config: dict[str, Any], output_dir: str, command: str) -> dic
     """A one-rank job in this process: no second interpreter to start (seconds saved per job,
     and per job of a local sweep). Its torchrun-style variables are removed again afterwards,
     so that the next job of a sweep is launched afresh."""
-    env = distenv.torchrun_env(0, 0, 1, 1, "127.0.0.1", distenv.free_port())
+    env = {**distenv.torchrun_env(0, 0, 1, 1, "127.0.0.1", distenv.free_port()),
+           distenv.LAUNCHER_VAR: distenv.LOCAL}
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
     try:
-        from train.engine.job import run_rank
+        from train.engine.job import rank_log_format, run_rank
 
-        return run_rank(config, output_dir, command, own_process=False)
+        with rank_log_format(0):
+            return run_rank(config, output_dir, command, own_process=False)
     except Preempted as e:
         raise JobStoppedError(e.signal_name, output_dir) from None
     except Exception as e:

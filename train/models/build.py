@@ -159,7 +159,9 @@ def _custom(cfg: CustomModelConfig, spec: InputSpec) -> nn.Module:
     keys and, where it takes them and they are not set, the data's num_classes, in_channels /
     channels and image_size. Raises usercode.UserCodeError with a one-line message."""
     target = custom_target(cfg)
-    filled = usercode.fill_arguments(target, cfg.kwargs, spec.constructor_values())
+    known = spec.constructor_values()
+    usercode.check_filled(target, cfg.target, KEY, cfg.kwargs, known)
+    filled = usercode.fill_arguments(target, cfg.kwargs, known)
     model = usercode.build(cfg.target, KEY, {**cfg.kwargs, **filled})
     if not isinstance(model, nn.Module):
         raise usercode.UserCodeError(f"{KEY}={cfg.target!r} returned {usercode.describe(model)}, "

@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from train.config.groups import TrainConfig
+from train.config.naming import default_run_name
 from train.data.build import DataBundle
 from train.distributed.env import DistEnv
-from train.report import code, modelcard
+from train.report import code, modelcard, params
 from train.report.progress import Progress
 from train.report.trainlog import TrainingLog
 from train.tracking import REPO_ROOT, NullRun, TrackingIncomplete, how_to_view, records
@@ -82,12 +83,13 @@ class RunLogger:
         code_record = code.collect(config, REPO_ROOT) if env.is_main and not previous else None
         if code_record is not None:
             all_tags.update(code_record.tags)
-        self.run.start(all_tags, run_name=self.cfg.tracking.run_name,
+        name = self.cfg.tracking.run_name or default_run_name(self.cfg, self.output_dir)
+        self.run.start(all_tags, run_name=name,
                        resume_run_id=previous[0] if previous else None)
         if previous:
             log.info("continuing MLflow run %s (restart %d)", previous[0], self.restarts)
         else:  # a continued run holds them already
-            self.run.log_params(flatten(config))
+            self.run.log_params(flatten(params.applicable(config)))
             self.run.log(records.Text(text=config_yaml, artifact_file="config.yaml"))
             for artifact_file, text in (code_record.files if code_record else {}).items():
                 self.run.log(records.Text(text=text, artifact_file=artifact_file))
@@ -99,23 +101,28 @@ class RunLogger:
         """The data's facts as params (and `model.outputs`: the model's outputs per sample,
         which train/load.py rebuilds it with), the data set as the run's input, the model card."""
         # Not data.num_classes: that key is the config's (the synthetic set's class count).
-        params = {"data.num_train": bundle.num_train, "data.num_val": bundle.num_val,
-                  "data.input_shape": "x".join(map(str, bundle.input_shape)),
-                  "data.classes": bundle.num_classes,  # train/load.py rebuilds the model
-                  "model.outputs": outputs}
+        facts: dict[str, Any] = {
+            "data.num_train": bundle.num_train, "data.num_val": bundle.num_val,
+            "data.input_shape": "x".join(map(str, bundle.input_shape)),
+            "data.classes": bundle.num_classes,  # train/load.py rebuilds the model
+            "model.outputs": outputs}
         if bundle.test is not None:
-            params["data.num_test"] = bundle.num_test
+            facts["data.num_test"] = bundle.num_test
         if bundle.vocab_size is not None:  # token windows: a vocabulary, not classes
-            del params["data.classes"]
-            params.update({"data.vocab_size": bundle.vocab_size,
-                           "data.tokenizer": bundle.tokenizer})
-        self.run.log_params({k: str(v) for k, v in params.items()})
-        log.info("data: %s", ", ".join(f"{k}={v}" for k, v in params.items()))
+            del facts["data.classes"]
+            facts.update({"data.vocab_size": bundle.vocab_size,
+                          "data.tokenizer": bundle.tokenizer})
+        self.run.log_params({k: str(v) for k, v in facts.items()})
+        log.info("data: %s", ", ".join(f"{k}={v}" for k, v in facts.items()))
         if not self.restarts:  # recorded by the first start
             self.run.log(records.DatasetInput(name=f"{self.cfg.data.name}-train",
                                               **asdict(bundle.description())))
         self.model_card = modelcard.describe(bundle.val, self.cfg.data, bundle.input_shape,
                                              bundle.class_names, output_card)
+        # The normalisation every batch got (the data set's own statistics, or data.mean/std
+        # for an image folder), not the config's defaults.
+        used = {f"data.{k}": self.model_card["preprocessing"].get(k) for k in ("mean", "std")}
+        self.run.log_params({k: str(v) for k, v in used.items() if v is not None})
 
     def log_model_params(self, model: Any) -> None:
         """Parameters trained and frozen (model.freeze), and the weights' source (tag
@@ -197,7 +204,7 @@ class RunLogger:
             raise TrackingIncomplete(self._undelivered())
         if run_id and error is None:
             shown = "  ".join(f"{k}={v:.4g}" for k, v in self.training.final_metrics.items()
-                              if k.startswith("val/") or k == "train/loss")
+                              if k.startswith(("val/", "test/")) or k == "train/loss")
             log.info("MLflow run %s FINISHED  %s\n  view it: %s", run_id, shown,
                      how_to_view(self.run.uri, self.run.experiment_id, run_id))
         elif run_id:

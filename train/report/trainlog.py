@@ -5,6 +5,10 @@ Part of the job's run logger (train/report/runlog.py holds one as `RunLogger.tra
 same
 backend: rank 0's MlflowRun, every other rank's do-nothing NullRun. It keeps what summary.json
 reports of training (the final metrics, each epoch's throughput, the first step's time).
+
+MLflow steps: an epoch's metrics (train/*, val/*, best/*, test/*, system/*) are logged at the
+epoch's 1-based number, as the log's `epoch 3/10` and the best_epoch tag; a logging step's
+(train/step_*, fp16's train/loss_scale) at its optimiser step. The loop counts epochs from 0.
 """
 
 from __future__ import annotations
@@ -69,8 +73,8 @@ class TrainingLog:
             values.update({**_named("val", val.values), "val/samples": float(val.samples),
                            **_items(val, "val")})
         if nodes:
-            self.run.log_metrics(system_stats.as_metrics(nodes), step=epoch)
-        self.run.log_metrics(values, step=epoch)
+            self.run.log_metrics(system_stats.as_metrics(nodes), step=epoch + 1)
+        self.run.log_metrics(values, step=epoch + 1)
         self.final_metrics.update(values)
         self.by_epoch.append({"samples_per_sec": values["train/samples_per_sec"],
                               "epoch_time_s": epoch_time_s,
@@ -79,14 +83,16 @@ class TrainingLog:
         log.info("epoch %d/%d  %s", epoch + 1, self.cfg.trainer.epochs, shown)
 
     def best(self, epoch: int, monitor: str, value: float, path: Path | None) -> None:
-        """A new best evaluation (written to `path` with trainer.save_best)."""
-        self.run.log_metrics({f"best/{monitor}": value}, step=epoch)
-        self.run.set_tags({"best_epoch": str(epoch)})
+        """A new best evaluation after the 0-based `epoch` (written to `path` with
+        trainer.save_best); logged and tagged 1-based, as the log line says."""
+        self.run.log_metrics({f"best/{monitor}": value}, step=epoch + 1)
+        self.run.set_tags({"best_epoch": str(epoch + 1)})
         log.info("best %s so far: %.4g at epoch %d%s", monitor, value, epoch + 1,
                  f" ({path})" if path else "")
 
     def test(self, epoch: int, result: Reduced) -> None:
-        """The test phase's metrics, once, at the last epoch's step."""
+        """The test phase's metrics, once, at the last epoch's step: `epoch` is the number of
+        epochs trained, which is the last one's 1-based number."""
         values = {**_named("test", result.values), "test/samples": float(result.samples),
                   **_items(result, "test")}
         self.run.log_metrics(values, step=epoch)

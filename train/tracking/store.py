@@ -12,6 +12,7 @@ import urllib.request
 from pathlib import Path
 
 from train.config.groups import TrackingConfig
+from train.security import server_auth
 from train.security.redact import redact, split_userinfo
 from train.tracking.auth import login_request, ssl_context  # HTTPS verified as MLflow's client does
 from train.tracking.errors import TrackingError
@@ -116,13 +117,23 @@ def is_new_sqlite(uri: str) -> bool:
 
 
 def how_to_view(uri: str, experiment_id: str | None, run_id: str) -> str:
-    """The command or URL that shows a run in the MLflow UI."""
+    """The command or URL that shows a run in the MLflow UI, and where its login is (the file
+    that holds the password, never the password)."""
     page = f"#/experiments/{experiment_id}/runs/{run_id}"
     if uri.startswith(("http://", "https://")):
         return f"{uri.rstrip('/')}/{page}"
     if uri == embedded_uri():
-        return f"`make ui`, then http://127.0.0.1:5000/{page}"
+        return f"`make ui`, then http://127.0.0.1:5000/{page}{_login(EMBEDDED_STORE_DIR)}"
     if (db := sqlite_path(uri)) is not None and db.name == "mlflow.db":
-        return f"`make ui UI_STORE={db.parent}`, then http://127.0.0.1:5000/{page}"
+        return (f"`make ui UI_STORE={db.parent}`, then http://127.0.0.1:5000/{page}"
+                f"{_login(db.parent)}")
     return (f"`python -m train.server --port 5000 --backend-store-uri {uri}`, then "
-            f"http://127.0.0.1:5000/{page}")
+            f"http://127.0.0.1:5000/{page}{_login(db.parent if db else EMBEDDED_STORE_DIR)}")
+
+
+def _login(auth_dir: Path) -> str:
+    """The UI's login (train/server.py's default auth dir for the store): where the generated
+    password is kept."""
+    secrets = server_auth.secrets_path(auth_dir)
+    return (f" (login: user {server_auth.ADMIN}, password MLFLOW_TRACKING_PASSWORD in "
+            f"{secrets}, written by the server's first start)")

@@ -211,8 +211,10 @@ class ParentRunCallback(Callback):
             print(f"Sweep parent run {parent} stays RUNNING: the last of its "
                   f"{self.unwaited_jobs} jobs to end will summarise and end it.", flush=True)
             return
+        best = summary.get("best_value")
+        best = f"{best:.4g}" if isinstance(best, float | int) else best
         print(f"Sweep parent run {parent}: {summary['children']} job(s), {summary['failed']} "
-              f"failed; best {objective} = {summary.get('best_value')} "
+              f"failed; best {objective} = {best} "
               f"(run {summary.get('best_run_id')})", flush=True)
         if summary.get("registered"):
             print(f"Sweep's best job registered as {summary['registered']}: "
