@@ -17,7 +17,8 @@ TORCHVISION_SETS = ("mnist", "fashion_mnist", "cifar10")
 IN_MEMORY_SETS = ("digits", "synthetic", *TORCHVISION_SETS)
 DATA_KEYS: dict[str, tuple[str, ...]] = {
     "on_device": IN_MEMORY_SETS,
-    "root": (*TORCHVISION_SETS, "imagefolder"),
+    "root": (*TORCHVISION_SETS, "imagefolder", "tokens"),
+    "seq_len": ("tokens",),
     "download": TORCHVISION_SETS,
     "num_samples": ("synthetic",),
     "channels": ("synthetic",),
@@ -33,8 +34,10 @@ DATA_KEYS: dict[str, tuple[str, ...]] = {
 }
 """data.<key>: the data sets that read it (keys not listed apply to all)."""
 TASK_KEYS: dict[str, tuple[str, ...]] = {
-    "_target_": ("custom",), "args": ("custom",), "ignore_index": ("segmentation",),
-    "num_classes": ("segmentation",), "samples_shown": ("segmentation", "regression")}
+    "_target_": ("custom",), "args": ("custom",),
+    "ignore_index": ("segmentation", "language_model"), "num_classes": ("segmentation",),
+    "samples_shown": ("segmentation", "regression", "language_model"),
+    "prompt": ("language_model",), "sample_tokens": ("language_model",)}
 MODEL_KEYS: dict[str, tuple[str, ...]] = {
     "width": ("cnn", "mlp"), "depth": ("mlp",), "dropout": ("cnn", "mlp", "resnet18")}
 """model.<key> of the built-in models: the models that read it (torchvision's read neither)."""
