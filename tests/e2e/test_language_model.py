@@ -141,11 +141,11 @@ def test_a_killed_job_resumes_without_training_a_window_twice(
     other = next(r for r in runs_in(uri) if r.info.run_id != run.info.run_id)
     windows = (int(np.memmap(small / "train.bin", dtype=np.uint16, mode="r").shape[0]) - 1) // 32
     padded = -(-windows // 2) * 2  # DistributedSampler pads to a multiple of the ranks
-    assert history(uri, run.info.run_id, "train/tokens") == [(0, padded * 32.0),
-                                                             (1, padded * 32.0)]
+    assert history(uri, run.info.run_id, "train/tokens") == [(1, padded * 32.0),
+                                                             (2, padded * 32.0)]
     for key in ("train/loss", "val/loss"):
         mine, theirs = history(uri, run.info.run_id, key), history(uri, other.info.run_id, key)
-        assert [s for s, _ in mine] == [0, 1]
+        assert [s for s, _ in mine] == [1, 2]
         assert [v for _, v in mine] == pytest.approx([v for _, v in theirs], rel=1e-5), key
 
 
