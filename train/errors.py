@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import signal
 
+FAILURE_REASON = "train_failure_reason"
+"""The attribute a rank's failing exception carries its one-line cause in (the run's error, as
+train/engine/job.py sets it), for the local launcher to show instead of the traceback."""
+
 
 class TrainError(Exception):
     """A failure the user can act on; its message says what is wrong and what to do."""

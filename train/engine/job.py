@@ -36,7 +36,7 @@ from train.config.task import metric_problem
 from train.data import build as data_lib
 from train.distributed import env as distenv
 from train.distributed import process_group as distributed
-from train.distributed import slurm
+from train.distributed import slurm, watch
 from train.distributed.devices import device_name
 from train.distributed.stopping import Preempted, StopSignals
 from train.engine import checkpoint, loop
@@ -172,6 +172,7 @@ def _train(job: Job, logger: RunLogger, stop: StopSignals,
                  _previous_run(cfg, out, resumed))
     accumulate = cfg.trainer.accumulate_grad_batches
     task = tasks.build(cfg.task)
+    watch.enter("data")  # building the data reads the user's first samples
     bundle = data_lib.build(cfg.data, env, device, cfg.trainer.seed,
                             channels_last=cfg.trainer.channels_last, micro_batches=accumulate,
                             classes=task.name == "classification")
@@ -179,6 +180,7 @@ def _train(job: Job, logger: RunLogger, stop: StopSignals,
     logger.log_data(bundle, spec.num_classes,
                     task.output_card(bundle.target_shape, bundle.input_shape))
     torch.manual_seed(cfg.trainer.seed)  # identical initial weights on every rank
+    watch.enter("model")  # DDP's constructor waits for every rank
     steps_per_epoch = -(-len(bundle.train) // accumulate)  # optimiser steps: the schedule's
     state = train_state.build(cfg, spec, steps_per_epoch, device, resumed is not None)
     logger.log_model_params(state.module)
@@ -252,6 +254,7 @@ def run_rank(config: dict[str, Any], output_dir: str, command: str, own_process:
     ending = JobEnding(cfg, env, out, command, logger)
     try:  # from the process group on: a job that fails in it has ended too (sweep, below)
         distributed.init(env, backend, device, cfg.distributed.timeout_s)
+        watch.start(out, env.rank, env.world_size, (env.master_addr, env.master_port))
         loop.fail_drill(cfg.trainer, 0, env.rank)
         with StopSignals() as stop:
             final = _train(job, logger, stop, ending)
@@ -267,4 +270,5 @@ def run_rank(config: dict[str, Any], output_dir: str, command: str, own_process:
         ending.failed(exc, ending_run)
         raise
     finally:
+        watch.stop()
         distributed.shutdown()

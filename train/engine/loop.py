@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ from torch import nn
 from train.config.groups import TrainConfig, TrainerConfig
 from train.data.build import Batches, DataBundle
 from train.distributed import process_group as distributed
+from train.distributed import watch
 from train.distributed.stopping import StopSignals
 from train.engine import optim
 from train.engine.checkpoint import Checkpointer
@@ -120,6 +122,7 @@ def _optimiser_step(cfg: TrainConfig, state: TrainState, items: torch.Tensor | N
     small all-reduce, no host sync), unscale (fp16) and clip it, step, and advance
     `state.step` and the LR schedule where it steps per optimiser step (the built-in one;
     optim.scheduler_interval=step)."""
+    watch.enter("optimizer")
     if items is not None:
         everywhere = torch.as_tensor(items, dtype=torch.float64, device=_device(state)).clone()
         torch.distributed.all_reduce(everywhere)
@@ -136,6 +139,7 @@ def _optimiser_step(cfg: TrainConfig, state: TrainState, items: torch.Tensor | N
     if state.scheduler_interval == "step":
         state.scheduler.step()
     state.step += 1
+    watch.enter("optimizer", state.step)
 
 
 def _device(state: TrainState) -> torch.device:
@@ -146,6 +150,7 @@ def _log_step(state: TrainState, duties: Duties, totals: metrics.Totals, step_lo
               step_time_s: float, batches_done: int, batches: int) -> None:
     """A logging step, the only one that waits for the device: the step loss, fp16's scaler,
     and a checkpoint (then a stop) if any rank asks for one."""
+    watch.enter("collective")
     sync = metrics.sync_step(step_loss, step_time_s, duties.stop.received is not None,
                              duties.checkpointer.interval_due())
     _check_finite(sync.mean_loss, duties.rank, state.step, "train/step_loss (mean over ranks)")
@@ -176,7 +181,8 @@ def train_epoch(cfg: TrainConfig, state: TrainState, batches: Batches, device: t
     window_start, window_steps = time.perf_counter(), 0
     step_loss: torch.Tensor = torch.zeros((), device=device)
     step_items: Any = 0
-    for index, (inputs, target) in enumerate(duties.logger.progress(batches, state.epoch),
+    for index, (inputs, target) in enumerate(_reading(duties.logger.progress(batches,
+                                                                            state.epoch)),
                                              start=skip):
         first, end = index - index % k, min(index - index % k + k, count)
         if index == first:
@@ -204,6 +210,19 @@ def train_epoch(cfg: TrainConfig, state: TrainState, batches: Batches, device: t
     return totals
 
 
+def _reading(batches: Iterable[Any]) -> Iterator[Any]:
+    """The batches, the heartbeat in phase "data" while the next is read, "forward" after."""
+    iterator = iter(batches)
+    while True:
+        watch.enter("data")
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        watch.enter("forward")
+        yield batch
+
+
 def _check_output(task: Task, output: Any, target: Any, inputs: Any) -> None:
     """The first batch's output fits the task (host-side shapes: no sync), or the model is
     named with the shapes instead of an obscure error inside the loss."""
@@ -218,6 +237,7 @@ def evaluate(model: nn.Module, batches: Batches, device: torch.device, precision
     task's sums on fp32 outputs; `detailed`: what the task keeps for the final evaluations (a
     confusion matrix); `examples`: the task keeps a few samples for its picture."""
     model.eval()
+    watch.enter("validation")
     totals = metrics.Totals(device, task.layout(detailed))
     for index, (inputs, target) in enumerate(batches):
         with autocast(device, precision):

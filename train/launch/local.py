@@ -28,8 +28,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from train.distributed import env as distenv
-from train.distributed import stopping
+from train.distributed import stopping, watch
 from train.distributed.stopping import Preempted
+from train.errors import FAILURE_REASON
 from train.errors import JobFailedError as JobFailedError
 from train.errors import JobStoppedError as JobStoppedError
 from train.errors import LaunchError as LaunchError  # re-exported
@@ -46,6 +47,8 @@ FAILED and exit, before they are stopped. Rank 0, once it has begun ending its r
 tracking.flush_timeout_s more: on a busy machine the run may not even exist yet (its sender
 starts at the first step), and stopping rank 0 then would leave no run at all."""
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+STACKS_S = 0.5
+"""How long ranks that are to be stopped get to dump their stacks (faulthandler, in C)."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,9 @@ class RankOutcome:
     payload: Any
     at: float
     """time.time() when it was sent: the earliest error is the root cause."""
+    reason: str | None = None
+    """An error's one line, as the rank put it in the run (train/engine/ending.py): the
+    terminal shows it; the traceback goes to train.log."""
 
 
 def run_in_process(config: dict[str, Any], output_dir: str, command: str) -> dict[str, float]:
@@ -127,9 +133,20 @@ def start_local_ranks(config: dict[str, Any], output_dir: str, command: str, npr
         return next((o.payload for o in sorted(results, key=lambda o: o.rank)
                      if o.kind == "result"), {})
     stopped |= forwarding.signalled_ranks(exits)
+    _log_tracebacks(Path(output_dir), results)
     _end_abandoned_run(output_dir, started, exits, results, stopped,
                        {ranks[local]: p.pid for local, p in enumerate(procs)})
     raise JobFailedError(f"the training job failed; {root_cause(exits, results, stopped)}")
+
+
+def _log_tracebacks(out: Path, results: list[RankOutcome]) -> None:
+    """The failed ranks' tracebacks into the job's train.log: the terminal gets one line."""
+    errors = [o for o in results if o.kind == "error" and o.reason is not None]
+    if not errors:
+        return
+    with contextlib.suppress(OSError), (out / "train.log").open("a") as f:
+        for o in sorted(errors, key=lambda o: (o.at, o.rank)):
+            f.write(f"[rank {o.rank}] its error: {o.reason}\n{o.payload}\n")
 
 
 def _start_resource_tracker() -> None:
@@ -180,7 +197,8 @@ def _rank_entry(config: dict[str, Any], output_dir: str, command: str, launcher:
     except Preempted as e:
         outcome = RankOutcome(rank, "stopped", e.signal_name, time.time())
     except BaseException as e:
-        outcome = RankOutcome(rank, "error", "".join(traceback.format_exception(e)), time.time())
+        outcome = RankOutcome(rank, "error", "".join(traceback.format_exception(e)), time.time(),
+                              getattr(e, FAILURE_REASON, None))
     outcomes.put(outcome)
     # The rank's work is done: spare the interpreter's final garbage collection over every
     # object torch, mlflow and pyarrow made (~2 s on rank 0 here); memory goes back to the OS
@@ -199,6 +217,8 @@ def _end_with(launcher: int) -> None:
     a bare KeyboardInterrupt and no checkpoint. Stop signals that come while the rank starts
     are kept (stopping.note_early) rather than killing it unannounced."""
     stopping.note_early()
+    # Until its watch registers faulthandler for it, a stack request must not kill the rank.
+    signal.signal(watch.STACKS_SIGNAL, signal.SIG_IGN)
     with contextlib.suppress(AttributeError, OSError):  # Linux only; elsewhere: best effort
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != launcher:  # it died before the line above
@@ -228,6 +248,11 @@ def _stop(procs: list[mp.Process]) -> set[int]:
     """SIGTERM to the ranks still running, SIGKILL 5 s later; returns their indices in
     `procs` (local ranks)."""
     stopped = {rank for rank, p in enumerate(procs) if p.is_alive()}
+    for rank in stopped:  # their stacks first (stacks/.rank-N.dump): why did they not end?
+        with contextlib.suppress(OSError, TypeError):
+            os.kill(procs[rank].pid, watch.STACKS_SIGNAL)  # type: ignore[arg-type]
+    if stopped:
+        time.sleep(STACKS_S)
     for rank in stopped:
         procs[rank].terminate()
     for p in procs:
@@ -261,6 +286,8 @@ def root_cause(exits: dict[int, int | None], outcomes: list[RankOutcome],
         if errors:
             cause += f"; then rank {errors[0].rank} stopped: {_last_line(errors[0].payload)}"
         return cause
+    if errors and errors[0].reason:  # its traceback is in train.log (_log_tracebacks)
+        return f"{errors[0].reason} (tracebacks: train.log)"
     if errors:
         return f"rank {errors[0].rank} failed first:\n{errors[0].payload}"
     return ", ".join(f"rank {rank} exited with code {code}" for rank, code in sorted(exits.items())

@@ -1,0 +1,63 @@
+"""A rank that hangs: named with the user's line it is stuck on, in the terminal and in the run;
+every rank's stacks kept in the output directory and as the run's artifacts (issue 29).
+
+Real parts: two local ranks, a user Dataset (tests/userpkg/data.py StuckOnRank) whose reads
+block in time.sleep on rank 1, gloo's real timeout, the MLflow store read back."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from tests.conftest import REPO, USER_PATH, run_train, runs_in
+
+TIMEOUT_S = 10
+ENDS_WITHIN_S = TIMEOUT_S + 45
+"""From the command to its exit: start-up (~10 s here), the collective's timeout, the ranks'
+stacks (up to 5 s), the launcher's grace for the others (15 s) and its SIGTERM (5 s)."""
+STUCK = ("data=custom", "data.train._target_=userpkg.data.StuckOnRank", "+data.train.length=48",
+         "data.val._target_=userpkg.data.Lines", "+data.val.length=16", "model.width=8",
+         "tracking.log_model=false", "distributed.nproc_per_node=2", "data.batch_size=8",
+         "data.num_workers=0", f"distributed.timeout_s={TIMEOUT_S}")
+USERPKG = {"PYTHONPATH": os.pathsep.join([USER_PATH, str(REPO)])}
+
+
+def _sleep_line() -> int:
+    lines = (REPO / "tests" / "userpkg" / "data.py").read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if "time.sleep(3600)" in line)
+
+
+@pytest.mark.parametrize(("after", "caller"), [
+    (0, "called from train/data/userdata.py"),  # the first read, before training
+    (20, "called from DataLoader"),  # mid-epoch: 20 samples read, the third step
+], ids=["before-training", "mid-epoch"])
+def test_a_stuck_rank_is_named_with_the_line_it_is_stuck_on(
+        store: dict[str, str], tmp_path: Path, after: int, caller: str) -> None:
+    out = tmp_path / "job"
+    started = time.monotonic()
+    result = run_train(*STUCK, f"+data.train.after={after}", f"hydra.run.dir={out}",
+                       env={**store, **USERPKG}, timeout=ENDS_WITHIN_S + 30)
+    took = time.monotonic() - started
+    assert result.returncode == 1, result.stderr
+    stuck = (f"rank 1 on {socket.gethostname()} stuck ", f" s in userpkg/data.py:{_sleep_line()} "
+             f"__getitem__ (time.sleep), {caller}")
+    [line] = [x for x in result.stderr.splitlines() if x.startswith("error:")]
+    assert line.startswith(f"error: the training job failed; {stuck[0]}"), result.stderr
+    assert stuck[1] in line and "; rank 0 waited in " in line, line
+    assert "Traceback" not in result.stderr  # the tracebacks are in train.log
+    assert "Traceback" in (out / "train.log").read_text()
+    assert took < ENDS_WITHIN_S, f"the job took {took:.0f} s"
+    [run] = runs_in(store["MLFLOW_TRACKING_URI"])
+    assert run.info.status == "FAILED"
+    assert run.data.tags["error"].startswith(stuck[0]) and stuck[1] in run.data.tags["error"]
+    artifacts = MlflowClient(store["MLFLOW_TRACKING_URI"]).list_artifacts(run.info.run_id,
+                                                                         "stacks")
+    assert sorted(a.path for a in artifacts) == ["stacks/rank-0.txt", "stacks/rank-1.txt"]
+    stacks = (out / "stacks" / "rank-1.txt").read_text()
+    assert "in __getitem__" in stacks and "train-watchdog" not in stacks.split("\n", 1)[0]
+    assert "Waited in a collective" in (out / "stacks" / "rank-0.txt").read_text()
