@@ -6,15 +6,21 @@ block in time.sleep on rank 1, gloo's real timeout, the MLflow store read back."
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import re
+import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
 
-from tests.conftest import REPO, USER_PATH, run_train, runs_in
+from tests.conftest import REPO, USER_PATH, run_train, runs_in, wait_until
 
 TIMEOUT_S = 10
 ENDS_WITHIN_S = TIMEOUT_S + 45
@@ -61,3 +67,78 @@ def test_a_stuck_rank_is_named_with_the_line_it_is_stuck_on(
     stacks = (out / "stacks" / "rank-1.txt").read_text()
     assert "in __getitem__" in stacks and "train-watchdog" not in stacks.split("\n", 1)[0]
     assert "Waited in a collective" in (out / "stacks" / "rank-0.txt").read_text()
+
+
+def _start(out: Path, store: dict[str, str], *overrides: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "train", *overrides, f"hydra.run.dir={out}"],
+                            cwd=REPO, env={**os.environ, **store, **USERPKG}, text=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+
+
+def _inspect(command: str, out: Path) -> str:
+    done = subprocess.run([sys.executable, "-m", f"train.{command}", str(out)], cwd=REPO,
+                          env={**os.environ, **USERPKG}, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_status_and_stacks_of_a_running_job(store: dict[str, str], tmp_path: Path) -> None:
+    """A job whose rank 1 is stuck mid-epoch (the collective's timeout far off): train.status
+    shows it in "data" while rank 0 is in its forward; train.stacks names both frames, and the
+    job goes on."""
+    out = tmp_path / "job"
+    job = _start(out, store, *STUCK[:-1], "distributed.timeout_s=120", "+data.train.after=20")
+    try:
+        beat = out / "ranks" / "rank-1.json"
+        wait_until(lambda: _beat(beat).get("phase") == "data" and _beat(beat)["step"] > 0
+                   and time.time() - _beat(beat)["since"] > 2, 90, "rank 1 stuck", job=job)
+        step = _beat(beat)["step"]
+        status = _inspect("status", out)
+        assert re.search(rf"^rank 1 on \S+ \(pid \d+\): step {step}, data for [\d.]+ s",
+                         status, re.M), status
+        assert re.search(rf"^rank 0 on \S+ \(pid \d+\): step {step}, forward for", status,
+                         re.M), status
+        stacks = _inspect("stacks", out)
+        assert (f"rank 1: userpkg/data.py:{_sleep_line()} __getitem__ (time.sleep), called "
+                "from DataLoader") in stacks, stacks
+        assert "rank 0: " in stacks and "_sync_buffers" in stacks
+        assert job.poll() is None  # a stack request stops no rank
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+
+
+def _beat(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def test_a_frozen_rank_is_named_as_not_answering(store: dict[str, str], tmp_path: Path) -> None:
+    """SIGSTOP on rank 1 mid-training: it cannot dump its stacks; the error says so, with its
+    process state, and the job still ends."""
+    out = tmp_path / "job"
+    job = _start(out, store, *STUCK, "data.train._target_=userpkg.data.Lines",
+                 "trainer.epochs=100")
+    try:
+        beat = out / "ranks" / "rank-1.json"
+        wait_until(lambda: _beat(beat).get("step", 0) >= 3, 90, "rank 1 at step 3", job=job)
+        pid = _beat(beat)["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, stderr = job.communicate(timeout=ENDS_WITHIN_S)
+        took = time.monotonic() - stopped
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 1
+    line = (f"rank 1 on {socket.gethostname()} stopped answering (its process or node died, or "
+            f"it is frozen): it did not answer the stack request; its process {pid} is stopped "
+            "(SIGSTOP)")
+    assert f"error: the training job failed; {line}" in stderr, stderr
+    [run] = runs_in(store["MLFLOW_TRACKING_URI"])
+    assert run.info.status == "FAILED" and run.data.tags["error"].startswith(line)
+    assert took < TIMEOUT_S + 35, f"the job ended {took:.0f} s after rank 1 froze"
