@@ -34,8 +34,7 @@ USERPKG = {"PYTHONPATH": os.pathsep.join([USER_PATH, str(REPO)])}
 
 
 def _sleep_line() -> int:
-    lines = (REPO / "tests" / "userpkg" / "data.py").read_text().splitlines()
-    return next(i for i, line in enumerate(lines, 1) if "time.sleep(3600)" in line)
+    return _line_of("data.py", "time.sleep(3600)")
 
 
 @pytest.mark.parametrize(("after", "caller"), [
@@ -67,6 +66,35 @@ def test_a_stuck_rank_is_named_with_the_line_it_is_stuck_on(
     stacks = (out / "stacks" / "rank-1.txt").read_text()
     assert "in __getitem__" in stacks and "train-watchdog" not in stacks.split("\n", 1)[0]
     assert "Waited in a collective" in (out / "stacks" / "rank-0.txt").read_text()
+
+
+@pytest.mark.parametrize(("overrides", "place"), [
+    (("data.num_workers=1", "+data.train.after=20"),
+     r"its DataLoader worker 0, at userpkg/data\.py:{sleep} __getitem__ \(time\.sleep\)"),
+    (("model=custom", "model._target_=userpkg.models.SpinsOnRank", "data.num_workers=0",
+      "+data.train.after=1000"),  # the loop's two lines: either is where it was caught
+     r"userpkg/models\.py:({spin}|{loop}) forward( \(int\))?, called from "
+     r"train/engine/loop\.py:\d+ _micro_step"),
+], ids=["dataloader-worker", "endless-loop-in-forward"])
+def test_a_stuck_worker_or_an_endless_loop_is_named(store: dict[str, str], tmp_path: Path,
+                                                    overrides: tuple[str, ...],
+                                                    place: str) -> None:
+    common = [o for o in STUCK if not (o.startswith("model.") and "model=custom" in overrides)]
+    result = run_train(*common, *overrides, f"hydra.run.dir={tmp_path / 'job'}",
+                       env={**store, **USERPKG}, timeout=ENDS_WITHIN_S + 30)
+    spin = _line_of("models.py", "spins += 1")
+    stuck = f"rank 1 on {socket.gethostname()} stuck "
+    assert result.returncode == 1, result.stderr
+    [run] = runs_in(store["MLFLOW_TRACKING_URI"])
+    error = run.data.tags["error"]
+    assert error.startswith(stuck), error
+    assert re.search(place.format(sleep=_sleep_line(), spin=spin, loop=spin - 1), error), error
+    assert f"error: the training job failed; {error}" in result.stderr
+
+
+def _line_of(module: str, text: str) -> int:
+    lines = (REPO / "tests" / "userpkg" / module).read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if text in line)
 
 
 def _start(out: Path, store: dict[str, str], *overrides: str) -> subprocess.Popen[str]:

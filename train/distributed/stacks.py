@@ -28,6 +28,8 @@ _CALL = re.compile(r"([A-Za-z_][\w.]*)\s*\(")
 _TRAIN = str(Path(__file__).resolve().parents[1]) + os.sep
 _LIBRARIES = tuple(sorted({sysconfig.get_paths()[k] + os.sep for k in
                            ("stdlib", "platstdlib", "purelib", "platlib")}))
+WORKER_SECTION = "\nDataLoader worker "
+"""What starts a worker's stacks in a rank's stacks file (train/distributed/watch.py)."""
 _STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible sleep (disk or NFS)",
            "T": "stopped (SIGSTOP)", "t": "stopped by a debugger", "Z": "a zombie"}
 
@@ -110,6 +112,21 @@ def where(frames: list[Frame]) -> str:
     return f"{text}, called from {caller.short()} {caller.function}" if caller else text
 
 
+def stuck_in(text: str) -> str:
+    """Where a rank's stacks file says it is stuck: its main thread's user frame, else the
+    user frame of a DataLoader worker it waits for (its section of the file)."""
+    own, *workers = text.split(WORKER_SECTION)
+    frames = main_frames(own)
+    if any(not is_service(f.path) for f in frames):
+        return where(frames)
+    for section in workers:
+        worker, _, dump = section.partition(":\n")
+        for thread in parse(dump).values():
+            if any(not is_service(f.path) for f in thread):
+                return f"its DataLoader worker {worker}, at {where(thread)}"
+    return where(frames)
+
+
 def waited_in(exc: BaseException) -> str:
     """Where a rank whose collective timed out waited: the collective, the service's line."""
     tb = traceback.extract_tb(exc.__traceback__)
@@ -158,7 +175,7 @@ def explain(out: Path, silent: list[int], node_of: Callable[[int], str], answere
             beat = read_header(text)
             age = time.time() - float(beat.get("since", time.time()))
             parts.append(f"rank {rank} on {node_of(rank)} stuck {age:.0f} s in "
-                         f"{where(main_frames(text))}")
+                         f"{stuck_in(text)}")
         else:
             beat = watch.read_beat(watch.beat_path(out, rank))
             parts.append(f"rank {rank} on {node_of(rank)} stopped answering (its process or "
