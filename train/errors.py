@@ -15,7 +15,10 @@ import signal
 
 FAILURE_REASON = "train_failure_reason"
 """The attribute a rank's failing exception carries its one-line cause in (the run's error, as
-train/engine/job.py sets it), for the local launcher to show instead of the traceback."""
+train/engine/ending.py sets it), for the local launcher to show instead of the traceback."""
+SILENT_RANKS = "train_silent_ranks"
+"""The attribute that carries the ranks that stopped answering (stuck, frozen or dead): the
+local launcher stops them as soon as every other rank has ended."""
 
 
 class TrainError(Exception):

@@ -20,7 +20,7 @@ from train.distributed import slurm, watch
 from train.distributed.env import DistEnv
 from train.distributed.stopping import Preempted
 from train.engine import checkpoint
-from train.errors import FAILURE_REASON
+from train.errors import FAILURE_REASON, SILENT_RANKS
 from train.report.runlog import RunLogger
 from train.tracking import records, sweep
 
@@ -56,6 +56,7 @@ class JobEnding:
         reason, silent = distributed.failure_reason(self.env, exc, slurm.node_of_rank)
         with contextlib.suppress(AttributeError, TypeError):  # a built-in without __dict__
             setattr(exc, FAILURE_REASON, reason)
+            setattr(exc, SILENT_RANKS, tuple(silent))
         main = self.env.is_main
         if main:
             self._log_stacks()

@@ -23,6 +23,7 @@ import queue
 import signal
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from train.distributed import env as distenv
 from train.distributed import stopping, watch
 from train.distributed.stopping import Preempted
-from train.errors import FAILURE_REASON
+from train.errors import FAILURE_REASON, SILENT_RANKS
 from train.errors import JobFailedError as JobFailedError
 from train.errors import JobStoppedError as JobStoppedError
 from train.errors import LaunchError as LaunchError  # re-exported
@@ -64,6 +65,8 @@ class RankOutcome:
     reason: str | None = None
     """An error's one line, as the rank put it in the run (train/engine/ending.py): the
     terminal shows it; the traceback goes to train.log."""
+    silent: tuple[int, ...] = ()
+    """The ranks it found not answering (stuck, frozen or dead)."""
 
 
 def run_in_process(config: dict[str, Any], output_dir: str, command: str) -> dict[str, float]:
@@ -114,11 +117,15 @@ def start_local_ranks(config: dict[str, Any], output_dir: str, command: str, npr
         for p in procs:
             p.start()
         joblock.add_ranks(Path(output_dir), [p.pid for p in procs if p.pid is not None])
+        got: list[RankOutcome] = []
         try:
-            _supervise(procs, ending, float(config["tracking"]["flush_timeout_s"]) + GRACE_S)
+            _supervise(procs, ending, float(config["tracking"]["flush_timeout_s"]) + GRACE_S,
+                       lambda: _only_silent_left(procs, ranks, outcomes, got))
         finally:
-            stopped = {ranks[local] for local in _stop(procs)}
-    results = _drain(outcomes)
+            silent = {r for o in got if o.kind == "error" for r in o.silent}
+            stopped = {ranks[local] for local in _stop(
+                procs, {local for local, rank in enumerate(ranks) if rank in silent})}
+    results = got + _drain(outcomes)
     exits = {ranks[local]: p.exitcode for local, p in enumerate(procs)}
     done = {o.rank for o in results if o.kind in ("result", "stopped")}
     for rank, code in exits.items():
@@ -147,6 +154,18 @@ def _log_tracebacks(out: Path, results: list[RankOutcome]) -> None:
     with contextlib.suppress(OSError), (out / "train.log").open("a") as f:
         for o in sorted(errors, key=lambda o: (o.at, o.rank)):
             f.write(f"[rank {o.rank}] its error: {o.reason}\n{o.payload}\n")
+
+
+def _only_silent_left(procs: list[mp.Process], ranks: list[int], outcomes: mp.Queue,
+                      got: list[RankOutcome]) -> bool:
+    """Whether the ranks still running are only those a failed rank found not answering
+    (stuck, frozen): nobody is left to wait for (`got`: the outcomes read so far)."""
+    with contextlib.suppress(queue.Empty):
+        while True:
+            got.append(outcomes.get_nowait())
+    silent = {r for o in got if o.kind == "error" for r in o.silent}
+    return bool(silent) and all(ranks[local] in silent
+                                for local, p in enumerate(procs) if p.is_alive())
 
 
 def _start_resource_tracker() -> None:
@@ -198,7 +217,7 @@ def _rank_entry(config: dict[str, Any], output_dir: str, command: str, launcher:
         outcome = RankOutcome(rank, "stopped", e.signal_name, time.time())
     except BaseException as e:
         outcome = RankOutcome(rank, "error", "".join(traceback.format_exception(e)), time.time(),
-                              getattr(e, FAILURE_REASON, None))
+                              getattr(e, FAILURE_REASON, None), getattr(e, SILENT_RANKS, ()))
     outcomes.put(outcome)
     # The rank's work is done: spare the interpreter's final garbage collection over every
     # object torch, mlflow and pyarrow made (~2 s on rank 0 here); memory goes back to the OS
@@ -226,9 +245,10 @@ def _end_with(launcher: int) -> None:
 
 
 def _supervise(procs: list[mp.Process], ending: list[Event] | None = None,
-               ending_s: float = 0.0) -> None:
+               ending_s: float = 0.0, only_silent_left: Callable[[], bool] | None = None) -> None:
     """Until every rank has exited, or GRACE_S after the first one failed; if a rank still
-    running then has set its `ending` event (rank 0 ending its run), up to `ending_s` more."""
+    running then has set its `ending` event (rank 0 ending its run), up to `ending_s` more.
+    After a failure, at once when `only_silent_left()`: the ranks left are stuck."""
     deadline: float | None = None
     extended = False
     while any(p.is_alive() for p in procs):
@@ -237,6 +257,8 @@ def _supervise(procs: list[mp.Process], ending: list[Event] | None = None,
         multiprocessing.connection.wait([p.sentinel for p in procs if p.is_alive()], wait)
         if deadline is None and any(p.exitcode not in (None, 0) for p in procs):
             deadline = time.monotonic() + GRACE_S
+        if deadline is not None and only_silent_left is not None and only_silent_left():
+            return
         if deadline is not None and time.monotonic() >= deadline:
             if extended or not any(p.is_alive() and e.is_set()
                                    for p, e in zip(procs, ending or [], strict=False)):
@@ -244,8 +266,9 @@ def _supervise(procs: list[mp.Process], ending: list[Event] | None = None,
             extended, deadline = True, time.monotonic() + ending_s
 
 
-def _stop(procs: list[mp.Process]) -> set[int]:
-    """SIGTERM to the ranks still running, SIGKILL 5 s later; returns their indices in
+def _stop(procs: list[mp.Process], hopeless: set[int] | frozenset[int] = frozenset()) -> set[int]:
+    """SIGTERM to the ranks still running, SIGKILL 5 s later (at once to the `hopeless`: stuck
+    or frozen, they cannot stop by themselves); their stacks first. Returns their indices in
     `procs` (local ranks)."""
     stopped = {rank for rank, p in enumerate(procs) if p.is_alive()}
     for rank in stopped:  # their stacks first (stacks/.rank-N.dump): why did they not end?
@@ -254,7 +277,10 @@ def _stop(procs: list[mp.Process]) -> set[int]:
     if stopped:
         time.sleep(STACKS_S)
     for rank in stopped:
-        procs[rank].terminate()
+        if rank in hopeless:
+            procs[rank].kill()
+        else:
+            procs[rank].terminate()
     for p in procs:
         p.join(5)
         if p.is_alive():
