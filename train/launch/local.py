@@ -24,9 +24,8 @@ import signal
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from train.distributed import env as distenv
 from train.distributed import stopping, watch
@@ -36,6 +35,8 @@ from train.errors import JobFailedError as JobFailedError
 from train.errors import JobStoppedError as JobStoppedError
 from train.errors import LaunchError as LaunchError  # re-exported
 from train.launch import joblock
+from train.launch.outcomes import RankOutcome as RankOutcome  # re-exported
+from train.launch.outcomes import log_tracebacks, root_cause, signal_name
 
 if TYPE_CHECKING:
     from multiprocessing.synchronize import Event
@@ -50,23 +51,6 @@ starts at the first step), and stopping rank 0 then would leave no run at all.""
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 STACKS_S = 0.5
 """How long ranks that are to be stopped get to dump their stacks (faulthandler, in C)."""
-
-
-@dataclass(frozen=True)
-class RankOutcome:
-    """What a rank sent back before exiting: its result, its error's traceback, or the signal
-    that stopped it."""
-
-    rank: int
-    kind: Literal["error", "result", "stopped"]
-    payload: Any
-    at: float
-    """time.time() when it was sent: the earliest error is the root cause."""
-    reason: str | None = None
-    """An error's one line, as the rank put it in the run (train/engine/ending.py): the
-    terminal shows it; the traceback goes to train.log."""
-    silent: tuple[int, ...] = ()
-    """The ranks it found not answering (stuck, frozen or dead)."""
 
 
 def run_in_process(config: dict[str, Any], output_dir: str, command: str) -> dict[str, float]:
@@ -140,20 +124,10 @@ def start_local_ranks(config: dict[str, Any], output_dir: str, command: str, npr
         return next((o.payload for o in sorted(results, key=lambda o: o.rank)
                      if o.kind == "result"), {})
     stopped |= forwarding.signalled_ranks(exits)
-    _log_tracebacks(Path(output_dir), results)
+    log_tracebacks(Path(output_dir), results)
     _end_abandoned_run(output_dir, started, exits, results, stopped,
                        {ranks[local]: p.pid for local, p in enumerate(procs)})
     raise JobFailedError(f"the training job failed; {root_cause(exits, results, stopped)}")
-
-
-def _log_tracebacks(out: Path, results: list[RankOutcome]) -> None:
-    """The failed ranks' tracebacks into the job's train.log: the terminal gets one line."""
-    errors = [o for o in results if o.kind == "error" and o.reason is not None]
-    if not errors:
-        return
-    with contextlib.suppress(OSError), (out / "train.log").open("a") as f:
-        for o in sorted(errors, key=lambda o: (o.at, o.rank)):
-            f.write(f"[rank {o.rank}] its error: {o.reason}\n{o.payload}\n")
 
 
 def _only_silent_left(procs: list[mp.Process], ranks: list[int], outcomes: mp.Queue,
@@ -192,7 +166,7 @@ def _end_abandoned_run(output_dir: str, started: float, exits: dict[int, int | N
     reported = {o.rank for o in results}
     if killed:
         rank, number = killed[0]
-        cause = f"rank {rank} (pid {pids[rank]}) killed by {_signal_name(number)}"
+        cause = f"rank {rank} (pid {pids[rank]}) killed by {signal_name(number)}"
     elif 0 in exits and 0 not in reported:  # hung and stopped, or gone without a word
         lines = root_cause(exits, results, stopped).strip().splitlines()
         cause = lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
@@ -295,38 +269,3 @@ def _drain(outcomes: mp.Queue) -> list[RankOutcome]:
         while True:
             results.append(outcomes.get(timeout=0.2))
     return results
-
-
-def root_cause(exits: dict[int, int | None], outcomes: list[RankOutcome],
-               stopped: set[int]) -> str:
-    """Why the job failed, from every rank's exit code and what the ranks sent back.
-
-    A rank killed by a signal that did not come from this launcher caused the rest (the others
-    only noticed its closed connections); else the earliest Python error; else the exit codes.
-    """
-    errors = sorted((o for o in outcomes if o.kind == "error"), key=lambda o: (o.at, o.rank))
-    killed = sorted((rank, -code) for rank, code in exits.items()
-                    if code is not None and code < 0 and rank not in stopped)
-    if killed:
-        cause = f"rank {killed[0][0]} was killed by {_signal_name(killed[0][1])}"
-        if errors:
-            cause += f"; then rank {errors[0].rank} stopped: {_last_line(errors[0].payload)}"
-        return cause
-    if errors and errors[0].reason:  # its traceback is in train.log (_log_tracebacks)
-        return f"{errors[0].reason} (tracebacks: train.log)"
-    if errors:
-        return f"rank {errors[0].rank} failed first:\n{errors[0].payload}"
-    return ", ".join(f"rank {rank} exited with code {code}" for rank, code in sorted(exits.items())
-                     if code and rank not in stopped) or "no rank reported why"
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
-
-
-def _last_line(text: str) -> str:
-    lines = text.strip().splitlines()
-    return lines[-1] if lines else ""
