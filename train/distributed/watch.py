@@ -38,6 +38,11 @@ POLL_S = 0.5
 REFRESH_S = 10.0
 """An unchanged heartbeat is rewritten this often, so that its file's `written` tells a live
 watchdog from a frozen process."""
+QUIET_S = 2.0
+"""A rank looks for a stack request only once it has been in one phase this long: a stuck rank
+has (the others waited distributed.timeout_s for it)."""
+_PREFIX = "default_pg"
+"""torch.distributed's prefix of the default group's keys (init_process_group)."""
 _REQUEST_KEY = "train/stacks/request"
 _DONE_KEY = "train/stacks/done/"
 _WAITED_KEY = "train/waited/"
@@ -109,7 +114,6 @@ class Watch:
         self._dump.flush()
         faulthandler.register(STACKS_SIGNAL, file=self._dump, all_threads=True)
         self._stop = threading.Event()
-        self._local = threading.local()
         self._thread = threading.Thread(target=self._run, name="train-watchdog", daemon=True)
         self._thread.start()
 
@@ -127,14 +131,17 @@ class Watch:
         self._dump.close()
 
     def store(self) -> Any:
-        """This thread's own client of the job's store (the main thread's may be busy)."""
-        client = getattr(self._local, "store", None)
+        """The watchdog's own client of the job's store (the main thread's may be busy for as
+        long as distributed.timeout_s), with the default group's key prefix: the main thread
+        uses the group's store (`_group_store`), which needs no new connection."""
+        client = getattr(self, "_client", None)
         if client is None:
             import torch.distributed as dist
 
-            client = dist.TCPStore(self.store_at[0], self.store_at[1], is_master=False,
-                                   timeout=timedelta(seconds=5))
-            self._local.store = client
+            client = dist.PrefixStore(_PREFIX, dist.TCPStore(
+                self.store_at[0], self.store_at[1], is_master=False,
+                timeout=timedelta(seconds=5)))
+            self._client = client
         return client
 
     def dump_stacks(self) -> None:
@@ -165,7 +172,9 @@ class Watch:
                 with contextlib.suppress(OSError):
                     self._write_beat()
                 written, last = now_state, time.monotonic()
-            if not answered:
+            # Only a rank that has not moved on for a while can be the one asked for: a
+            # polling rank whose store's host (rank 0) died prints c10d's warnings.
+            if not answered and time.time() - b.since > QUIET_S:
                 answered = self._answer_request()
 
     def _write_beat(self) -> None:
@@ -256,7 +265,14 @@ def note_waited(exc: BaseException) -> None:
     from train.distributed import stacks
 
     with contextlib.suppress(Exception):
-        watch.store().set(f"{_WAITED_KEY}{watch.rank}", stacks.waited_in(exc))
+        _group_store().set(f"{_WAITED_KEY}{watch.rank}", stacks.waited_in(exc))
+
+
+def _group_store() -> Any:
+    """The default group's store, as the main thread has it (its connection exists)."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
 
 
 def request_stacks(wait_s: float) -> tuple[set[int], dict[int, str]]:
@@ -268,7 +284,7 @@ def request_stacks(wait_s: float) -> tuple[set[int], dict[int, str]]:
     answered: set[int] = set()
     waited: dict[int, str] = {}
     with contextlib.suppress(Exception):
-        store = watch.store()
+        store = _group_store()
         store.compare_set(_REQUEST_KEY, "", "1")
         keys = [f"{_DONE_KEY}{r}" for r in range(watch.world_size)]
         deadline = time.monotonic() + wait_s
