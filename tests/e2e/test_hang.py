@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from tests.conftest import REPO, USER_PATH, run_train, runs_in, wait_until
+from tests.conftest import REPO, USER_PATH, run_train, runs_in, skip_or_fail, wait_until
 
 TIMEOUT_S = 10
 ENDS_WITHIN_S = TIMEOUT_S + 30
@@ -171,3 +171,45 @@ def test_a_frozen_rank_is_named_as_not_answering(store: dict[str, str], tmp_path
     [run] = runs_in(store["MLFLOW_TRACKING_URI"])
     assert run.info.status == "FAILED" and run.data.tags["error"].startswith(line)
     assert took < TIMEOUT_S + 15, f"the job ended {took:.0f} s after rank 1 froze"
+
+
+def test_a_full_disk_at_a_checkpoint_is_one_line_in_the_terminal(
+        store: dict[str, str], tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """2 ranks, 1 MiB of output disk: the second checkpoint does not fit. The terminal shows
+    the cause in one line, not rank 1's c10d warnings nor rank 0's traceback (train.log has
+    them); the run is FAILED with it and the first checkpoint is kept."""
+    if os.geteuid() != 0:
+        skip_or_fail("mounting a small tmpfs needs root")
+    out = tmp_path / "out"
+    out.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(out)], check=True)
+    request.addfinalizer(lambda: subprocess.run(["umount", "-l", str(out)], check=False))
+    result = run_train("trainer.epochs=3", "tracking.log_model=false",
+                       "distributed.nproc_per_node=2", f"hydra.run.dir={out}", env=store)
+    assert result.returncode == 1
+    [line] = [x for x in result.stderr.splitlines() if x.startswith("error:")]
+    assert re.fullmatch(r"error: the training job failed; rank 0 on \S+: DiskFull: No space "
+                        r"left on device: the checkpoint .* needs \d+ bytes and .* has \d+ "
+                        r"free \(tracebacks: train\.log\)", line), line
+    assert not re.search(r"Traceback|c10d|Broken pipe|frame #", result.stderr), result.stderr
+    assert "Traceback" in (out / "train.log").read_text()
+    [run] = runs_in(store["MLFLOW_TRACKING_URI"])
+    assert run.info.status == "FAILED" and "DiskFull" in run.data.tags["error"]
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-000000023.pt"]
+
+
+def test_a_straggler_is_named_in_a_warning_and_a_tag(store: dict[str, str],
+                                                     tmp_path: Path) -> None:
+    """Rank 1 reads every sample 10 ms slower: after 2 logging intervals it is named."""
+    result = run_train(*STUCK, "data.train._target_=userpkg.data.SlowOnRank",
+                       "++data.train.length=96", "trainer.log_every_n_steps=1",
+                       "trainer.straggler_intervals=2", f"hydra.run.dir={tmp_path / 'job'}",
+                       env={**store, **USERPKG}, timeout=ENDS_WITHIN_S + 30)
+    assert result.returncode == 0, result.stderr
+    named = re.search(r"rank 1 on \S+ is a straggler: [\d.]+ s waiting for data \(\d+% over "
+                      r"the median rank's [\d.]+ s\) and [\d.]+ s computing in the logging "
+                      r"interval up to step \d+; 2 intervals in a row", result.stderr)
+    assert named, result.stderr
+    [run] = runs_in(store["MLFLOW_TRACKING_URI"])
+    assert run.data.tags["straggler"] == named.group(0)
+    assert result.stderr.count("is a straggler") == 1  # named once, by rank 0

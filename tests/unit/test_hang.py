@@ -76,3 +76,22 @@ def test_the_launcher_shows_a_ranks_one_line_reason_not_its_traceback() -> None:
                             "rank 1 on vm stuck 12 s in mypkg/data.py:6 read (time.sleep)")]
     assert root_cause({0: 1, 1: -15}, outcomes, stopped={1}) == (
         "rank 1 on vm stuck 12 s in mypkg/data.py:6 read (time.sleep) (tracebacks: train.log)")
+
+
+def test_a_rank_slow_to_get_its_data_is_named_after_intervals_in_a_row(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Only the wait for data is judged: computing holds the waits for the others (DDP)."""
+    from train.engine.stragglers import Stragglers
+
+    tags: list[dict] = []
+    judge = Stragglers(0.5, 2, lambda r: f"node{r + 1}", tags.append, speaks=True)
+    judge.judge([[0.1, 5.0], [0.5, 1.0], [0.1, 1.0]], step=10)  # one interval: not yet
+    judge.judge([[0.1, 5.0], [0.1, 1.0], [0.1, 1.0]], step=20)  # back in line: starts over
+    judge.judge([[0.1, 1.0], [0.4, 1.0], [0.1, 1.0]], step=30)
+    assert tags == []
+    judge.judge([[0.1, 1.0], [0.4, 1.0], [0.1, 1.0]], step=40)
+    assert tags == [{"straggler": "rank 1 on node2 is a straggler: 0.40 s waiting for data "
+                                  "(300% over the median rank's 0.10 s) and 1.00 s computing in "
+                                  "the logging interval up to step 40; 2 intervals in a row"}]
+    judge.judge([[0.1, 1.0], [0.4, 1.0], [0.1, 1.0]], step=50)
+    assert len(tags) == 1  # named once

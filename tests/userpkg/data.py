@@ -94,3 +94,17 @@ class StuckOnRank(Lines):
             if self.reads > self.after:
                 time.sleep(3600)  # the stuck read
         return super().__getitem__(index)
+
+
+class SlowOnRank(Lines):
+    """Lines read `delay` seconds slower on one rank: a node whose storage is slow."""
+
+    def __init__(self, length: int = 240, size: int = 16, seed: int = 0, rank: int = 1,
+                 delay: float = 0.01) -> None:
+        super().__init__(length, size, seed)
+        self.rank, self.delay = rank, delay
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        if int(os.environ.get("RANK", "0")) == self.rank:
+            time.sleep(self.delay)
+        return super().__getitem__(index)

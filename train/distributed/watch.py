@@ -25,8 +25,8 @@ import socket
 import threading
 import time
 import traceback
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -41,8 +41,6 @@ watchdog from a frozen process."""
 QUIET_S = 2.0
 """A rank looks for a stack request only once it has been in one phase this long: a stuck rank
 has (the others waited distributed.timeout_s for it)."""
-_PREFIX = "default_pg"
-"""torch.distributed's prefix of the default group's keys (init_process_group)."""
 _REQUEST_KEY = "train/stacks/request"
 _DONE_KEY = "train/stacks/done/"
 _WAITED_KEY = "train/waited/"
@@ -59,16 +57,40 @@ class Beat:
 
 _beat = Beat()
 _watch: Watch | None = None
+_spent: dict[str, float] = {}
 
 
 def enter(phase: str, step: int | None = None) -> None:
-    """The rank enters `phase` (data, forward, optimizer, collective, validation, checkpoint,
-    tracking, ...): cheap enough for every step (well under a microsecond)."""
+    """The rank enters `phase` (data, forward, backward, optimizer, collective, validation,
+    checkpoint, ...), and the time spent in the one it leaves is added up (`take_spent`):
+    cheap enough for every step (well under a microsecond)."""
     beat = _beat
     if phase != beat.phase:
-        beat.phase, beat.since = phase, time.time()
+        now = time.time()
+        _spent[beat.phase] = _spent.get(beat.phase, 0.0) + now - beat.since
+        beat.phase, beat.since = phase, now
     if step is not None:
         beat.step = step
+
+
+def reading(batches: Iterable[Any]) -> Iterator[Any]:
+    """The batches, the rank in phase "data" while the next is read, "forward" after."""
+    iterator = iter(batches)
+    while True:
+        enter("data")
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        enter("forward")
+        yield batch
+
+
+def take_spent() -> dict[str, float]:
+    """Seconds spent in each phase since the last call (the straggler check's)."""
+    spent = dict(_spent)
+    _spent.clear()
+    return spent
 
 
 def stacks_path(out: Path, rank: int) -> Path:
@@ -101,8 +123,8 @@ def header(beat: dict[str, Any]) -> str:
 class Watch:
     """The heartbeat file, the stack dumps and the watchdog thread of one rank."""
 
-    def __init__(self, out: Path, rank: int, world_size: int, store_at: tuple[str, int]) -> None:
-        self.out, self.rank, self.world_size, self.store_at = out, rank, world_size, store_at
+    def __init__(self, out: Path, rank: int, world_size: int) -> None:
+        self.out, self.rank, self.world_size = out, rank, world_size
         self.host, self.pid = socket.gethostname(), os.getpid()
         self.main = threading.main_thread().ident or 0
         self.waited = ""
@@ -113,6 +135,9 @@ class Watch:
         self._dump.write(header(self.beat()))
         self._dump.flush()
         faulthandler.register(STACKS_SIGNAL, file=self._dump, all_threads=True)
+        self._client: Any = None
+        with contextlib.suppress(Exception):  # no process group (a test): no requests
+            self.store()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="train-watchdog", daemon=True)
         self._thread.start()
@@ -132,17 +157,10 @@ class Watch:
 
     def store(self) -> Any:
         """The watchdog's own client of the job's store (the main thread's may be busy for as
-        long as distributed.timeout_s), with the default group's key prefix: the main thread
-        uses the group's store (`_group_store`), which needs no new connection."""
-        client = getattr(self, "_client", None)
-        if client is None:
-            import torch.distributed as dist
-
-            client = dist.PrefixStore(_PREFIX, dist.TCPStore(
-                self.store_at[0], self.store_at[1], is_master=False,
-                timeout=timedelta(seconds=5)))
-            self._client = client
-        return client
+        long as distributed.timeout_s): a clone of the group's, made while it surely lives."""
+        if self._client is None:
+            self._client = _group_store().clone()
+        return self._client
 
     def dump_stacks(self) -> None:
         """Every thread's stack into stacks/rank-<N>.txt: the heartbeat, the collective this
@@ -196,11 +214,11 @@ class Watch:
         return True
 
 
-def start(out: Path, rank: int, world_size: int, store_at: tuple[str, int]) -> Watch:
+def start(out: Path, rank: int, world_size: int) -> Watch:
     """Start this rank's watch (after its process group exists); `stop` ends it."""
     global _watch
     stop()
-    _watch = Watch(out, rank, world_size, store_at)
+    _watch = Watch(out, rank, world_size)
     return _watch
 
 

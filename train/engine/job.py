@@ -44,6 +44,7 @@ from train.engine import monitor as monitor_lib
 from train.engine import state as train_state
 from train.engine.ending import JobEnding
 from train.engine.outputs import JobOutputs
+from train.engine.stragglers import Stragglers
 from train.errors import ConfigError
 from train.models import build as models
 from train.report import flops
@@ -200,7 +201,10 @@ def _train(job: Job, logger: RunLogger, stop: StopSignals,
         before_write=lambda: logger.run.flush(
             cfg.tracking.checkpoint_flush_s, created_within_s=cfg.distributed.timeout_s / 2),
         run_fields=lambda: {**logger.run_fields(), "monitor": monitor.state_dict()})
-    duties = loop.Duties(logger.training, checkpointer, stop, env.rank, env.local_rank, monitor)
+    stragglers = Stragglers(cfg.trainer.straggler_share, cfg.trainer.straggler_intervals,
+                            slurm.node_of_rank, logger.run.set_tags, env.is_main)
+    duties = loop.Duties(logger.training, checkpointer, stop, env.rank, env.local_rank, monitor,
+                         stragglers if env.world_size > 1 else None)
     final_val = loop.fit(cfg, state, bundle, device, duties, task)
     if monitor.stop_reason:
         logger.stopped_early(monitor.stop_reason)
@@ -254,7 +258,7 @@ def run_rank(config: dict[str, Any], output_dir: str, command: str, own_process:
     ending = JobEnding(cfg, env, out, command, logger)
     try:  # from the process group on: a job that fails in it has ended too (sweep, below)
         distributed.init(env, backend, device, cfg.distributed.timeout_s)
-        watch.start(out, env.rank, env.world_size, (env.master_addr, env.master_port))
+        watch.start(out, env.rank, env.world_size)
         loop.fail_drill(cfg.trainer, 0, env.rank)
         with StopSignals() as stop:
             final = _train(job, logger, stop, ending)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +26,7 @@ from train.engine import optim
 from train.engine.checkpoint import Checkpointer
 from train.engine.monitor import Monitor
 from train.engine.state import TrainState
+from train.engine.stragglers import Stragglers
 from train.report import metrics, system_stats
 from train.report.trainlog import TrainingLog
 from train.tasks.base import Sums, Task
@@ -60,6 +60,7 @@ class Duties:
     rank: int
     local_rank: int
     monitor: Monitor
+    stragglers: Stragglers | None = None
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
@@ -112,6 +113,7 @@ def _micro_step(cfg: TrainConfig, state: TrainState, inputs: Any, target: Any,
         if task.fixed_items:
             per_sample = int(sums["items"]) / max(1, int(sums["samples"]))
             loss = loss / (step_samples * per_sample)
+        watch.enter("backward")
         state.scaler.scale(loss).backward()
     return output, sums
 
@@ -150,6 +152,8 @@ def _log_step(state: TrainState, duties: Duties, totals: metrics.Totals, step_lo
               step_time_s: float, batches_done: int, batches: int) -> None:
     """A logging step, the only one that waits for the device: the step loss, fp16's scaler,
     and a checkpoint (then a stop) if any rank asks for one."""
+    if duties.stragglers is not None:
+        duties.stragglers.observe(state.step)
     watch.enter("collective")
     sync = metrics.sync_step(step_loss, step_time_s, duties.stop.received is not None,
                              duties.checkpointer.interval_due())
@@ -181,7 +185,7 @@ def train_epoch(cfg: TrainConfig, state: TrainState, batches: Batches, device: t
     window_start, window_steps = time.perf_counter(), 0
     step_loss: torch.Tensor = torch.zeros((), device=device)
     step_items: Any = 0
-    for index, (inputs, target) in enumerate(_reading(duties.logger.progress(batches,
+    for index, (inputs, target) in enumerate(watch.reading(duties.logger.progress(batches,
                                                                             state.epoch)),
                                              start=skip):
         first, end = index - index % k, min(index - index % k + k, count)
@@ -208,19 +212,6 @@ def train_epoch(cfg: TrainConfig, state: TrainState, batches: Batches, device: t
         if state.step == cfg.trainer.max_steps:  # the training ends with this step
             break
     return totals
-
-
-def _reading(batches: Iterable[Any]) -> Iterator[Any]:
-    """The batches, the heartbeat in phase "data" while the next is read, "forward" after."""
-    iterator = iter(batches)
-    while True:
-        watch.enter("data")
-        try:
-            batch = next(iterator)
-        except StopIteration:
-            return
-        watch.enter("forward")
-        yield batch
 
 
 def _check_output(task: Task, output: Any, target: Any, inputs: Any) -> None:

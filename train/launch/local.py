@@ -21,6 +21,7 @@ import multiprocessing.connection
 import os
 import queue
 import signal
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -182,6 +183,7 @@ def _rank_entry(config: dict[str, Any], output_dir: str, command: str, launcher:
     _end_with(launcher)
     os.environ.update(env)
     rank = int(env["RANK"])
+    _native_noise_to_log(Path(output_dir) / "train.log")
     try:
         from train.engine.job import run_rank
 
@@ -199,6 +201,22 @@ def _rank_entry(config: dict[str, Any], output_dir: str, command: str, launcher:
     gc.freeze()
     if outcome.kind == "error":
         raise SystemExit(1)
+
+
+def _native_noise_to_log(log_file: Path) -> None:
+    """What C++ writes to this rank's stderr (c10d's warnings with their frames, once a peer
+    is gone) goes to the job's train.log; Python's stderr (the log's terminal lines, warnings)
+    stays on the terminal, through a copy of the original descriptor."""
+    try:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        terminal = os.fdopen(os.dup(2), "w", buffering=1, errors="backslashreplace")
+    except OSError:
+        return
+    sys.stderr.flush()
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stderr = terminal
 
 
 def _end_with(launcher: int) -> None:
