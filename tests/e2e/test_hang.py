@@ -170,7 +170,9 @@ def test_a_frozen_rank_is_named_as_not_answering(store: dict[str, str], tmp_path
     assert f"error: the training job failed; {line}" in stderr, stderr
     [run] = runs_in(store["MLFLOW_TRACKING_URI"])
     assert run.info.status == "FAILED" and run.data.tags["error"].startswith(line)
-    assert took < TIMEOUT_S + 15, f"the job ended {took:.0f} s after rank 1 froze"
+    # The timeout, the check of who answers (3 s), the unanswered stack request (5 s), rank 0
+    # ending its run, then rank 1 killed at once.
+    assert took < TIMEOUT_S + 30, f"the job ended {took:.0f} s after rank 1 froze"
 
 
 def test_a_full_disk_at_a_checkpoint_is_one_line_in_the_terminal(
