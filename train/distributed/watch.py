@@ -105,6 +105,15 @@ def beat_path(out: Path, rank: int) -> Path:
     return out / RANKS_DIR / f"rank-{rank}.json"
 
 
+def answers_stacks(out: Path, rank: int, pid: int | None) -> bool:
+    """Whether process `pid` (rank `rank`) registered its stack dump: SIGUSR1 before that
+    would kill it. Its dump file's header names it."""
+    try:
+        return f'"pid": {pid},' in dump_path(out, rank).read_text(errors="replace")
+    except OSError:
+        return False
+
+
 def read_beat(path: Path) -> dict[str, Any] | None:
     """A rank's last written heartbeat; None if it has none (yet) or it is unreadable."""
     try:

@@ -109,7 +109,9 @@ def start_local_ranks(config: dict[str, Any], output_dir: str, command: str, npr
         finally:
             silent = {r for o in got if o.kind == "error" for r in o.silent}
             stopped = {ranks[local] for local in _stop(
-                procs, {local for local, rank in enumerate(ranks) if rank in silent})}
+                procs, {local for local, rank in enumerate(ranks) if rank in silent},
+                lambda local: watch.answers_stacks(Path(output_dir), ranks[local],
+                                                   procs[local].pid))}
     results = got + _drain(outcomes)
     exits = {ranks[local]: p.exitcode for local, p in enumerate(procs)}
     done = {o.rank for o in results if o.kind in ("result", "stopped")}
@@ -258,15 +260,18 @@ def _supervise(procs: list[mp.Process], ending: list[Event] | None = None,
             extended, deadline = True, time.monotonic() + ending_s
 
 
-def _stop(procs: list[mp.Process], hopeless: set[int] | frozenset[int] = frozenset()) -> set[int]:
+def _stop(procs: list[mp.Process], hopeless: set[int] | frozenset[int] = frozenset(),
+          answers_stacks: Callable[[int], bool] = lambda _local: False) -> set[int]:
     """SIGTERM to the ranks still running, SIGKILL 5 s later (at once to the `hopeless`: stuck
-    or frozen, they cannot stop by themselves); their stacks first. Returns their indices in
+    or frozen, they cannot stop by themselves); first the stacks of those that
+    `answers_stacks` (stacks/.rank-N.dump: why did they not end?). Returns their indices in
     `procs` (local ranks)."""
     stopped = {rank for rank, p in enumerate(procs) if p.is_alive()}
-    for rank in stopped:  # their stacks first (stacks/.rank-N.dump): why did they not end?
+    asked = {rank for rank in stopped if answers_stacks(rank)}
+    for rank in asked:
         with contextlib.suppress(OSError, TypeError):
             os.kill(procs[rank].pid, watch.STACKS_SIGNAL)  # type: ignore[arg-type]
-    if stopped:
+    if asked:
         time.sleep(STACKS_S)
     for rank in stopped:
         if rank in hopeless:
