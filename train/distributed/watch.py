@@ -174,7 +174,8 @@ class Watch:
     def dump_stacks(self) -> None:
         """Every thread's stack into stacks/rank-<N>.txt: the heartbeat, the collective this
         rank waited in (if it did), faulthandler's dump, then its DataLoader workers'."""
-        from train.distributed import stacks  # it reads this module's files: imports it
+        # They read this module's files (and import it): imported here, when used.
+        from train.distributed import stacks, workers
 
         path = stacks_path(self.out, self.rank)
         tmp = path.with_name(path.name + ".tmp")
@@ -184,7 +185,7 @@ class Watch:
                 f.write(f"Waited in a collective until it timed out:\n{self.waited}\n")
             f.flush()
             faulthandler.dump_traceback(f, all_threads=True)
-            for worker, text in _worker_stacks(self.out, self.rank).items():
+            for worker, text in workers.stacks_of_workers(self.out, self.rank).items():
                 f.write(f"{stacks.WORKER_SECTION}{worker.stem.rsplit('-', 1)[1]}:\n{text}")
         os.replace(tmp, path)
 
@@ -240,46 +241,6 @@ def stop() -> None:
 
 def current() -> Watch | None:
     return _watch
-
-
-def in_worker(worker_id: int) -> None:
-    """In a DataLoader worker (forked from its rank, the rank's watch inherited): SIGUSR1
-    dumps into the worker's own file, whose header names its process for the rank to ask."""
-    global _worker_dump
-    own = _watch
-    if own is None:
-        return
-    path = own.out / STACKS_DIR / f".rank-{own.rank}-worker-{worker_id}.dump"
-    _worker_dump = path.open("a")
-    _worker_dump.write(header({"rank": own.rank, "worker": worker_id, "pid": os.getpid(),
-                               "host": own.host, "main_thread": f"0x{own.main:016x}"}))
-    _worker_dump.flush()
-    faulthandler.register(STACKS_SIGNAL, file=_worker_dump, all_threads=True)
-
-
-_worker_dump: TextIO | None = None
-
-
-def _worker_stacks(out: Path, rank: int) -> dict[Path, str]:
-    """Each live DataLoader worker of this rank asked for its stacks: {worker dump: its new
-    text}. Only this process's children that wrote a worker header are signalled."""
-    children: set[int] = set()
-    for task in Path("/proc/self/task").glob("*/children"):
-        with contextlib.suppress(OSError, ValueError):
-            children |= {int(p) for p in task.read_text().split()}
-    asked: dict[Path, int] = {}
-    for path in (out / STACKS_DIR).glob(f".rank-{rank}-worker-*.dump"):
-        heads = [line for line in path.read_text(errors="replace").splitlines()
-                 if line.startswith("# ")]
-        pid = json.loads(heads[-1][2:]).get("pid") if heads else None
-        if pid in children:
-            asked[path] = path.stat().st_size
-            with contextlib.suppress(OSError):
-                os.kill(pid, STACKS_SIGNAL)
-    if asked:
-        time.sleep(POLL_S)  # faulthandler answers in C at once
-    return {path: path.read_bytes()[size:].decode(errors="replace")
-            for path, size in asked.items()}
 
 
 def note_waited(exc: BaseException) -> None:
