@@ -23,10 +23,10 @@ from mlflow import MlflowClient
 from tests.conftest import REPO, USER_PATH, run_train, runs_in, skip_or_fail, wait_until
 
 TIMEOUT_S = 10
-ENDS_WITHIN_S = TIMEOUT_S + 45
-"""From the command to its exit: start-up (10-25 s on a busy 2-core machine), the collective's
-timeout, the waiting ranks' check that all answer (up to 3 s), the ranks' stacks (up to 5 s)
-and rank 0 ending its run; the stuck rank is then stopped at once."""
+ENDS_WITHIN_S = TIMEOUT_S + 30
+"""From the hang to the job's exit: the collective's timeout, the waiting ranks' check that all
+answer (up to 3 s), the ranks' stacks (up to 5 s) and rank 0 ending its run (seconds on a busy
+2-core machine); the stuck rank is then stopped at once."""
 STUCK = ("data=custom", "data.train._target_=userpkg.data.StuckOnRank", "+data.train.length=48",
          "data.val._target_=userpkg.data.Lines", "+data.val.length=16", "model.width=8",
          "tracking.log_model=false", "distributed.nproc_per_node=2", "data.batch_size=8",
@@ -45,10 +45,9 @@ def _sleep_line() -> int:
 def test_a_stuck_rank_is_named_with_the_line_it_is_stuck_on(
         store: dict[str, str], tmp_path: Path, after: int, caller: str) -> None:
     out = tmp_path / "job"
-    started = time.monotonic()
     result = run_train(*STUCK, f"+data.train.after={after}", f"hydra.run.dir={out}",
-                       env={**store, **USERPKG}, timeout=ENDS_WITHIN_S + 30)
-    took = time.monotonic() - started
+                       env={**store, **USERPKG}, timeout=ENDS_WITHIN_S + 60)
+    ended = time.time()
     assert result.returncode == 1, result.stderr
     stuck = (f"rank 1 on {socket.gethostname()} stuck ", f" s in userpkg/data.py:{_sleep_line()} "
              f"__getitem__ (time.sleep), {caller}")
@@ -57,7 +56,9 @@ def test_a_stuck_rank_is_named_with_the_line_it_is_stuck_on(
     assert stuck[1] in line and "; rank 0 waited in " in line, line
     assert "Traceback" not in result.stderr  # the tracebacks are in train.log
     assert "Traceback" in (out / "train.log").read_text()
-    assert took < ENDS_WITHIN_S, f"the job took {took:.0f} s"
+    hung_at = json.loads((out / "stacks" / "rank-1.txt").read_text().split("\n")[0][2:])
+    took = ended - hung_at["since"]  # since rank 1 began the read it is stuck in
+    assert took < ENDS_WITHIN_S, f"the job ended {took:.0f} s after rank 1 got stuck"
     [run] = runs_in(store["MLFLOW_TRACKING_URI"])
     assert run.info.status == "FAILED"
     assert run.data.tags["error"].startswith(stuck[0]) and stuck[1] in run.data.tags["error"]
@@ -82,7 +83,7 @@ def test_a_stuck_worker_or_an_endless_loop_is_named(store: dict[str, str], tmp_p
                                                     place: str) -> None:
     common = [o for o in STUCK if not (o.startswith("model.") and "model=custom" in overrides)]
     result = run_train(*common, *overrides, f"hydra.run.dir={tmp_path / 'job'}",
-                       env={**store, **USERPKG}, timeout=ENDS_WITHIN_S + 30)
+                       env={**store, **USERPKG}, timeout=ENDS_WITHIN_S + 60)
     spin = _line_of("models.py", "spins += 1")
     stuck = f"rank 1 on {socket.gethostname()} stuck "
     assert result.returncode == 1, result.stderr
@@ -158,7 +159,7 @@ def test_a_frozen_rank_is_named_as_not_answering(store: dict[str, str], tmp_path
         pid = _beat(beat)["pid"]
         os.kill(pid, signal.SIGSTOP)
         stopped = time.monotonic()
-        _, stderr = job.communicate(timeout=ENDS_WITHIN_S)
+        _, stderr = job.communicate(timeout=ENDS_WITHIN_S + 30)
         took = time.monotonic() - stopped
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -206,7 +207,7 @@ def test_a_straggler_is_named_in_a_warning_and_a_tag(store: dict[str, str],
     result = run_train(*STUCK, "data.train._target_=userpkg.data.SlowOnRank",
                        "++data.train.length=96", "trainer.log_every_n_steps=1",
                        "trainer.straggler_intervals=2", f"hydra.run.dir={tmp_path / 'job'}",
-                       env={**store, **USERPKG}, timeout=ENDS_WITHIN_S + 30)
+                       env={**store, **USERPKG}, timeout=ENDS_WITHIN_S + 60)
     assert result.returncode == 0, result.stderr
     named = re.search(r"rank 1 on \S+ is a straggler: [\d.]+ s waiting for data \(\d+% over "
                       r"the median rank's [\d.]+ s\) and [\d.]+ s computing in the logging "
