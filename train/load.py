@@ -3,12 +3,13 @@
     from train.load import load_model
     model = load_model("<run_id>")            # MLFLOW_TRACKING_URI (and login) as for jobs
     scores = model(images)                    # (batch, num_classes)
+    logits = model(token_ids)                 # data=tokens: (batch, seq_len, vocab_size)
 
 The architecture is rebuilt from the run's config.yaml (read with yaml.safe_load: plain data)
 with this project's code (and, for model=custom, your own package's), and the weights are a
 state dict read with `torch.load(weights_only=True)`, which refuses any pickled object but
 tensors. `mlflow.pytorch.load_model("runs:/<id>/model")` instead unpickles the logged model:
-whoever can replace that artifact runs code as the user who loads it (README, "Security").
+whoever can replace that artifact runs code as the user who loads it (docs/security.md).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def load_model(run_id: str, tracking_uri: str | None = None) -> nn.Module:
         config = to_typed(yaml.safe_load(config_path.read_text()))
         state = torch.load(weights_path, map_location="cpu", weights_only=True)
     shape = tuple(int(n) for n in params["data.input_shape"].split("x"))
-    outputs = int(params.get("model.outputs", params["data.classes"]))  # before tasks: classes
-    model = models.build(config.model, models.InputSpec.of(shape, outputs))
+    outputs = int(params.get("model.outputs") or params["data.classes"])  # before tasks: classes
+    vocab = outputs if config.data.name == "tokens" else None  # a language model's vocabulary
+    model = models.build(config.model, models.InputSpec.of(shape, outputs, vocab_size=vocab))
     model.load_state_dict(state)
     return model.eval()

@@ -2,7 +2,7 @@
 
 It builds one `mlflow server` command and execs it; mlflow itself is never imported here, so
 `--help` is instant. The settings were chosen by measurement on a 2-core machine
-(README.md, "Viewing runs"; `python -m bench.tracking_server` measures them):
+(docs/tracking.md, "Viewing runs"; `python -m bench.tracking_server` measures them):
 
 - gunicorn instead of MLflow's default uvicorn: a request on a kept-alive connection took
   ~60 ms through uvicorn and a few ms through gunicorn;

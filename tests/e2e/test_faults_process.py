@@ -309,6 +309,16 @@ def test_a_second_job_is_refused_and_hup_to_the_launcher_stops_its_ranks(
     assert not (job.out_dir / joblock.LOCK_FILE).exists()
 
 
+def test_ctrl_c_stops_the_job_after_a_checkpoint(fresh_store: dict[str, str],
+                                                 tmp_path: Path) -> None:
+    """Ctrl-C once: INT to the terminal's whole process group (the ranks get it directly too);
+    the same coordinated stop as TERM, exit code 130."""
+    job = Job(tmp_path / "job", fresh_store)
+    before = job.checkpoints()
+    os.killpg(job.proc.pid, signal.SIGINT)
+    _stopped_cleanly(job, before, "SIGINT", 128 + signal.SIGINT)
+
+
 def test_term_to_the_group_with_dataloader_workers_writes_the_stop_checkpoint(
         fresh_store: dict[str, str], tmp_path: Path) -> None:
     """As Slurm signals a job: every process of the group at once, workers included."""
@@ -356,3 +366,42 @@ def test_command_line_mistakes_and_dry_runs_leave_nothing(tmp_path: Path) -> Non
                            *[o for o in sweep if o != "-m"], cwd=tmp_path, timeout=60)
         assert result.returncode == 0 and "#SBATCH" in result.stdout, result.stderr
         assert not (tmp_path / "multirun").exists()
+
+
+def test_ctrl_c_twice_stops_at_once_without_the_stop_checkpoint(
+        fresh_store: dict[str, str], tmp_path: Path) -> None:
+    """Ctrl-C (INT to the terminal's whole process group) twice, the second before the stop
+    checkpoint: a KeyboardInterrupt, ended by SIGINT as Python ends on one (a shell's 130), the
+    run FAILED; the last regular checkpoint is what is kept. (A CNN epoch on CPU, with no
+    logging step in it where the first Ctrl-C would be acted on, leaves time for the second.)"""
+    out_dir, log = tmp_path / "job", tmp_path / "stderr"
+    env = {k: v for k, v in os.environ.items()
+           if k not in LAUNCHER_VARS and not k.startswith("SLURM_")}
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "train", "data=synthetic", "data.num_samples=1024",
+             "model=cnn", "trainer.epochs=200", "trainer.log_every_n_steps=100000",
+             "tracking.log_model=false", f"hydra.run.dir={out_dir}"],
+            cwd=REPO, env={**env, **fresh_store}, stdout=subprocess.DEVNULL, stderr=stderr,
+            start_new_session=True)
+    try:
+        [regular] = wait_until(lambda: list((out_dir / "checkpoints").glob("step-*.pt")), 240,
+                               "the first epoch's checkpoint", every=0.05, job=proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        wait_until(lambda: "received SIGINT" in log.read_text(), 30, "the first Ctrl-C noted",
+                   every=0.05, job=proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:  # this test's own job, should it have outlived it
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    stderr_text = log.read_text()
+    assert proc.returncode == -signal.SIGINT, stderr_text
+    assert stderr_text.rstrip().endswith("KeyboardInterrupt"), stderr_text
+    assert "stopped by SIGINT after saving a checkpoint" not in stderr_text
+    assert sorted((out_dir / "checkpoints").glob("step-*.pt")) == [regular]
+    [run] = runs_in(fresh_store["MLFLOW_TRACKING_URI"])
+    assert run.info.status == "FAILED"
+    assert run.data.tags["error"].startswith("rank 0 on ") and "KeyboardInterrupt" in \
+        run.data.tags["error"]

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -172,6 +174,91 @@ def test_a_full_output_disk_still_keeps_the_finished_training(
     assert listing == ["step-000000023.pt"]  # no partial file
     [run] = runs_in(store["MLFLOW_TRACKING_URI"])
     assert run.info.status == "FINISHED"
+
+
+NO_POSTGRES_DRIVER = """
+import sys
+
+class NoDriver:  # as a Python environment without them: importing one fails as it would there
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ("psycopg", "psycopg2"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+sys.meta_path.insert(0, NoDriver())
+"""
+
+
+def test_a_postgresql_store_without_its_driver_is_refused_at_preflight(
+        tmp_path: Path) -> None:
+    """`postgresql://` where no PostgreSQL driver is installed (hidden here by a sitecustomize
+    on PYTHONPATH): one line that names what to install, exit 2, before any rank starts."""
+    hide = tmp_path / "no-driver"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(NO_POSTGRES_DRIVER)
+    uri = f"postgresql://mlflow@127.0.0.1:{free_port()}/mlflow"
+    job = tmp_path / "job"
+    result = run_train(f"tracking.uri={uri}", f"hydra.run.dir={job}", timeout=120,
+                       env={"PYTHONPATH": os.pathsep.join([str(hide), str(REPO)])})
+    assert result.returncode == 2, result.stderr
+    [line] = [x for x in result.stderr.splitlines() if x.startswith("error:")]
+    assert f"The MLflow store {uri} needs a database driver that is not installed here" in line
+    assert "pip install 'psycopg[binary]'" in line
+    assert "Traceback" not in result.stderr
+    assert not (job / "checkpoints").exists() and not (job / "mlflow_run.json").exists()
+
+
+@contextlib.contextmanager
+def small_output_disk(tmp_path: Path, size: str) -> Iterator[Path]:
+    """An empty output directory on a real tmpfs of `size` (mount's units), unmounted after."""
+    if os.geteuid() != 0:
+        skip_or_fail("mounting a small tmpfs needs root")
+    out = tmp_path / "out"
+    out.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(out)], check=True)
+    try:
+        yield out
+    finally:
+        with contextlib.suppress(OSError):
+            subprocess.run(["umount", "-l", str(out)], check=False)
+
+
+def test_too_little_output_disk_is_refused_before_training(store: dict[str, str],
+                                                           tmp_path: Path) -> None:
+    """32 KiB of output disk: less than one checkpoint needs. Said before the first step, so no
+    epoch's work is lost to it; nothing is trained or checkpointed."""
+    with small_output_disk(tmp_path, "32k") as out:
+        result = run_train("trainer.epochs=1", "tracking.log_model=false",
+                           f"hydra.run.dir={out}", env=store)
+        checkpoints = sorted(p.name for p in (out / "checkpoints").glob("*"))
+    assert result.returncode == 1, result.stderr
+    assert re.search(f"No space left on device: {out}/checkpoints has \\d+ bytes free and one "
+                     "checkpoint needs about \\d+", result.stderr), result.stderr
+    assert checkpoints == []
+    [run] = runs_in(store["MLFLOW_TRACKING_URI"])
+    assert run.info.status == "FAILED" and "one checkpoint needs about" in run.data.tags["error"]
+    assert history(store["MLFLOW_TRACKING_URI"], run.info.run_id, "train/loss") == []
+
+
+def test_an_output_disk_filling_at_a_checkpoint_fails_the_run(store: dict[str, str],
+                                                              tmp_path: Path) -> None:
+    """1 MiB of output disk holds the first epoch's checkpoint, not a second beside it (the
+    newest is never removed to make room): the run is FAILED with the line that says so, and
+    the first checkpoint is kept whole, with no partial file."""
+    with small_output_disk(tmp_path, "1m") as out:
+        result = run_train("trainer.epochs=2", "tracking.log_model=false",
+                           f"hydra.run.dir={out}", env=store)
+        listing = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert result.returncode == 1, result.stderr
+    expected = (f"No space left on device: the checkpoint {out}/checkpoints/step-000000046.pt "
+                f"needs \\d+ bytes and {out}/checkpoints has \\d+ free")
+    assert re.search(expected, result.stderr), result.stderr
+    assert listing == ["step-000000023.pt"]  # the first epoch's, no .tmp
+    [run] = runs_in(store["MLFLOW_TRACKING_URI"])
+    assert run.info.status == "FAILED"
+    assert re.search(expected, run.data.tags["error"]), run.data.tags["error"]
+    # The second epoch trained; only its checkpoint had no room.
+    assert [s for s, _ in history(store["MLFLOW_TRACKING_URI"], run.info.run_id,
+                                  "train/loss")] == [0, 1]
 
 
 def test_a_job_whose_end_did_not_reach_the_store_does_not_claim_success(tmp_path: Path) -> None:

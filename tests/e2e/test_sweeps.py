@@ -4,12 +4,16 @@ refused and failing jobs; an Optuna search optimising the returned objective."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.conftest import history, run_train, runs_in
+from tests.conftest import LAUNCHER_VARS, REPO, history, run_train, runs_in, wait_until
 
 
 def parent_and_children(uri: str) -> tuple:
@@ -101,3 +105,48 @@ def test_optuna_sweep_optimises_the_returned_objective(store: dict[str, str],
     client = MlflowClient(tracking_uri=store["MLFLOW_TRACKING_URI"])
     lrs = {client.get_run(c.info.run_id).data.params["optim.lr"] for c in children}
     assert len(lrs) == 3  # three different trials
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "kill"])
+def test_a_stopped_sweep_starts_no_further_job(store: dict[str, str], tmp_path: Path,
+                                               how: str) -> None:
+    """Ctrl-C (INT to the terminal's process group) or `kill` (TERM to the launcher) while the
+    first of three jobs trains: that job stops after its checkpoint, its run KILLED, as a single
+    job would; the other two never start training, and the parent run is FAILED."""
+    sweep_dir, log = tmp_path / "sweep", tmp_path / "stderr"
+    env = {k: v for k, v in os.environ.items()
+           if k not in LAUNCHER_VARS and not k.startswith("SLURM_")}
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "train", "-m", "optim.lr=0.1,0.05,0.02", "trainer.epochs=200",
+             "tracking.log_model=false", f"hydra.sweep.dir={sweep_dir}"], cwd=REPO,
+            env={**env, **store}, stdout=subprocess.DEVNULL, stderr=stderr,
+            start_new_session=True)
+    first = sweep_dir / "0"
+    try:
+        wait_until(lambda: list((first / "checkpoints").glob("step-*.pt")), 240,
+                   "the first job's first checkpoint", job=proc)
+        if how == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:  # this test's own sweep, should it have outlived it
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    name = "SIGINT" if how == "ctrl-c" else "SIGTERM"
+    stderr_text = log.read_text()
+    # Hydra reports the sweep's first failed job, whose last line is the stopped job's.
+    assert proc.returncode == 1, stderr_text
+    assert (f"stopped by {name} after saving a checkpoint in {first}/checkpoints; the same "
+            f"command with hydra.run.dir={first} resumes it") in stderr_text
+    assert stderr_text.count("training on 1 rank(s)") == 1  # the other jobs never trained
+    for later in ("1", "2"):  # Hydra made their directories; nothing ran in them
+        assert not (sweep_dir / later / "checkpoints").exists()
+        assert not (sweep_dir / later / "mlflow_run.json").exists()
+    parent, [child] = parent_and_children(store["MLFLOW_TRACKING_URI"])
+    assert child.info.status == "KILLED" and child.data.tags["stopped_by"] == name
+    assert child.data.tags["output_dir"] == str(first)
+    assert list((first / "checkpoints").glob("step-*.pt"))
+    assert parent.info.status == "FAILED"

@@ -114,7 +114,9 @@ OPTION_FILES = sorted((REPO / "conf").glob("*/*.yaml"))
 REQUIRED = {"model/custom": ("model._target_=torch.nn.Identity",),
             "data/custom": ("data.train._target_=torchvision.datasets.FakeData",),
             "task/custom": ("task._target_=train.tasks.regression.Regression",
-                            "trainer.monitor=val/loss")}
+                            "trainer.monitor=val/loss"),
+            "data/tokens": ("data.root=/tokens", "task=language_model"),
+            "task/language_model": ("data=tokens", "data.root=/tokens")}
 """What an option leaves for the command line (`???`)."""
 
 
@@ -126,8 +128,8 @@ def restated_defaults(path: Path) -> list[str]:
     groups = body if "@package _global_" in text else {path.parent.name: body}
     restated = []
     for group, values in groups.items():
-        if group not in SCHEMA or not values:
-            continue  # hydra.* (the launcher mapping, a sweeper)
+        if group not in SCHEMA or not values or "_target_" in values:
+            continue  # hydra.* (the launcher mapping, a sweeper); a model's own constructor keys
         defaults = OmegaConf.to_container(OmegaConf.structured(SCHEMA[group]))
         restated += [f"{group}.{key}={value!r}" for key, value in values.items()
                      if key in defaults and defaults[key] == value]

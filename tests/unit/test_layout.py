@@ -33,11 +33,11 @@ one after it and never a root command. `errors` is the one wing that is a single
 (train/errors.py, the user-facing error hierarchy that every wing raises); every other wing is a
 package, train/<wing>/."""
 
-ROOT_COMMANDS = {"__init__", "__main__", "app", "load", "server", "outbox", "status", "stacks",
-                 "_moved"}
+ROOT_COMMANDS = {"__init__", "__main__", "app", "load", "server", "outbox", "prepare_text",
+                 "status", "stacks", "_moved"}
 """The only other modules at train/'s root: what users run or import (`python -m train`,
-`python -m train.server`, `python -m train.outbox`, `python -m train.status`, `python -m
-train.stacks`, `train.load.load_model`), and `_moved`
+`python -m train.server`, `python -m train.outbox`, `python -m train.prepare_text`,
+`python -m train.status`, `python -m train.stacks`, `train.load.load_model`), and `_moved`
 (old pickled class paths). They may import any wing, and another root command only as
 ROOT_TO_ROOT lists."""
 

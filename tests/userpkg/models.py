@@ -79,6 +79,23 @@ class NotAModel:
         self.num_classes = num_classes
 
 
+class BigramLM(nn.Module):
+    """A user's own language model: each token's next-token logits from the token itself and
+    the one before it (a causal convolution of width 2). Takes vocab_size (filled from
+    data=tokens) and its own width."""
+
+    def __init__(self, vocab_size: int, width: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, width)
+        self.mix = nn.Conv1d(width, width, kernel_size=2)
+        self.head = nn.Linear(width, vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens).transpose(1, 2)  # (batch, width, seq)
+        x = torch.relu(self.mix(nn.functional.pad(x, (1, 0))))  # position t sees t-1 and t
+        return self.head(x.transpose(1, 2))
+
+
 class SpinsOnRank(TinyConvNet):
     """TinyConvNet whose forward never returns on one rank after `after` calls: an endless
     Python loop, as a bug in a model's own code makes one (the rank stays alive)."""

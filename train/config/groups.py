@@ -97,6 +97,9 @@ class DataConfig:
     device; imagefolder the default train_transforms (else training uses the eval ones)."""
     num_samples: int = 4096
     """synthetic: number of samples."""
+    seq_len: int = 256
+    """tokens: tokens per window (a sample): the model's context must hold it (model=gpt's
+    block_size defaults to it)."""
     channels: int = 3
     """synthetic: image channels."""
     image_size: int = 32
@@ -244,7 +247,7 @@ class TrackingConfig:
     register_model: str | None = None
     """Register the job's final model as a new version of this registered model in MLflow's
     Model Registry (needs log_model=true); the run's logged model is then a torch.export program
-    that loads without this project (README "Model registry"). null = no registration."""
+    that loads without this project (docs/tracking.md, "Model registry"). null = no registration."""
     register_best_of_sweep: bool = False
     """With register_model, in a sweep: register only the best job (trainer.objective,
     trainer.objective_direction) when the sweep ends, instead of every job."""

@@ -10,13 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-BUILTIN_TASKS = ("classification", "regression", "segmentation")
+BUILTIN_TASKS = ("classification", "regression", "segmentation", "language_model")
 TASK_NAMES = (*BUILTIN_TASKS, "custom")
 
 METRICS: dict[str, tuple[str, ...]] = {
     "classification": ("loss", "accuracy", "accuracy_top5"),
     "regression": ("loss", "mse", "mae", "r2"),
     "segmentation": ("loss", "pixel_accuracy", "miou"),
+    "language_model": ("loss", "perplexity"),
 }
 """What each built-in task logs as val/<name> (and train/<name>, test/<name>); classification's
 accuracy_top5 only with more classes than TOP_K."""
@@ -28,20 +29,27 @@ TOP_K = 5
 class TaskConfig:
     name: str = "classification"
     """classification (a class index per sample), regression (float targets of any shape),
-    segmentation (an HxW class mask per image), or custom (your own: task._target_)."""
+    segmentation (an HxW class mask per image), language_model (next-token prediction over
+    data=tokens windows), or custom (your own: task._target_)."""
     _target_: str | None = None
     """task=custom: the dotted path of your Task class (train/tasks/base.py says what it
     implements), found on PYTHONPATH like a custom model."""
     args: dict[str, Any] = field(default_factory=dict)
     """task=custom: your Task's constructor arguments, e.g. +task.args.alpha=0.5."""
     ignore_index: int = 255
-    """segmentation: the mask value of pixels that count nowhere (borders, unlabelled)."""
+    """segmentation: the mask value of pixels that count nowhere (borders, unlabelled);
+    language_model: the target of padded positions (-100, as task=language_model sets it)."""
     num_classes: int | None = None
     """segmentation: the classes of the masks; null = the data set's `classes` (or
     data.num_classes for synthetic data)."""
     samples_shown: int = 4
     """segmentation and regression: validation samples drawn in the task's picture (images
-    with their true and predicted masks; regression plots up to 200 x this points)."""
+    with their true and predicted masks; regression plots up to 200 x this points);
+    language_model: continuations of task.prompt sampled at the end (samples.txt)."""
+    prompt: str = "\n"
+    """language_model: the text the sampled continuations start from."""
+    sample_tokens: int = 200
+    """language_model: tokens sampled per continuation (0: none)."""
 
 
 def metric_problem(name: str, task: str, metrics: tuple[str, ...], key: str,

@@ -14,7 +14,7 @@ from train.errors import ConfigError
 MODEL_NAMES = ("cnn", "mlp", "resnet18")
 MODEL_SOURCES = ("builtin", "torchvision")
 DATASET_NAMES = ("digits", "synthetic", "mnist", "fashion_mnist", "cifar10")
-STREAMED_DATASET_NAMES = ("imagefolder", "custom")
+STREAMED_DATASET_NAMES = ("imagefolder", "custom", "tokens")
 """train/data/build.py's STREAMED: read from disk batch by batch (train/data/streaming.py)."""
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
 OPTIMIZERS = ("sgd", "adamw")
@@ -69,6 +69,13 @@ def _model_and_data(cfg: TrainConfig, p: list[str]) -> None:
              f"data={cfg.data.name!r} is not a data set; choose one of {datasets}.", p)
     _require(cfg.data.name != "imagefolder" or len(cfg.data.mean) == len(cfg.data.std) == 3,
              "data.mean and data.std need 3 values (one per RGB channel).", p)
+    _require(cfg.data.seq_len > 0, f"data.seq_len must be positive (got {cfg.data.seq_len}).", p)
+    _require(cfg.task.name != "language_model" or cfg.data.name in ("tokens", "custom"),
+             f"task=language_model reads windows of token ids, not data={cfg.data.name}: use "
+             "data=tokens (files from `python -m train.prepare_text`) or data=custom.", p)
+    _require(cfg.data.name != "tokens" or cfg.task.name in ("language_model", "custom"),
+             f"data=tokens holds token windows for task=language_model (or task=custom), not "
+             f"task={cfg.task.name}: add task=language_model.", p)
 
 
 def _optimiser(o: OptimConfig, p: list[str]) -> None:

@@ -249,6 +249,10 @@ class DataBundle:
     num_test: int = 0
     target_shape: tuple[int, ...] = ()
     """One sample's target shape: () for a class index or a number, (H, W) for a mask."""
+    vocab_size: int | None = None
+    """data=tokens: the vocabulary (the model's output size, filled as its `vocab_size`)."""
+    tokenizer: str | None = None
+    """data=tokens: the tokenizer meta.json names (train/data/tokenize.py)."""
 
     @property
     def num_classes(self) -> int:

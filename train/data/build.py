@@ -3,8 +3,8 @@
 The shared pieces are in train/data/batches.py. Two paths, chosen by the data set (not by a flag):
 - the built-in sets (train/data/datasets.py) are held in memory; batches are gathered by index,
   converted and normalised on the training device (and kept there, data.on_device, on a GPU);
-- imagefolder and custom sets are streamed (train/data/streaming.py): DataLoader workers read and
-  decode each batch; nothing holds the whole set.
+- imagefolder, custom and token sets are streamed (train/data/streaming.py): DataLoader workers
+  read and decode each batch; nothing holds the whole set.
 Training shards come from DistributedSampler (padded so every rank takes the same number of
 steps); validation shards are strided slices that cover the validation set exactly once over all
 ranks, so validation metrics do not depend on the world size. An epoch can start at a batch
@@ -33,7 +33,7 @@ from train.data.datasets import DATASETS, test_set
 from train.distributed import devices
 from train.distributed.env import DistEnv
 
-STREAMED = ("imagefolder", "custom")
+STREAMED = ("imagefolder", "custom", "tokens")
 """Data sets read from disk batch by batch (train/data/streaming.py); the others are in memory."""
 
 

@@ -10,6 +10,7 @@ images
   normalised with data.mean / data.std on the training device.
 - custom: the user's map-style Datasets (train/data/userdata.py); inputs reach the model as the
   Dataset returns them.
+- tokens: windows of memory-mapped token files (train/data/tokens.py).
 
 An image that cannot be read (a truncated copy, a file that is no image) is skipped: the rank
 that meets it logs a warning naming the file and how many it has skipped, and the epoch's
@@ -193,6 +194,11 @@ class Source:
     """The test split (data.test, or imagefolder's test/); None: no test phase."""
     target_shape: tuple[int, ...] = ()
     """One sample's target shape (() for a class index or a number)."""
+    vocab_size: int | None = None
+    tokenizer: str | None = None
+    """data=tokens: the vocabulary and the tokenizer (train/data/tokens.py)."""
+    sampler: type[DistributedSampler] = DistributedSampler
+    """The training order's sampler (data=tokens: one that keeps it as a tensor)."""
 
 
 def _first_shape(dataset: Dataset, tries: int = 16) -> tuple[int, ...]:
@@ -300,10 +306,9 @@ def build(cfg: DataConfig, env: DistEnv, device: torch.device, seed: int, per_ra
     rank, world_size = env.rank, env.world_size
     workers = (cfg.num_workers if cfg.num_workers is not None
                else batching.default_num_workers(env.local_world_size, streamed=True))
-    source = (imagefolder_source(cfg) if cfg.name == "imagefolder"
-              else custom_source(cfg, workers, classes))
-    sampler = DistributedSampler(source.train, num_replicas=world_size, rank=rank, shuffle=True,
-                                 seed=seed, drop_last=False)
+    source = _source(cfg, workers, classes)
+    sampler = source.sampler(source.train, num_replicas=world_size, rank=rank, shuffle=True,
+                             seed=seed, drop_last=False)
     shard = Rows(source.val, torch.arange(rank, len(source.val), world_size))  # type: ignore[arg-type]
 
     def batches(dataset: Dataset, sampler: DistributedSampler | None) -> StreamedBatches:
@@ -319,4 +324,15 @@ def build(cfg: DataConfig, env: DistEnv, device: torch.device, seed: int, per_ra
         train=batches(source.train, sampler), val=batches(shard, None),
         num_train=len(source.train), num_val=len(source.val),  # type: ignore[arg-type]
         class_names=source.class_names, input_shape=source.input_shape,
-        describe=source.describe, target_shape=source.target_shape)
+        describe=source.describe, target_shape=source.target_shape,
+        vocab_size=source.vocab_size, tokenizer=source.tokenizer)
+
+
+def _source(cfg: DataConfig, workers: int, classes: bool) -> Source:
+    if cfg.name == "imagefolder":
+        return imagefolder_source(cfg)
+    if cfg.name == "tokens":
+        from train.data import tokens
+
+        return tokens.source(cfg)
+    return custom_source(cfg, workers, classes)

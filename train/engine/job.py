@@ -132,14 +132,17 @@ def _set_up(cfg: TrainConfig, task: Task, bundle: data_lib.DataBundle,
     and output sizes; a monitor the task never logs is refused here, where a custom data set's
     classes or a custom task's metrics are known at last."""
     classes = (cfg.task.num_classes if task.name == "segmentation" and cfg.task.num_classes
-               else bundle.num_classes)
+               else bundle.vocab_size or bundle.num_classes)
     task.setup(summed(models.build_loss(cfg.trainer.loss, device)), classes, bundle.class_names)
+    if bundle.vocab_size is not None:  # token data: what a task that writes text decodes with
+        task.tokenizer, task.seq_len = bundle.tokenizer, bundle.input_shape[0]
     top5_classes = classes if task.name == "classification" else None
     if problem := metric_problem(cfg.trainer.monitor, task.name, tuple(task.metrics),
                                  "trainer.monitor", top5_classes):
         raise ConfigError(problem)
     return models.InputSpec.of(bundle.input_shape,
-                               task.outputs_per_sample(bundle.target_shape, classes))
+                               task.outputs_per_sample(bundle.target_shape, classes),
+                               vocab_size=bundle.vocab_size)
 
 
 @dataclass(frozen=True)
@@ -187,7 +190,7 @@ def _train(job: Job, logger: RunLogger, stop: StopSignals,
     logger.log_model_params(state.module)
     logger.training.throughput = flops.Throughput(
         state.module, bundle.input_shape, device, cfg.trainer.precision, cfg.trainer.peak_tflops,
-        env.world_size)
+        env.world_size, tokens=bundle.vocab_size is not None)
     torch.manual_seed(cfg.trainer.seed + env.rank)  # different augmentation per rank
     if resumed is not None:
         checkpoint.restore(state, resumed, env.rank, env.world_size)

@@ -264,7 +264,7 @@ def fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.dev
         if state.step % cfg.trainer.log_every_n_steps:  # else logged at that step already
             _report_scaler(state, duties)
         train_time = time.perf_counter() - started
-        train = metrics.reduce(train_totals, task.finalize)
+        train = metrics.reduce(train_totals, task.finalize, task.items_name)
         last = state.epoch + 1 == epochs or state.step == limit
         val = None
         if last or (state.epoch + 1) % cfg.trainer.eval_every == 0:
@@ -272,7 +272,7 @@ def fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.dev
             detailed = last or duties.monitor.patience is not None
             val = metrics.reduce(evaluate(state.module, data.val, device, cfg.trainer.precision,
                                           task, detailed, examples=last and duties.rank == 0),
-                                 task.finalize)
+                                 task.finalize, task.items_name)
             duties.monitor.observe(state.epoch, state.step, val)
         nodes = None
         if cfg.tracking.system_metrics:  # one more small gather per epoch
@@ -299,4 +299,4 @@ def test(model: nn.Module, batches: Batches, device: torch.device, precision: st
     """The final model, once, on every rank's strided shard of the test split (each sample on
     exactly one rank, none twice), with the task's details (a confusion matrix)."""
     return metrics.reduce(evaluate(model, batches, device, precision, task, detailed=True),
-                          task.finalize)
+                          task.finalize, task.items_name)

@@ -66,6 +66,8 @@ class JobOutputs:
         for reduced, prefix in ((final_val, ""), (tested, "test_")):
             if reduced is not None:
                 self.logger.task_outputs(*self.task.write_outputs(reduced, self.out, prefix))
+        device = next(state.module.parameters()).device
+        self.logger.task_outputs(*self.task.final_outputs(state.module, self.out, device))
         weights = checkpoint.save_weights(state.module.state_dict(), self.out / "model.pt",
                                           self.checkpoints)
         example = _example(bundle)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from train.config.groups import CustomModelConfig, DataConfig, TrainConfig, TrainerConfig
 from train.config.validation import monitor_problem
-from train.errors import ConfigError
+from train.errors import ConfigError, LaunchError
 
 
 def input_before_reading(data: DataConfig) -> tuple[tuple[int, ...], int] | None:
@@ -150,3 +150,48 @@ def check_registrable(cfg: TrainConfig, known: tuple[tuple[int, ...], int] | Non
         exportable.check_registrable(lambda: models.build(cfg.model, spec), known[0],
                                      models.describe(cfg.model), name)
         checked.add(key)
+
+
+def check_token_data(cfg: TrainConfig) -> None:
+    """data=tokens: the files whole (train/data/tokens.py `check`), data.seq_len within the
+    model's context, and no token id outside the model's vocabulary. The model is built on the
+    meta device (no memory) to read its context (`block_size`) and vocabulary (`vocab_size`,
+    else its first embedding's rows)."""
+    from train.data import tokens
+
+    root, seq_len = cfg.data.root, cfg.data.seq_len
+    try:
+        meta = tokens.read_meta(root)
+    except tokens.TokenDataError as e:
+        raise LaunchError(str(e)) from None
+    vocab = context = None
+    if isinstance(cfg.model, CustomModelConfig):
+        from train.config import usercode
+        from train.models import build as models
+
+        spec = models.InputSpec.of((seq_len,), meta.vocab_size, vocab_size=meta.vocab_size)
+        try:
+            model = models.build_on_meta(cfg.model, spec)
+        except (usercode.UserCodeError, ValueError) as e:
+            raise ConfigError(str(e)) from None
+        vocab, context = _vocabulary(model), getattr(model, "block_size", None)
+    if isinstance(context, int) and seq_len > context:
+        raise ConfigError(f"data.seq_len={seq_len} is longer than the model's context "
+                          f"(block_size={context}): lower data.seq_len, or raise "
+                          "model.block_size.")
+    try:
+        tokens.check(root, seq_len, vocab)
+    except tokens.TokenDataError as e:
+        raise LaunchError(str(e)) from None
+
+
+def _vocabulary(model: object) -> int | None:
+    from torch import nn
+
+    if isinstance(size := getattr(model, "vocab_size", None), int):
+        return size
+    if isinstance(model, nn.Module):
+        for module in model.modules():
+            if isinstance(module, nn.Embedding):
+                return int(module.num_embeddings)
+    return None

@@ -26,6 +26,7 @@ from train.launch.model_checks import (
     check_optimiser,
     check_registrable,
     check_task,
+    check_token_data,
     input_before_reading,
 )
 
@@ -127,6 +128,9 @@ def check_data(cfg: TrainConfig) -> int | None:
     Dataset names them (`classes`, `targets`), as it is built here once."""
     if cfg.data.name == "imagefolder":
         check_image_folder(cfg.data)
+        return None
+    if cfg.data.name == "tokens":
+        check_token_data(cfg)
         return None
     if cfg.data.name == "custom":
         from train.data import userdata  # imports the user's package (and torch)

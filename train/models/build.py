@@ -20,12 +20,15 @@ class InputSpec:
     num_classes: int
     input_shape: tuple[int, ...] = ()
     """One sample's shape; () = (channels, image_size, image_size)."""
+    vocab_size: int | None = None
+    """Token data: the vocabulary; the sample is a window of input_shape[0] token ids."""
 
     @classmethod
-    def of(cls, input_shape: tuple[int, ...], num_classes: int) -> InputSpec:
+    def of(cls, input_shape: tuple[int, ...], num_classes: int,
+           vocab_size: int | None = None) -> InputSpec:
         """From one sample's shape: channels first, the last dimension as the image size."""
         shape = tuple(input_shape)
-        return cls(shape[0], shape[-1], num_classes, shape)
+        return cls(shape[0], shape[-1], num_classes, shape, vocab_size)
 
     @property
     def sample_shape(self) -> tuple[int, ...]:
@@ -33,6 +36,8 @@ class InputSpec:
 
     def constructor_values(self) -> dict[str, int]:
         """What a custom model's constructor may take from the data (by these names)."""
+        if self.vocab_size is not None:  # token windows: a language model's sizes
+            return {"vocab_size": self.vocab_size, "seq_len": self.input_shape[0]}
         return {"num_classes": self.num_classes, "in_channels": self.channels,
                 "channels": self.channels, "image_size": self.image_size}
 

@@ -30,15 +30,22 @@ PEAK_TFLOPS: tuple[tuple[str, float, float], ...] = (
 )
 
 
-def training_flops_per_sample(model: nn.Module, input_shape: tuple[int, ...]) -> float | None:
-    """FLOPs of forward + backward for one sample; None when they cannot be counted."""
+def training_flops_per_sample(model: nn.Module, input_shape: tuple[int, ...],
+                              tokens: bool = False) -> float | None:
+    """FLOPs of forward + backward for one sample; None when they cannot be counted. `tokens`:
+    the sample is a window of token ids; a model that says its FLOPs per token (model=gpt:
+    6N plus attention, as nanoGPT and PaLM count them) is taken at its word."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    per_token = getattr(model, "flops_per_token", None)
+    if tokens and callable(per_token):
+        return float(per_token(input_shape[0])) * input_shape[0]
     try:
         ghost = copy.deepcopy(model).to("meta")
         ghost.train()
         batch = 2  # BatchNorm in training mode wants more than one value per channel
-        inputs = torch.empty(batch, *input_shape, device="meta")
+        inputs = (torch.zeros(batch, *input_shape, dtype=torch.long, device="meta") if tokens
+                  else torch.empty(batch, *input_shape, device="meta"))
         with FlopCounterMode(display=False) as counter:
             output = ghost(inputs)
             scores = output["out"] if isinstance(output, dict) else output
@@ -68,8 +75,9 @@ class Throughput:
     first epoch end, so that counting (~1 s on a CPU) does not delay the first step."""
 
     def __init__(self, model: nn.Module, input_shape: tuple[int, ...], device: torch.device,
-                 precision: str, configured_peak: float | None, world_size: int) -> None:
-        self._model, self._shape = model, tuple(input_shape)
+                 precision: str, configured_peak: float | None, world_size: int,
+                 tokens: bool = False) -> None:
+        self._model, self._shape, self._tokens = model, tuple(input_shape), tokens
         peak = peak_tflops(device, precision, configured_peak)
         self.peak_total = None if peak is None else peak * world_size
         self.flops_per_sample: float | None = None
@@ -78,7 +86,7 @@ class Throughput:
     def metrics(self, samples: int, seconds: float) -> dict[str, float]:
         if not self._counted:
             self.flops_per_sample, self._counted = training_flops_per_sample(
-                self._model, self._shape), True
+                self._model, self._shape, self._tokens), True
         if not self.flops_per_sample or seconds <= 0:
             return {}
         tflops = self.flops_per_sample * samples / seconds / 1e12

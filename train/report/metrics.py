@@ -104,6 +104,13 @@ class Reduced:
     values: dict[str, float]
     samples: int
     sums: dict[str, Any] = field(default_factory=dict)
+    items_name: str | None = None
+    """What the task's items are where their count is logged ("tokens"), else None."""
+
+    @property
+    def items(self) -> int:
+        """The items the loss is a mean over (samples, pixels, tokens), over every rank."""
+        return int(self.sums.get("items", self.samples))
 
     @property
     def loss(self) -> float:
@@ -115,12 +122,14 @@ class Reduced:
         return self.sums.get("confusion")
 
 
-def reduce(totals: Totals, finalize: Callable[[dict[str, Any]], dict[str, float]]) -> Reduced:
+def reduce(totals: Totals, finalize: Callable[[dict[str, Any]], dict[str, float]],
+           items_name: str | None = None) -> Reduced:
     """Every rank's sums, gathered to every rank and added, then finished by the task
     (`finalize`): all ranks hold the same numbers, so what they decide from them (stop early,
     save the best) needs no further agreement, and no rank needs to know it is rank 0."""
     summed = sum_over(distributed.gather_to_all(totals.as_host()))
-    return Reduced(values=finalize(summed), samples=int(summed["samples"]), sums=summed)
+    return Reduced(values=finalize(summed), samples=int(summed["samples"]), sums=summed,
+                   items_name=items_name)
 
 
 @dataclass

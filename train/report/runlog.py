@@ -96,9 +96,12 @@ class RunLogger:
                   "model.outputs": outputs}
         if bundle.test is not None:
             params["data.num_test"] = bundle.num_test
+        if bundle.vocab_size is not None:  # token windows: a vocabulary, not classes
+            del params["data.classes"]
+            params.update({"data.vocab_size": bundle.vocab_size,
+                           "data.tokenizer": bundle.tokenizer})
         self.run.log_params({k: str(v) for k, v in params.items()})
-        log.info("data: %s, %d classes", ", ".join(f"{k}={v}" for k, v in params.items()),
-                 bundle.num_classes)
+        log.info("data: %s", ", ".join(f"{k}={v}" for k, v in params.items()))
         if not self.restarts:  # recorded by the first start
             self.run.log(records.DatasetInput(name=f"{self.cfg.data.name}-train",
                                               **asdict(bundle.description())))

@@ -24,7 +24,8 @@ from train.tracking import NullRun
 log = logging.getLogger("train")
 T = TypeVar("T")
 SHOWN = ("train/loss", "train/accuracy", "val/loss", "val/accuracy", "val/mse", "val/r2",
-         "val/miou", "train/samples_per_sec", "train/mfu", "epoch_time_s")
+         "val/miou", "val/perplexity", "train/samples_per_sec", "train/tokens_per_sec",
+         "train/mfu", "epoch_time_s")
 
 
 class TrainingLog:
@@ -63,8 +64,10 @@ class TrainingLog:
                   **lrs, "epoch_time_s": epoch_time_s,
                   **(self.throughput.metrics(train.samples, train_time_s)
                      if self.throughput else {})}
+        values.update(_items(train, "train", train_time_s))
         if val is not None:
-            values.update({**_named("val", val.values), "val/samples": float(val.samples)})
+            values.update({**_named("val", val.values), "val/samples": float(val.samples),
+                           **_items(val, "val")})
         if nodes:
             self.run.log_metrics(system_stats.as_metrics(nodes), step=epoch)
         self.run.log_metrics(values, step=epoch)
@@ -84,10 +87,20 @@ class TrainingLog:
 
     def test(self, epoch: int, result: Reduced) -> None:
         """The test phase's metrics, once, at the last epoch's step."""
-        values = {**_named("test", result.values), "test/samples": float(result.samples)}
+        values = {**_named("test", result.values), "test/samples": float(result.samples),
+                  **_items(result, "test")}
         self.run.log_metrics(values, step=epoch)
         self.final_metrics.update(values)
         log.info("test: %s", "  ".join(f"{k}={v:.4g}" for k, v in values.items()))
+
+
+def _items(reduced: Reduced, split: str, seconds: float | None = None) -> dict[str, float]:
+    """`<split>/tokens` (and train/tokens_per_sec) where the task counts its items by name."""
+    if reduced.items_name is None:
+        return {}
+    name = f"{split}/{reduced.items_name}"
+    return {name: float(reduced.items),
+            **({f"{name}_per_sec": reduced.items / seconds} if seconds else {})}
 
 
 def _named(split: str, values: dict[str, float]) -> dict[str, float]:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 Sums = dict[str, torch.Tensor | float | int]
 Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -41,6 +42,14 @@ class Task:
     """Every sample holds the same number of items (the gradient's divisor then follows from
     the batch shapes alone); False (ignored pixels, padded tokens) makes the service count the
     optimiser step's items over the ranks first: one small all-reduce per step."""
+    items_name: str | None = None
+    """What an item is, where its count is worth logging: "tokens" logs `<split>/tokens` and
+    `train/tokens_per_sec` (train/report/trainlog.py)."""
+    tokenizer: str | None = None
+    """The data's tokenizer (data=tokens: meta.json's), set by the job, for tasks that write
+    text (train/data/tokenize.py `tokenizer`)."""
+    seq_len: int | None = None
+    """The data's window length (data=tokens), set by the job."""
 
     def setup(self, loss: Callable[..., torch.Tensor], num_classes: int,
               class_names: list[str]) -> None:
@@ -92,6 +101,11 @@ class Task:
         """What its users look at after the final validation (`prefix` "") and the test
         (`prefix` "test_"): pictures written into `folder` (logged at the run's artifact root)
         and tables by artifact name."""
+        return [], {}
+
+    def final_outputs(self, model: nn.Module, folder: Path, device: torch.device) -> Outputs:
+        """What the trained model makes, once at the end, on the rank that writes (a language
+        model's sampled continuations): files written into `folder`, and tables."""
         return [], {}
 
 

@@ -26,6 +26,10 @@ def build(cfg: TaskConfig) -> Task:
         from train.tasks.segmentation import Segmentation
 
         return Segmentation(cfg.ignore_index, cfg.samples_shown)
+    if cfg.name == "language_model":
+        from train.tasks.language_model import LanguageModel
+
+        return LanguageModel(cfg.ignore_index, cfg.prompt, cfg.sample_tokens, cfg.samples_shown)
     return _custom(cfg)
 
 

@@ -1,0 +1,99 @@
+"""The configuration reference: every group's keys with their type, default and docstring, read
+from the dataclasses themselves (their field docstrings are the documentation), as Markdown.
+
+    python -m train.config.reference > docs/configuration.md
+
+docs/configuration.md is this module's output; tests/unit/test_docs.py fails when it is stale.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import sys
+import textwrap
+from typing import Any
+
+from train.config.cluster import ClusterConfig
+from train.config.groups import (
+    CustomModelConfig,
+    DataConfig,
+    DistributedConfig,
+    ModelConfig,
+    OptimConfig,
+    TrackingConfig,
+    TrainerConfig,
+)
+from train.config.task import TaskConfig
+
+GROUPS: tuple[tuple[str, type, str], ...] = (
+    ("model", ModelConfig, "the built-in and torchvision models (`model=cnn|mlp|resnet18|"
+     "torchvision`)"),
+    ("model", CustomModelConfig, "`model=custom` and `model=gpt`: a `_target_` class; every "
+     "other `model.*` key is its constructor's (added with `+`)"),
+    ("data", DataConfig, "the data set (`data=digits|synthetic|mnist|fashion_mnist|cifar10|"
+     "imagefolder|custom|tokens`)"),
+    ("optim", OptimConfig, "the optimiser and its schedule (`optim=sgd|adamw`)"),
+    ("trainer", TrainerConfig, "the training loop, checkpoints, evaluation"),
+    ("task", TaskConfig, "what the model learns (`task=classification|regression|segmentation|"
+     "language_model|custom`)"),
+    ("distributed", DistributedConfig, "ranks, backend, DDP"),
+    ("tracking", TrackingConfig, "MLflow"),
+    ("cluster", ClusterConfig, "Slurm (`+cluster=slurm`); not a default group"),
+)
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's docstring: the string literal right after its annotated assignment."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, after in zip(body, body[1:], strict=False):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def default_of(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return "(required)"
+
+
+def _cell(value: Any) -> str:
+    text = "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(
+        value) if isinstance(value, str) else str(value)
+    return text.replace("|", "\\|").replace("\n", "\\n")
+
+
+def group_table(group: str, cls: type) -> list[str]:
+    docs = field_docs(cls)
+    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    for f in dataclasses.fields(cls):
+        if f.name == "kwargs":
+            continue  # CustomModelConfig: the constructor's own keys
+        key = f"{group}.{'_target_' if f.name == 'target' else f.name}"
+        kind, meaning = (str(text).replace("|", "\\|") for text in (f.type, docs.get(f.name, "")))
+        rows.append(f"| `{key}` | `{kind}` | `{_cell(default_of(f))}` | {meaning} |")
+    return rows
+
+
+def render() -> str:
+    lines = ["# Configuration reference", "",
+             "Every key of every config group, with its type, default and meaning, generated from",
+             "the dataclasses in `train/config/` (`python -m train.config.reference >",
+             "docs/configuration.md`; a test fails when this page is stale). Override any key as",
+             "`key=value`; a group's option (`model=resnet18`) sets only what differs from these",
+             "defaults. `python -m train --cfg job <overrides>` prints what a job would use.", ""]
+    for group, cls, what in GROUPS:
+        lines += [f"## `{group}`: {what}", "", *group_table(group, cls), ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render())

@@ -1,0 +1,113 @@
+"""Text to token files (`python -m train.prepare_text`), and the tokenizers that read them back.
+
+The default tokenizer is byte-level: a file's bytes are its tokens (vocabulary 256), so any
+text in any encoding is tokenized without a download or a trained vocabulary. A `tokenizers`
+JSON file the user has (e.g. a GPT-2 BPE saved by Hugging Face `tokenizers`) is the option;
+it needs that package installed (it is not a dependency of the service).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from train.data.tokens import META, TokenDataError
+
+BYTES = "bytes"
+
+
+class Tokenizer(Protocol):
+    name: str
+    vocab_size: int
+
+    def encode(self, data: bytes) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class ByteTokenizer:
+    name, vocab_size = BYTES, 256
+
+    def encode(self, data: bytes) -> list[int]:
+        return list(data)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+class FileTokenizer:
+    """A `tokenizers` JSON file (its package imported only here)."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            from tokenizers import Tokenizer as HFTokenizer  # type: ignore[import-not-found]
+        except ImportError:
+            raise TokenDataError(f"the tokenizer {path} needs the `tokenizers` package: "
+                                 "pip install tokenizers (or leave --tokenizer out: bytes)."
+                                 ) from None
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as e:  # noqa: BLE001 - the library's own error types: one line
+            raise TokenDataError(f"{path} is not a `tokenizers` JSON file: {e}") from None
+        self.name, self.vocab_size = str(path.resolve()), int(self._tok.get_vocab_size())
+
+    def encode(self, data: bytes) -> list[int]:
+        return list(self._tok.encode(data.decode("utf-8", errors="replace")).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self._tok.decode([int(i) for i in ids]))
+
+
+def tokenizer(name: str) -> Tokenizer:
+    """The tokenizer meta.json names (the byte-level one, or a tokenizers file)."""
+    return ByteTokenizer() if name == BYTES else FileTokenizer(Path(name))
+
+
+@dataclass(frozen=True)
+class Prepared:
+    out: Path
+    tokens: dict[str, int]
+    vocab_size: int
+    dtype: str
+
+
+def prepare(files: Iterable[Path], out: Path, tok: Tokenizer, val_fraction: float = 0.1,
+            test_fraction: float = 0.0) -> Prepared:
+    """Each file's tokens, in order: its first part to train.bin, the next val_fraction to
+    val.bin, the last test_fraction to test.bin (test.bin only if test_fraction > 0). One file
+    is held in memory at a time; the token files are appended to as they go."""
+    dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
+    splits = ["train", "val", *(["test"] if test_fraction > 0 else [])]
+    out.mkdir(parents=True, exist_ok=True)
+    counts = dict.fromkeys(splits, 0)
+    sinks = {s: (out / f"{s}.bin").open("wb") for s in splits}
+    try:
+        for path in files:
+            ids = np.asarray(tok.encode(path.read_bytes()), dtype=dtype)
+            n_test = round(len(ids) * test_fraction)
+            n_val = round(len(ids) * val_fraction)
+            cuts = {"train": ids[:len(ids) - n_val - n_test],
+                    "val": ids[len(ids) - n_val - n_test:len(ids) - n_test],
+                    "test": ids[len(ids) - n_test:]}
+            for split in splits:
+                cuts[split].tofile(sinks[split])
+                counts[split] += len(cuts[split])
+    finally:
+        for sink in sinks.values():
+            sink.close()
+    meta: dict[str, Any] = {"tokenizer": tok.name, "vocab_size": tok.vocab_size, "dtype": dtype,
+                            "tokens": counts, "sources": [str(p) for p in files]}
+    _write_json(out / META, meta)
+    return Prepared(out, counts, tok.vocab_size, dtype)
+
+
+def _write_json(path: Path, value: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(value, indent=2) + "\n")
+    os.replace(tmp, path)  # meta.json last, and whole: its presence says the files are done

@@ -1,0 +1,77 @@
+"""`python -m train.prepare_text <text files or directories> <out dir>`: text to token files
+for `data=tokens data.root=<out dir>` (train/data/tokens.py reads them, train/data/tokenize.py
+writes them). Run it once, on a login node: it needs no GPU and no download.
+
+    python -m train.prepare_text notes/*.txt corpus/ /scratch/$USER/tokens
+    python -m train data=tokens data.root=/scratch/$USER/tokens model=gpt task=language_model
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".json", ".csv", ".tex", ".html")
+"""What a directory argument contributes: its files with these suffixes, recursively."""
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m train.prepare_text",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("inputs", nargs="+", type=Path,
+                   help=f"text files, or directories (their {', '.join(TEXT_SUFFIXES)} files)")
+    p.add_argument("out", type=Path, help="the directory to write train.bin, val.bin, meta.json")
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="a `tokenizers` JSON file (default: bytes, vocabulary 256)")
+    p.add_argument("--val-fraction", type=float, default=0.1,
+                   help="the end of each file that goes to val.bin (default 0.1)")
+    p.add_argument("--test-fraction", type=float, default=0.0,
+                   help="the very end of each file that goes to test.bin (default 0: none)")
+    return p.parse_args(argv)
+
+
+def files_of(inputs: list[Path]) -> list[Path]:
+    """The files named, and those under the directories named, in a stable order."""
+    found: list[Path] = []
+    for item in inputs:
+        if item.is_dir():
+            found += sorted(p for p in item.rglob("*")
+                            if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+        elif item.is_file():
+            found.append(item)
+        else:
+            raise SystemExit(f"prepare_text: {item} is neither a file nor a directory.")
+    if not found:
+        raise SystemExit("prepare_text: no text files found in " +
+                         ", ".join(map(str, inputs)))
+    return found
+
+
+def main(argv: list[str] | None = None) -> None:
+    os.umask(0o027 if os.environ.get("TRAIN_GROUP_READABLE") == "1" else 0o077)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if not (0 < args.val_fraction < 1 and 0 <= args.test_fraction < 1
+            and args.val_fraction + args.test_fraction < 1):
+        raise SystemExit("prepare_text: --val-fraction must be in (0, 1), --test-fraction in "
+                         "[0, 1), and the two together below 1.")
+    from train.data import tokenize
+    from train.data.tokens import TokenDataError
+
+    try:
+        tok = (tokenize.ByteTokenizer() if args.tokenizer is None
+               else tokenize.FileTokenizer(args.tokenizer))
+        files = files_of(args.inputs)
+        done = tokenize.prepare(files, args.out, tok, args.val_fraction, args.test_fraction)
+    except TokenDataError as e:
+        raise SystemExit(f"prepare_text: {e}") from None
+    counts = ", ".join(f"{split} {n:,}" for split, n in done.tokens.items())
+    print(f"prepare_text: {len(files)} files -> {done.out}: {counts} tokens ({done.dtype}, "
+          f"vocabulary {done.vocab_size}, tokenizer {tok.name})")
+    print(f"train on it: python -m train data=tokens data.root={done.out} model=gpt "
+          "task=language_model")
+
+
+if __name__ == "__main__":
+    main()
