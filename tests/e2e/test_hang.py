@@ -206,13 +206,14 @@ def test_a_straggler_is_named_in_a_warning_and_a_tag(store: dict[str, str],
     """Rank 1 reads every sample 10 ms slower: after 2 logging intervals it is named."""
     result = run_train(*STUCK, "data.train._target_=userpkg.data.SlowOnRank",
                        "++data.train.length=96", "trainer.log_every_n_steps=1",
-                       "trainer.straggler_intervals=2", f"hydra.run.dir={tmp_path / 'job'}",
+                       "trainer.straggler_intervals=2", "trainer.epochs=2",
+                       f"hydra.run.dir={tmp_path / 'job'}",
                        env={**store, **USERPKG}, timeout=ENDS_WITHIN_S + 60)
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0, "the job failed:\n" + result.stderr
     named = re.search(r"rank 1 on \S+ is a straggler: [\d.]+ s waiting for data \(\d+% over "
                       r"the median rank's [\d.]+ s\) and [\d.]+ s computing in the logging "
                       r"interval up to step \d+; 2 intervals in a row", result.stderr)
-    assert named, result.stderr
+    assert named, "no straggler named:\n" + result.stderr
     [run] = runs_in(store["MLFLOW_TRACKING_URI"])
     assert run.data.tags["straggler"] == named.group(0)
     assert result.stderr.count("is a straggler") == 1  # named once, by rank 0

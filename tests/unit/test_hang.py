@@ -60,14 +60,18 @@ def test_a_rank_that_did_not_answer_is_named_with_its_process_state(tmp_path: Pa
                     "gone; rank 0 waited in all_reduce (x.py:1)")
 
 
-def test_the_heartbeat_costs_well_under_a_microsecond() -> None:
-    steps = 100_000
-    started = time.perf_counter()
-    for step in range(steps):
-        watch.enter("data")
-        watch.enter("forward")
-        watch.enter("optimizer", step)
-    per_step = (time.perf_counter() - started) / steps
+def test_the_heartbeat_costs_about_a_microsecond_a_step() -> None:
+    """A step's three phase marks; the best of 7 rounds (a busy machine's noise is not the
+    heartbeat's cost): about 1 us measured here, bounded at 5."""
+    def one_round(steps: int = 20_000) -> float:
+        started = time.perf_counter()
+        for step in range(steps):
+            watch.enter("data")
+            watch.enter("forward")
+            watch.enter("optimizer", step)
+        return (time.perf_counter() - started) / steps
+
+    per_step = min(one_round() for _ in range(7))
     assert per_step < 5e-6, f"{per_step * 1e6:.2f} us per step"
 
 
