@@ -13,6 +13,13 @@ from __future__ import annotations
 
 import signal
 
+FAILURE_REASON = "train_failure_reason"
+"""The attribute a rank's failing exception carries its one-line cause in (the run's error, as
+train/engine/ending.py sets it), for the local launcher to show instead of the traceback."""
+SILENT_RANKS = "train_silent_ranks"
+"""The attribute that carries the ranks that stopped answering (stuck, frozen or dead): the
+local launcher stops them as soon as every other rank has ended."""
+
 
 class TrainError(Exception):
     """A failure the user can act on; its message says what is wrong and what to do."""

@@ -146,16 +146,19 @@ def test_an_exception_in_one_rank_ends_all_ranks_with_its_error(store: dict[str,
     assert history(store["MLFLOW_TRACKING_URI"], run.info.run_id, "train/loss") == []
 
 
-def test_the_local_launcher_shows_the_failing_ranks_traceback(store: dict[str, str],
-                                                              tmp_path: Path) -> None:
+def test_the_local_launcher_shows_the_failing_rank_in_one_line_its_traceback_in_the_log(
+        store: dict[str, str], tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "train", "distributed.nproc_per_node=2", "trainer.epochs=3",
          f"hydra.run.dir={tmp_path}/job"],
         cwd=REPO, env={**os.environ, **store, "TRAIN_FAIL_DRILL": "1:3"}, capture_output=True,
         text=True, timeout=120)
     assert result.returncode == 1
-    assert "the training job failed; rank 1 failed first:" in result.stderr
-    assert "Traceback" in result.stderr and "FailureDrill" in result.stderr
+    assert ("the training job failed; rank 1 on " in result.stderr
+            and ": FailureDrill: trainer.fail_on_rank=1" in result.stderr), result.stderr
+    assert "Traceback" not in result.stderr
+    logged = (tmp_path / "job" / "train.log").read_text()
+    assert "Traceback" in logged and "raise FailureDrill" in logged
     [run] = runs_in(store["MLFLOW_TRACKING_URI"])
     assert run.info.status == "FAILED"
     assert run.data.tags["error"].startswith("rank 1 on ")

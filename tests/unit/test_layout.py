@@ -34,10 +34,10 @@ one after it and never a root command. `errors` is the one wing that is a single
 package, train/<wing>/."""
 
 ROOT_COMMANDS = {"__init__", "__main__", "app", "load", "server", "outbox", "prepare_text",
-                 "_moved"}
+                 "status", "stacks", "_moved"}
 """The only other modules at train/'s root: what users run or import (`python -m train`,
 `python -m train.server`, `python -m train.outbox`, `python -m train.prepare_text`,
-`train.load.load_model`), and `_moved`
+`python -m train.status`, `python -m train.stacks`, `train.load.load_model`), and `_moved`
 (old pickled class paths). They may import any wing, and another root command only as
 ROOT_TO_ROOT lists."""
 
@@ -66,6 +66,11 @@ LIGHT = {
     "train.launch.preflight": "pre-flight imports heavy parts only for the checks that need them",
     "train.launch.submit": "the login node's Slurm side",
     "train.launch.follow": "the login node, following submitted jobs",
+    "train.status": "`python -m train.status` reads heartbeat files on a login node",
+    "train.stacks": "`python -m train.stacks` signals ranks and reads their dumps",
+    "train.launch.inspect": "train.status and train.stacks on a login node",
+    "train.distributed.watch": "the local launcher and train.status read its files",
+    "train.distributed.stacks": "train.stacks reads dumps with the standard library",
     "hydra_plugins.train_launcher.local_launcher": "Hydra imports every plugin at its start",
     "hydra_plugins.train_launcher.slurm_launcher": "Hydra imports every plugin at its start",
     "hydra_plugins.train_launcher.checked_jobs": "Hydra imports every plugin at its start",

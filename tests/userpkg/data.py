@@ -3,6 +3,8 @@ only through PYTHONPATH (tests/ on it: `data.train._target_=userpkg.data.Lines`)
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Iterator
 
 import torch
@@ -75,3 +77,34 @@ class DictSamples(Lines):
     def __getitem__(self, index: int) -> dict[str, object]:  # type: ignore[override]
         image, label = super().__getitem__(index)
         return {"image": image, "label": label}
+
+
+class StuckOnRank(Lines):
+    """Lines whose reads block forever on one rank once it has read `after` samples, as a
+    stuck NFS read or a deadlocked library does (the rank's process stays alive)."""
+
+    def __init__(self, length: int = 240, size: int = 16, seed: int = 0, rank: int = 1,
+                 after: int = 0) -> None:
+        super().__init__(length, size, seed)
+        self.rank, self.after, self.reads = rank, after, 0
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        if int(os.environ.get("RANK", "0")) == self.rank:
+            self.reads += 1
+            if self.reads > self.after:
+                time.sleep(3600)  # the stuck read
+        return super().__getitem__(index)
+
+
+class SlowOnRank(Lines):
+    """Lines read `delay` seconds slower on one rank: a node whose storage is slow."""
+
+    def __init__(self, length: int = 240, size: int = 16, seed: int = 0, rank: int = 1,
+                 delay: float = 0.01) -> None:
+        super().__init__(length, size, seed)
+        self.rank, self.delay = rank, delay
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        if int(os.environ.get("RANK", "0")) == self.rank:
+            time.sleep(self.delay)
+        return super().__getitem__(index)

@@ -3,6 +3,8 @@ through PYTHONPATH (tests/ on it: `model._target_=userpkg.models.TinyConvNet`)."
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -103,3 +105,19 @@ class NamedItsOwnWay(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(x.mean(dim=(2, 3)))
+
+
+class SpinsOnRank(TinyConvNet):
+    """TinyConvNet whose forward never returns on one rank after `after` calls: an endless
+    Python loop, as a bug in a model's own code makes one (the rank stays alive)."""
+
+    def __init__(self, num_classes: int, in_channels: int, rank: int = 1, after: int = 2) -> None:
+        super().__init__(num_classes, in_channels, width=8)
+        self.rank, self.after, self.calls = rank, after, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        spins = 0
+        while int(os.environ.get("RANK", "0")) == self.rank and self.calls > self.after:
+            spins += 1  # the endless loop
+        return super().forward(x)

@@ -170,6 +170,12 @@ class TrainerConfig:
     last weights, the best (needs save_best=true; they then become the final model), or none."""
     log_every_n_steps: int = 10
     """Log train/step_loss every N optimiser steps; the only steps that sync with the host."""
+    straggler_share: float = 0.5
+    """A rank whose time waiting for data (before any collective) is more than this share over
+    the median rank's for straggler_intervals logging intervals in a row is named in a warning
+    and the run's `straggler` tag (train/engine/stragglers.py)."""
+    straggler_intervals: int = 3
+    """How many logging intervals in a row a straggler must be slow before it is named."""
     channels_last: bool = False
     """Use channels_last memory format (faster convolutions on recent GPUs)."""
     compile: bool = False

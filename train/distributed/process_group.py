@@ -15,15 +15,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from train.distributed import devices
+from train.distributed import devices, stacks, watch
 from train.distributed.env import DistEnv
 
 _FAILURE_KEY = "train/first_failure"
 _ANSWERING_KEY = "train/answering/"
 _PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe",
-              "timed out waiting", "connection refused", "socket timeout")
+              "timed out waiting", "connection refused", "socket timeout",
+              "timeout caused pair closure")
 """What gloo/nccl say when a peer stopped answering: the survivor's own error says nothing of
 which peer that was."""
+STACKS_WAIT_S = 5.0
+"""How long the ranks get to dump their stacks after a collective timed out (their watchdogs
+poll every watch.POLL_S); a rank that does not answer by then is frozen or dead."""
 
 
 # Device and backend choice live with the rest of what CUDA decides (train/distributed/devices.py).
@@ -46,6 +50,7 @@ def shutdown() -> None:
 
 def gather_to_main(obj: Any) -> list[Any] | None:
     """Every rank's `obj` on rank 0 (in rank order); None on the other ranks."""
+    watch.enter("collective")
     rank = dist.get_rank()
     out: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(obj, out, dst=0)
@@ -54,6 +59,7 @@ def gather_to_main(obj: Any) -> list[Any] | None:
 
 def gather_to_all(obj: Any) -> list[Any]:
     """Every rank's `obj` on every rank (in rank order)."""
+    watch.enter("collective")
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
@@ -104,6 +110,7 @@ def failure_reason(env: DistEnv, exc: BaseException, node_of: Callable[[int], st
     if not dist.is_initialized() or not any(p in str(exc).lower() for p in _PEER_LOST):
         publish_failure(env, exc)
         return first_failure() or own, []
+    watch.note_waited(exc)
     try:
         store = dist.distributed_c10d._get_default_store()
         store.set(f"{_ANSWERING_KEY}{env.rank}", "1")
@@ -119,19 +126,41 @@ def failure_reason(env: DistEnv, exc: BaseException, node_of: Callable[[int], st
     if not silent:
         publish_failure(env, exc)
         return first_failure() or own, []
-    names = ", ".join(f"rank {r} on {node_of(r)}" for r in silent)
-    text = f"{names} stopped answering (its process or node died); rank {env.rank} saw: {exc}"
+    text = _silent_ranks(env, exc, silent, node_of)
     with contextlib.suppress(Exception):
         dist.distributed_c10d._get_default_store().compare_set(_FAILURE_KEY, "", text)
     return text, silent
 
 
+def _silent_ranks(env: DistEnv, exc: BaseException, silent: list[int],
+                  node_of: Callable[[int], str]) -> str:
+    """The silent ranks named, stuck where (their stacks, asked for now) or dead or frozen (no
+    answer); without a watch (no output directory), as dead."""
+    own = watch.current()
+    if own is None:
+        names = ", ".join(f"rank {r} on {node_of(r)}" for r in silent)
+        return f"{names} stopped answering (its process or node died); rank {env.rank} saw: {exc}"
+    answered, waited = watch.request_stacks(STACKS_WAIT_S)
+    return stacks.explain(own.out, silent, node_of, answered, waited)
+
+
+def gather_floats(values: list[float]) -> list[list[float]]:
+    """Every rank's few `values` on every rank (one small all_gather of a tensor)."""
+    mine = devices.collective_tensor(torch.tensor(values, dtype=torch.float64),
+                                     dist.get_backend())
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return [t.tolist() for t in everyone]
+
+
 def barrier() -> None:
+    watch.enter("collective")
     dist.barrier()
 
 
 def any_rank(flag: bool) -> bool:
     """True on every rank if `flag` is true on any (one small collective)."""
+    watch.enter("collective")
     value = devices.collective_tensor(torch.tensor([1 if flag else 0], dtype=torch.int64),
                                       dist.get_backend())
     dist.all_reduce(value, op=dist.ReduceOp.MAX)

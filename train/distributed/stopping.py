@@ -15,6 +15,7 @@ its ranks (`PassOn`).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -23,6 +24,7 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
+from train.distributed import workers
 from train.errors import StoppedBySignal
 
 log = logging.getLogger("train")
@@ -68,6 +70,11 @@ def ignore_in_worker(_worker_id: int) -> None:
     for number in STOP_SIGNALS:
         if number != signal.SIGTERM:
             signal.signal(number, signal.SIG_IGN)
+    workers.in_worker(_worker_id)  # its stacks on request, in a file of its own
+    # A worker stuck in a user's __getitem__ never checks that its rank lives: it dies with
+    # it, or it would outlive the job (and hold the terminal's pipes open).
+    with contextlib.suppress(AttributeError, OSError):  # Linux only
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads made later too
     threading.Thread(target=_end_on_term_from, args=(os.getppid(),), daemon=True,
                      name="term-from-rank").start()

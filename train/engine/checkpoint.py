@@ -284,7 +284,9 @@ class Checkpointer:
     def save(self, train: TrainState, totals: Totals | None, batch_in_epoch: int) -> None:
         """Collective: call it on every rank at the same point."""
         from train.distributed import process_group as distributed
+        from train.distributed import watch
 
+        watch.enter("checkpoint")
         mine = {"rng": rng_state(), "totals": totals.snapshot() if totals is not None else None}
         ranks = distributed.gather_to_main(mine)
         if ranks is not None:  # rank 0: the one writer

@@ -9,18 +9,20 @@ that decide what happens next live here, each deciding its own rank-0 part:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
 
 from train.config.groups import TrainConfig
 from train.distributed import process_group as distributed
-from train.distributed import slurm
+from train.distributed import slurm, watch
 from train.distributed.env import DistEnv
 from train.distributed.stopping import Preempted
 from train.engine import checkpoint
+from train.errors import FAILURE_REASON, SILENT_RANKS
 from train.report.runlog import RunLogger
-from train.tracking import sweep
+from train.tracking import records, sweep
 
 log = logging.getLogger("train")
 
@@ -49,9 +51,15 @@ class JobEnding:
             slurm.requeue_after_stop(stopped.signal_name, self.logger.restarts, budget)
 
     def failed(self, exc: BaseException, ending_run: Callable[[], None] | None) -> None:
-        """Any other way out: the run FAILED with the first failing rank's error."""
+        """Any other way out: the run FAILED with the first failing rank's error, which the
+        exception carries on (errors.FAILURE_REASON) for the launcher's one line."""
         reason, silent = distributed.failure_reason(self.env, exc, slurm.node_of_rank)
+        with contextlib.suppress(AttributeError, TypeError):  # a built-in without __dict__
+            setattr(exc, FAILURE_REASON, reason)
+            setattr(exc, SILENT_RANKS, tuple(silent))
         main = self.env.is_main
+        if main:
+            self._log_stacks()
         if main and ending_run is not None:
             ending_run()
         self.logger.finish(error=reason)
@@ -59,6 +67,11 @@ class JobEnding:
             self._end_sweep_if_last(reason)
         if main and silent and self.cfg.cluster is not None:
             slurm.end_job_after_lost_peer(reason)
+
+    def _log_stacks(self) -> None:
+        """The ranks' stacks (dumped after a collective timed out) as the run's artifacts."""
+        for path in sorted((self.out / watch.STACKS_DIR).glob("rank-*.txt")):
+            self.logger.run.log(records.ArtifactFile(str(path), artifact_path=watch.STACKS_DIR))
 
     def finished(self) -> None:
         """After the run ended FINISHED: the last job of an unwaited sweep ends its parent."""

@@ -37,7 +37,7 @@ from train.config.task import metric_problem
 from train.data import build as data_lib
 from train.distributed import env as distenv
 from train.distributed import process_group as distributed
-from train.distributed import slurm
+from train.distributed import slurm, watch
 from train.distributed.devices import device_name
 from train.distributed.stopping import Preempted, StopSignals
 from train.engine import checkpoint, drill, loop
@@ -45,6 +45,7 @@ from train.engine import monitor as monitor_lib
 from train.engine import state as train_state
 from train.engine.ending import JobEnding
 from train.engine.outputs import JobOutputs
+from train.engine.stragglers import Stragglers
 from train.errors import ConfigError
 from train.models import build as models
 from train.report import flops
@@ -204,6 +205,7 @@ def _train(job: Job, logger: RunLogger, stop: StopSignals,
                  _previous_run(cfg, out, resumed))
     accumulate = cfg.trainer.accumulate_grad_batches
     task = tasks.build(cfg.task)
+    watch.enter("data")  # building the data reads the user's first samples
     bundle = data_lib.build(cfg.data, env, device, cfg.trainer.seed,
                             channels_last=cfg.trainer.channels_last, micro_batches=accumulate,
                             classes=task.name == "classification")
@@ -211,6 +213,7 @@ def _train(job: Job, logger: RunLogger, stop: StopSignals,
     logger.log_data(bundle, spec.num_classes,
                     task.output_card(bundle.target_shape, bundle.input_shape))
     torch.manual_seed(cfg.trainer.seed)  # identical initial weights on every rank
+    watch.enter("model")  # DDP's constructor waits for every rank
     steps_per_epoch = -(-len(bundle.train) // accumulate)  # optimiser steps: the schedule's
     state = train_state.build(cfg, spec, steps_per_epoch, device, resumed is not None)
     logger.log_model_params(state.module)
@@ -230,8 +233,10 @@ def _train(job: Job, logger: RunLogger, stop: StopSignals,
         before_write=lambda: logger.run.flush(
             cfg.tracking.checkpoint_flush_s, created_within_s=cfg.distributed.timeout_s / 2),
         run_fields=lambda: {**logger.run_fields(), "monitor": monitor.state_dict()})
+    stragglers = Stragglers(cfg.trainer.straggler_share, cfg.trainer.straggler_intervals,
+                            slurm.node_of_rank, logger.run.set_tags, env.is_main)
     duties = loop.Duties(logger.training, checkpointer, stop, env.rank, env.local_rank, monitor,
-                         job.fail_at)
+                         job.fail_at, stragglers if env.world_size > 1 else None)
     final_val = loop.fit(cfg, state, bundle, device, duties, task)
     if monitor.stop_reason:
         logger.stopped_early(monitor.stop_reason)
@@ -285,6 +290,7 @@ def run_rank(config: dict[str, Any], output_dir: str, command: str, own_process:
     ending = JobEnding(cfg, env, out, command, logger)
     try:  # from the process group on: a job that fails in it has ended too (sweep, below)
         distributed.init(env, backend, device, cfg.distributed.timeout_s)
+        watch.start(out, env.rank, env.world_size)
         drill.check(job.fail_at, 0, env.rank)
         with StopSignals() as stop:
             final = _train(job, logger, stop, ending)
@@ -300,4 +306,5 @@ def run_rank(config: dict[str, Any], output_dir: str, command: str, own_process:
         ending.failed(exc, ending_run)
         raise
     finally:
+        watch.stop()
         distributed.shutdown()

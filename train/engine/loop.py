@@ -20,11 +20,13 @@ from torch import nn
 from train.config.groups import TrainConfig
 from train.data.build import Batches, DataBundle
 from train.distributed import process_group as distributed
+from train.distributed import watch
 from train.distributed.stopping import StopSignals
 from train.engine import drill, optim
 from train.engine.checkpoint import Checkpointer
 from train.engine.monitor import Monitor
 from train.engine.state import TrainState
+from train.engine.stragglers import Stragglers
 from train.report import metrics, system_stats
 from train.report.trainlog import TrainingLog
 from train.tasks.base import Sums, Task
@@ -50,6 +52,7 @@ class Duties:
     monitor: Monitor
     fail_at: int | None = None
     """The step of this rank's failure drill (train/engine/drill.py); None = none."""
+    stragglers: Stragglers | None = None
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
@@ -102,6 +105,7 @@ def _micro_step(cfg: TrainConfig, state: TrainState, inputs: Any, target: Any,
         if task.fixed_items:
             per_sample = int(sums["items"]) / max(1, int(sums["samples"]))
             loss = loss / (step_samples * per_sample)
+        watch.enter("backward")
         state.scaler.scale(loss).backward()
     return output, sums
 
@@ -112,6 +116,7 @@ def _optimiser_step(cfg: TrainConfig, state: TrainState, items: torch.Tensor | N
     small all-reduce, no host sync), unscale (fp16) and clip it, step, and advance
     `state.step` and the LR schedule where it steps per optimiser step (the built-in one;
     optim.scheduler_interval=step)."""
+    watch.enter("optimizer")
     if items is not None:
         everywhere = torch.as_tensor(items, dtype=torch.float64, device=_device(state)).clone()
         torch.distributed.all_reduce(everywhere)
@@ -128,6 +133,7 @@ def _optimiser_step(cfg: TrainConfig, state: TrainState, items: torch.Tensor | N
     if state.scheduler_interval == "step":
         state.scheduler.step()
     state.step += 1
+    watch.enter("optimizer", state.step)
 
 
 def _device(state: TrainState) -> torch.device:
@@ -138,6 +144,9 @@ def _log_step(state: TrainState, duties: Duties, totals: metrics.Totals, step_lo
               step_time_s: float, batches_done: int, batches: int) -> None:
     """A logging step, the only one that waits for the device: the step loss, fp16's scaler,
     and a checkpoint (then a stop) if any rank asks for one."""
+    if duties.stragglers is not None:
+        duties.stragglers.observe(state.step)
+    watch.enter("collective")
     sync = metrics.sync_step(step_loss, step_time_s, duties.stop.received is not None,
                              duties.checkpointer.interval_due())
     _check_finite(sync.mean_loss, duties.rank, state.step, "train/step_loss (mean over ranks)")
@@ -168,7 +177,8 @@ def train_epoch(cfg: TrainConfig, state: TrainState, batches: Batches, device: t
     window_start, window_steps = time.perf_counter(), 0
     step_loss: torch.Tensor = torch.zeros((), device=device)
     step_items: Any = 0
-    for index, (inputs, target) in enumerate(duties.logger.progress(batches, state.epoch),
+    for index, (inputs, target) in enumerate(watch.reading(duties.logger.progress(batches,
+                                                                            state.epoch)),
                                              start=skip):
         first, end = index - index % k, min(index - index % k + k, count)
         if index == first:
@@ -210,6 +220,7 @@ def evaluate(model: nn.Module, batches: Batches, device: torch.device, precision
     task's sums on fp32 outputs; `detailed`: what the task keeps for the final evaluations (a
     confusion matrix); `examples`: the task keeps a few samples for its picture."""
     model.eval()
+    watch.enter("validation")
     totals = metrics.Totals(device, task.layout(detailed))
     for index, (inputs, target) in enumerate(batches):
         with autocast(device, precision):

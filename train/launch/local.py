@@ -21,19 +21,23 @@ import multiprocessing.connection
 import os
 import queue
 import signal
+import sys
 import time
 import traceback
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from train.distributed import env as distenv
-from train.distributed import stopping
+from train.distributed import stopping, watch
 from train.distributed.stopping import Preempted
+from train.errors import FAILURE_REASON, SILENT_RANKS
 from train.errors import JobFailedError as JobFailedError
 from train.errors import JobStoppedError as JobStoppedError
 from train.errors import LaunchError as LaunchError  # re-exported
 from train.launch import joblock
+from train.launch.outcomes import RankOutcome as RankOutcome  # re-exported
+from train.launch.outcomes import log_tracebacks, root_cause, signal_name
 
 if TYPE_CHECKING:
     from multiprocessing.synchronize import Event
@@ -46,18 +50,8 @@ FAILED and exit, before they are stopped. Rank 0, once it has begun ending its r
 tracking.flush_timeout_s more: on a busy machine the run may not even exist yet (its sender
 starts at the first step), and stopping rank 0 then would leave no run at all."""
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-@dataclass(frozen=True)
-class RankOutcome:
-    """What a rank sent back before exiting: its result, its error's traceback, or the signal
-    that stopped it."""
-
-    rank: int
-    kind: Literal["error", "result", "stopped"]
-    payload: Any
-    at: float
-    """time.time() when it was sent: the earliest error is the root cause."""
+STACKS_S = 0.5
+"""How long ranks that are to be stopped get to dump their stacks (faulthandler, in C)."""
 
 
 def run_in_process(config: dict[str, Any], output_dir: str, command: str) -> dict[str, float]:
@@ -110,11 +104,17 @@ def start_local_ranks(config: dict[str, Any], output_dir: str, command: str, npr
         for p in procs:
             p.start()
         joblock.add_ranks(Path(output_dir), [p.pid for p in procs if p.pid is not None])
+        got: list[RankOutcome] = []
         try:
-            _supervise(procs, ending, float(config["tracking"]["flush_timeout_s"]) + GRACE_S)
+            _supervise(procs, ending, float(config["tracking"]["flush_timeout_s"]) + GRACE_S,
+                       lambda: _only_silent_left(procs, ranks, outcomes, got))
         finally:
-            stopped = {ranks[local] for local in _stop(procs)}
-    results = _drain(outcomes)
+            silent = {r for o in got if o.kind == "error" for r in o.silent}
+            stopped = {ranks[local] for local in _stop(
+                procs, {local for local, rank in enumerate(ranks) if rank in silent},
+                lambda local: watch.answers_stacks(Path(output_dir), ranks[local],
+                                                   procs[local].pid))}
+    results = got + _drain(outcomes)
     exits = {ranks[local]: p.exitcode for local, p in enumerate(procs)}
     done = {o.rank for o in results if o.kind in ("result", "stopped")}
     for rank, code in exits.items():
@@ -129,9 +129,22 @@ def start_local_ranks(config: dict[str, Any], output_dir: str, command: str, npr
         return next((o.payload for o in sorted(results, key=lambda o: o.rank)
                      if o.kind == "result"), {})
     stopped |= forwarding.signalled_ranks(exits)
+    log_tracebacks(Path(output_dir), results)
     _end_abandoned_run(output_dir, started, exits, results, stopped,
                        {ranks[local]: p.pid for local, p in enumerate(procs)})
     raise JobFailedError(f"the training job failed; {root_cause(exits, results, stopped)}")
+
+
+def _only_silent_left(procs: list[mp.Process], ranks: list[int], outcomes: mp.Queue,
+                      got: list[RankOutcome]) -> bool:
+    """Whether the ranks still running are only those a failed rank found not answering
+    (stuck, frozen): nobody is left to wait for (`got`: the outcomes read so far)."""
+    with contextlib.suppress(queue.Empty):
+        while True:
+            got.append(outcomes.get_nowait())
+    silent = {r for o in got if o.kind == "error" for r in o.silent}
+    return bool(silent) and all(ranks[local] in silent
+                                for local, p in enumerate(procs) if p.is_alive())
 
 
 def _start_resource_tracker() -> None:
@@ -158,7 +171,7 @@ def _end_abandoned_run(output_dir: str, started: float, exits: dict[int, int | N
     reported = {o.rank for o in results}
     if killed:
         rank, number = killed[0]
-        cause = f"rank {rank} (pid {pids[rank]}) killed by {_signal_name(number)}"
+        cause = f"rank {rank} (pid {pids[rank]}) killed by {signal_name(number)}"
     elif 0 in exits and 0 not in reported:  # hung and stopped, or gone without a word
         lines = root_cause(exits, results, stopped).strip().splitlines()
         cause = lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
@@ -174,6 +187,7 @@ def _rank_entry(config: dict[str, Any], output_dir: str, command: str, launcher:
     _end_with(launcher)
     os.environ.update(env)
     rank = int(env["RANK"])
+    _native_noise_to_log(Path(output_dir) / "train.log")
     try:
         from train.engine.job import run_rank
 
@@ -182,7 +196,8 @@ def _rank_entry(config: dict[str, Any], output_dir: str, command: str, launcher:
     except Preempted as e:
         outcome = RankOutcome(rank, "stopped", e.signal_name, time.time())
     except BaseException as e:
-        outcome = RankOutcome(rank, "error", "".join(traceback.format_exception(e)), time.time())
+        outcome = RankOutcome(rank, "error", "".join(traceback.format_exception(e)), time.time(),
+                              getattr(e, FAILURE_REASON, None), getattr(e, SILENT_RANKS, ()))
     outcomes.put(outcome)
     # The rank's work is done: spare the interpreter's final garbage collection over every
     # object torch, mlflow and pyarrow made (~2 s on rank 0 here); memory goes back to the OS
@@ -190,6 +205,22 @@ def _rank_entry(config: dict[str, Any], output_dir: str, command: str, launcher:
     gc.freeze()
     if outcome.kind == "error":
         raise SystemExit(1)
+
+
+def _native_noise_to_log(log_file: Path) -> None:
+    """What C++ writes to this rank's stderr (c10d's warnings with their frames, once a peer
+    is gone) goes to the job's train.log; Python's stderr (the log's terminal lines, warnings)
+    stays on the terminal, through a copy of the original descriptor."""
+    try:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        terminal = os.fdopen(os.dup(2), "w", buffering=1, errors="backslashreplace")
+    except OSError:
+        return
+    sys.stderr.flush()
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stderr = terminal
 
 
 def _end_with(launcher: int) -> None:
@@ -201,6 +232,8 @@ def _end_with(launcher: int) -> None:
     a bare KeyboardInterrupt and no checkpoint. Stop signals that come while the rank starts
     are kept (stopping.note_early) rather than killing it unannounced."""
     stopping.note_early()
+    # Until its watch registers faulthandler for it, a stack request must not kill the rank.
+    signal.signal(watch.STACKS_SIGNAL, signal.SIG_IGN)
     with contextlib.suppress(AttributeError, OSError):  # Linux only; elsewhere: best effort
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != launcher:  # it died before the line above
@@ -208,9 +241,10 @@ def _end_with(launcher: int) -> None:
 
 
 def _supervise(procs: list[mp.Process], ending: list[Event] | None = None,
-               ending_s: float = 0.0) -> None:
+               ending_s: float = 0.0, only_silent_left: Callable[[], bool] | None = None) -> None:
     """Until every rank has exited, or GRACE_S after the first one failed; if a rank still
-    running then has set its `ending` event (rank 0 ending its run), up to `ending_s` more."""
+    running then has set its `ending` event (rank 0 ending its run), up to `ending_s` more.
+    After a failure, at once when `only_silent_left()`: the ranks left are stuck."""
     deadline: float | None = None
     extended = False
     while any(p.is_alive() for p in procs):
@@ -219,6 +253,8 @@ def _supervise(procs: list[mp.Process], ending: list[Event] | None = None,
         multiprocessing.connection.wait([p.sentinel for p in procs if p.is_alive()], wait)
         if deadline is None and any(p.exitcode not in (None, 0) for p in procs):
             deadline = time.monotonic() + GRACE_S
+        if deadline is not None and only_silent_left is not None and only_silent_left():
+            return
         if deadline is not None and time.monotonic() >= deadline:
             if extended or not any(p.is_alive() and e.is_set()
                                    for p, e in zip(procs, ending or [], strict=False)):
@@ -226,12 +262,24 @@ def _supervise(procs: list[mp.Process], ending: list[Event] | None = None,
             extended, deadline = True, time.monotonic() + ending_s
 
 
-def _stop(procs: list[mp.Process]) -> set[int]:
-    """SIGTERM to the ranks still running, SIGKILL 5 s later; returns their indices in
+def _stop(procs: list[mp.Process], hopeless: set[int] | frozenset[int] = frozenset(),
+          answers_stacks: Callable[[int], bool] = lambda _local: False) -> set[int]:
+    """SIGTERM to the ranks still running, SIGKILL 5 s later (at once to the `hopeless`: stuck
+    or frozen, they cannot stop by themselves); first the stacks of those that
+    `answers_stacks` (stacks/.rank-N.dump: why did they not end?). Returns their indices in
     `procs` (local ranks)."""
     stopped = {rank for rank, p in enumerate(procs) if p.is_alive()}
+    asked = {rank for rank in stopped if answers_stacks(rank)}
+    for rank in asked:
+        with contextlib.suppress(OSError, TypeError):
+            os.kill(procs[rank].pid, watch.STACKS_SIGNAL)  # type: ignore[arg-type]
+    if asked:
+        time.sleep(STACKS_S)
     for rank in stopped:
-        procs[rank].terminate()
+        if rank in hopeless:
+            procs[rank].kill()
+        else:
+            procs[rank].terminate()
     for p in procs:
         p.join(5)
         if p.is_alive():
@@ -246,36 +294,3 @@ def _drain(outcomes: mp.Queue) -> list[RankOutcome]:
         while True:
             results.append(outcomes.get(timeout=0.2))
     return results
-
-
-def root_cause(exits: dict[int, int | None], outcomes: list[RankOutcome],
-               stopped: set[int]) -> str:
-    """Why the job failed, from every rank's exit code and what the ranks sent back.
-
-    A rank killed by a signal that did not come from this launcher caused the rest (the others
-    only noticed its closed connections); else the earliest Python error; else the exit codes.
-    """
-    errors = sorted((o for o in outcomes if o.kind == "error"), key=lambda o: (o.at, o.rank))
-    killed = sorted((rank, -code) for rank, code in exits.items()
-                    if code is not None and code < 0 and rank not in stopped)
-    if killed:
-        cause = f"rank {killed[0][0]} was killed by {_signal_name(killed[0][1])}"
-        if errors:
-            cause += f"; then rank {errors[0].rank} stopped: {_last_line(errors[0].payload)}"
-        return cause
-    if errors:
-        return f"rank {errors[0].rank} failed first:\n{errors[0].payload}"
-    return ", ".join(f"rank {rank} exited with code {code}" for rank, code in sorted(exits.items())
-                     if code and rank not in stopped) or "no rank reported why"
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
-
-
-def _last_line(text: str) -> str:
-    lines = text.strip().splitlines()
-    return lines[-1] if lines else ""

@@ -1,0 +1,86 @@
+"""A rank stuck on the local 2-node Slurm cluster (issue 29): the error names the node and the
+user's line; every rank's stacks are the run's artifacts; the job ends soon after the
+collective's timeout. The same hang locally, and its helpers: tests/e2e/test_hang.py."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from mlflow import MlflowClient
+
+from tests.cluster.conftest import slurm_job
+from tests.conftest import REPO, runs_in, wait_until
+from tests.e2e.test_hang import STUCK, TIMEOUT_S, USERPKG, _sleep_line
+
+
+def test_a_stuck_rank_on_another_node_is_named_with_its_node_and_line(
+        cluster: None, store: dict[str, str], tmp_path: Path) -> None:
+    started = time.monotonic()
+    result = slurm_job(tmp_path, *(o for o in STUCK if "nproc_per_node" not in o),
+                       "cluster.nodes=2", "cluster.tasks_per_node=1", "cluster.cpus_per_task=1",
+                       env={**store, **USERPKG}, timeout=300)
+    took = time.monotonic() - started
+    assert result.returncode == 1, result.stdout + result.stderr
+    stuck = ("rank 1 on node2 stuck ", f" s in userpkg/data.py:{_sleep_line()} __getitem__ "
+             "(time.sleep), called from train/data/userdata.py")
+    [run] = runs_in(store["MLFLOW_TRACKING_URI"])
+    error = run.data.tags["error"]
+    assert run.info.status == "FAILED" and error.startswith(stuck[0]) and stuck[1] in error, error
+    assert error in result.stdout + result.stderr
+    artifacts = MlflowClient(store["MLFLOW_TRACKING_URI"]).list_artifacts(run.info.run_id,
+                                                                         "stacks")
+    assert sorted(a.path for a in artifacts) == ["stacks/rank-0.txt", "stacks/rank-1.txt"]
+    assert took < TIMEOUT_S + 120, f"{took:.0f} s from submission to the job's end"
+
+
+def test_status_and_stacks_of_a_running_slurm_job_by_its_id(
+        cluster: None, store: dict[str, str], tmp_path: Path) -> None:
+    """Rank 1 stuck on node2 (the collective's timeout far off): train.status and train.stacks
+    with the Slurm job id show it in "data" at the user's line; the job goes on until
+    scancel."""
+    overrides = [o for o in STUCK if "nproc_per_node" not in o and "timeout_s" not in o]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "train", "+cluster=slurm", "cluster.partition=debug",
+         "cluster.time_min=10", f"hydra.sweep.dir={tmp_path}/sweep", *overrides,
+         "+data.train.after=20", "distributed.timeout_s=300", "cluster.nodes=2",
+         "cluster.tasks_per_node=1", "cluster.cpus_per_task=1"], cwd=REPO,
+        env={**os.environ, **store, **USERPKG}, stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL, text=True)
+    job = ""
+    try:
+        assert proc.stdout is not None
+        job = wait_until(lambda: re.search(r"Submitted Slurm job (\d+)", proc.stdout.readline()),
+                         120, "the job's id")[1]
+        beat = tmp_path / "sweep" / "0" / "ranks" / "rank-1.json"
+        wait_until(lambda: '"phase": "data"' in _text(beat) and '"step": 0' not in _text(beat),
+                   240, "rank 1 stuck in data")
+        status = _inspect("status", job)
+        assert re.search(r"^rank 1 on \S+ \(pid \d+\): step \d+, data for", status, re.M), status
+        stacks = _inspect("stacks", job)
+        assert f"rank 1: userpkg/data.py:{_sleep_line()} __getitem__ (time.sleep)" in stacks
+        assert proc.poll() is None
+    finally:
+        if job:
+            subprocess.run(["scancel", job], check=False)
+        proc.kill()
+        proc.wait()
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def _inspect(command: str, target: str) -> str:
+    done = subprocess.run([sys.executable, "-m", f"train.{command}", target], cwd=REPO,
+                          env={**os.environ, **USERPKG}, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout

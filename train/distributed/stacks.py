@@ -1,0 +1,201 @@
+"""Reading faulthandler's stack dumps (train/distributed/watch.py writes them) and saying in one
+line which rank is stuck where: the user's frame first (file:line, function, the call on that
+line), then the service frame that called it; and the ranks that waited, grouped.
+
+The standard library only: `python -m train.stacks` and `train.status` use it on a login node.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import re
+import socket
+import sys
+import sysconfig
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from train.distributed import watch
+
+_THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+) .*\(most recent call first\):")
+_FRAME = re.compile(r'^  File "(.*)", line (\d+) in (.*)$')
+_CALL = re.compile(r"([A-Za-z_][\w.]*)\s*\(")
+_TRAIN = str(Path(__file__).resolve().parents[1]) + os.sep
+_LIBRARIES = tuple(sorted({sysconfig.get_paths()[k] + os.sep for k in
+                           ("stdlib", "platstdlib", "purelib", "platlib")}))
+WORKER_SECTION = "\nDataLoader worker "
+"""What starts a worker's stacks in a rank's stacks file (train/distributed/watch.py)."""
+_STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible sleep (disk or NFS)",
+           "T": "stopped (SIGSTOP)", "t": "stopped by a debugger", "Z": "a zombie"}
+
+
+@dataclass(frozen=True)
+class Frame:
+    path: str
+    line: int
+    function: str
+
+    def short(self) -> str:
+        return f"{short_path(self.path)}:{self.line}"
+
+
+def short_path(path: str) -> str:
+    """`path` as its module's place: the service's as train/..., a library's from its
+    site-packages, the user's from the PYTHONPATH entry that holds it."""
+    if path.startswith(_TRAIN):
+        return "train/" + path[len(_TRAIN):]
+    roots = [*_LIBRARIES, *(os.path.abspath(p) + os.sep for p in sys.path if p)]
+    best = max((r for r in roots if path.startswith(r)), key=len, default="")
+    return path[len(best):] if best else path
+
+
+def is_service(path: str) -> bool:
+    """The service's own code, Python's or an installed library's: not the user's."""
+    return path.startswith(_TRAIN) or path.startswith(_LIBRARIES) or path.startswith("<")
+
+
+def parse(text: str) -> dict[str, list[Frame]]:
+    """faulthandler's dump (the last one in `text`): each thread's frames, innermost first."""
+    threads: dict[str, list[Frame]] = {}
+    frames: list[Frame] | None = None
+    for line in text.splitlines():
+        if m := _THREAD.match(line):
+            if m.group(1) in threads:  # a later dump: it replaces the earlier
+                threads = {}
+            frames = threads.setdefault(m.group(1), [])
+        elif frames is not None and (m := _FRAME.match(line)):
+            frames.append(Frame(m.group(1), int(m.group(2)), m.group(3)))
+    return threads
+
+
+def read_header(text: str) -> dict[str, Any]:
+    import json
+
+    first = text.split("\n", 1)[0]
+    try:
+        beat = json.loads(first[2:]) if first.startswith("# ") else {}
+    except ValueError:
+        return {}
+    return beat if isinstance(beat, dict) else {}
+
+
+def main_frames(text: str, main: str | None = None) -> list[Frame]:
+    """The main thread's frames of a stacks file (its header names the main thread)."""
+    threads = parse(text)
+    main = main or read_header(text).get("main_thread")
+    if main in threads:
+        return threads[main]
+    return next(iter(threads.values()), [])
+
+
+def where(frames: list[Frame]) -> str:
+    """The user's innermost frame (file:line function (the call on that line)) and what called
+    it: the DataLoader or the service's frame; the innermost frame if none is the user's."""
+    if not frames:
+        return "no Python frame"
+    user = next((i for i, f in enumerate(frames) if not is_service(f.path)), None)
+    at = frames[0 if user is None else user]
+    text = f"{at.short()} {at.function}"
+    if m := _CALL.search(linecache.getline(at.path, at.line)):
+        text += f" ({m.group(1)})"
+    if user is None:
+        return text
+    outer = frames[user + 1:]
+    if any("torch/utils/data/" in f.path for f in outer):
+        return f"{text}, called from DataLoader"
+    caller = next((f for f in outer if f.path.startswith(_TRAIN)), None)
+    return f"{text}, called from {caller.short()} {caller.function}" if caller else text
+
+
+def stuck_in(text: str) -> str:
+    """Where a rank's stacks file says it is stuck: its main thread's user frame, else the
+    user frame of a DataLoader worker it waits for (its section of the file)."""
+    own, *workers = text.split(WORKER_SECTION)
+    frames = main_frames(own)
+    if any(not is_service(f.path) for f in frames):
+        return where(frames)
+    for section in workers:
+        worker, _, dump = section.partition(":\n")
+        for thread in parse(dump).values():
+            if any(not is_service(f.path) for f in thread):
+                return f"its DataLoader worker {worker}, at {where(thread)}"
+    return where(frames)
+
+
+def waited_in(exc: BaseException) -> str:
+    """Where a rank whose collective timed out waited: the collective, the service's line."""
+    tb = traceback.extract_tb(exc.__traceback__)
+    if not tb:
+        return type(exc).__name__
+    ours = [f for f in tb if f.filename.startswith(_TRAIN)]
+    line = f" ({short_path(ours[-1].filename)}:{ours[-1].lineno})" if ours else ""
+    return f"{tb[-1].name}{line}"
+
+
+def ranks_text(ranks: Iterable[int]) -> str:
+    """"rank 3" or "ranks 0, 2-63"."""
+    ordered = sorted(set(ranks))
+    spans: list[str] = []
+    start = prev = None
+    for r in [*ordered, None]:
+        if start is not None and (r is None or r != prev + 1):  # type: ignore[operator]
+            spans.append(str(start) if start == prev else f"{start}-{prev}")
+            start = None
+        if r is not None and start is None:
+            start = r
+        prev = r
+    return ("rank " if len(ordered) == 1 else "ranks ") + ", ".join(spans)
+
+
+def process_state(beat: dict[str, Any] | None) -> str:
+    """The process state of a rank on this host ("" where it runs elsewhere or is unknown)."""
+    if not beat or beat.get("host") != socket.gethostname():
+        return ""
+    try:
+        stat = Path(f"/proc/{int(beat['pid'])}/stat").read_text()
+    except (OSError, ValueError, KeyError):
+        return f"; its process {beat.get('pid')} is gone"
+    code = stat.rsplit(")", 1)[1].split()[0]
+    return f"; its process {beat['pid']} is {_STATES.get(code, code)}"
+
+
+def explain(out: Path, silent: list[int], node_of: Callable[[int], str], answered: set[int],
+            waited: dict[int, str]) -> str:
+    """One line: each silent rank stuck where (or that it did not answer the stack request),
+    then the ranks that waited, grouped by where."""
+    parts: list[str] = []
+    for rank in silent:
+        if rank in answered:
+            text = watch.stacks_path(out, rank).read_text(errors="replace")
+            beat = read_header(text)
+            age = time.time() - float(beat.get("since", time.time()))
+            parts.append(f"rank {rank} on {node_of(rank)} stuck {age:.0f} s in "
+                         f"{stuck_in(text)}")
+        else:
+            beat = watch.read_beat(watch.beat_path(out, rank))
+            parts.append(f"rank {rank} on {node_of(rank)} stopped answering (its process or "
+                         "node died, or it is frozen): it did not answer the stack request"
+                         + process_state(beat))
+    by_place: dict[str, list[int]] = {}
+    for rank, place in sorted(waited.items()):
+        by_place.setdefault(place, []).append(rank)
+    parts += [f"{ranks_text(ranks)} waited in {place}" for place, ranks in by_place.items()]
+    return "; ".join(parts)
+
+
+def grouped(stacks: dict[int, list[Frame]]) -> str:
+    """py-spy dump's view of many ranks: each distinct main-thread stack once, with its ranks."""
+    groups: dict[tuple[Frame, ...], list[int]] = {}
+    for rank, frames in sorted(stacks.items()):
+        groups.setdefault(tuple(frames), []).append(rank)
+    blocks = []
+    for frames, ranks in sorted(groups.items(), key=lambda g: g[1]):
+        lines = [f"{ranks_text(ranks)}: {where(list(frames))}"]
+        lines += [f"    {f.function} ({f.short()})" for f in frames]
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)

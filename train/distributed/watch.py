@@ -1,0 +1,285 @@
+"""Where each rank is while it runs, and its stacks on request: what names a stuck rank.
+
+- The heartbeat: the loop marks the phase it enters (`enter("data")`, ...) and the step; that
+  is two attribute writes and a clock read, no file and no host sync. A watchdog thread writes
+  it to `<output dir>/ranks/rank-<N>.json` when it changed (at most every POLL_S), which
+  `python -m train.status` reads from the login node.
+- Stacks without ptrace: the watchdog dumps every thread's Python stack with faulthandler (C
+  level: it works while the main thread sleeps or waits in C) into `stacks/rank-<N>.txt` when a
+  rank asks through the job's store (`request_stacks`, after a collective timed out), and
+  faulthandler answers SIGUSR1 (`python -m train.stacks`) into `stacks/.rank-<N>.dump` by
+  itself, even when the rank holds the GIL. USR1: USR2, TERM, INT and HUP stop the job.
+
+The watchdog has its own store client: the main thread may hold the default one for as long as
+distributed.timeout_s in a store wait. No torch at import: `train.status` reads files only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import os
+import signal
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+RANKS_DIR = "ranks"
+STACKS_DIR = "stacks"
+STACKS_SIGNAL = signal.SIGUSR1
+"""Asks a rank for its stacks (faulthandler answers in C); not a stop or requeue signal."""
+POLL_S = 0.5
+REFRESH_S = 10.0
+"""An unchanged heartbeat is rewritten this often, so that its file's `written` tells a live
+watchdog from a frozen process."""
+QUIET_S = 2.0
+"""A rank looks for a stack request only once it has been in one phase this long: a stuck rank
+has (the others waited distributed.timeout_s for it)."""
+_REQUEST_KEY = "train/stacks/request"
+_DONE_KEY = "train/stacks/done/"
+_WAITED_KEY = "train/waited/"
+
+
+@dataclass
+class Beat:
+    """This rank's place: the step and the phase it is in, and since when (time.time())."""
+
+    step: int = 0
+    phase: str = "start"
+    since: float = field(default_factory=time.time)
+
+
+_beat = Beat()
+_watch: Watch | None = None
+_spent: dict[str, float] = {}
+
+
+def enter(phase: str, step: int | None = None) -> None:
+    """The rank enters `phase` (data, forward, backward, optimizer, collective, validation,
+    checkpoint, ...), and the time spent in the one it leaves is added up (`take_spent`):
+    cheap enough for every step (well under a microsecond)."""
+    beat = _beat
+    if phase != beat.phase:
+        now = time.time()
+        _spent[beat.phase] = _spent.get(beat.phase, 0.0) + now - beat.since
+        beat.phase, beat.since = phase, now
+    if step is not None:
+        beat.step = step
+
+
+def reading(batches: Iterable[Any]) -> Iterator[Any]:
+    """The batches, the rank in phase "data" while the next is read, "forward" after."""
+    iterator = iter(batches)
+    while True:
+        enter("data")
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        enter("forward")
+        yield batch
+
+
+def take_spent() -> dict[str, float]:
+    """Seconds spent in each phase since the last call (the straggler check's)."""
+    spent = dict(_spent)
+    _spent.clear()
+    return spent
+
+
+def stacks_path(out: Path, rank: int) -> Path:
+    return out / STACKS_DIR / f"rank-{rank}.txt"
+
+
+def dump_path(out: Path, rank: int) -> Path:
+    return out / STACKS_DIR / f".rank-{rank}.dump"
+
+
+def beat_path(out: Path, rank: int) -> Path:
+    return out / RANKS_DIR / f"rank-{rank}.json"
+
+
+def answers_stacks(out: Path, rank: int, pid: int | None) -> bool:
+    """Whether process `pid` (rank `rank`) registered its stack dump: SIGUSR1 before that
+    would kill it. Its dump file's header names it."""
+    try:
+        return f'"pid": {pid},' in dump_path(out, rank).read_text(errors="replace")
+    except OSError:
+        return False
+
+
+def read_beat(path: Path) -> dict[str, Any] | None:
+    """A rank's last written heartbeat; None if it has none (yet) or it is unreadable."""
+    try:
+        beat = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return beat if isinstance(beat, dict) else None
+
+
+def header(beat: dict[str, Any]) -> str:
+    """The first line of a stacks file: who and where, machine-readable (train/distributed/
+    stacks.py reads it back)."""
+    return "# " + json.dumps(beat, sort_keys=True) + "\n"
+
+
+class Watch:
+    """The heartbeat file, the stack dumps and the watchdog thread of one rank."""
+
+    def __init__(self, out: Path, rank: int, world_size: int) -> None:
+        self.out, self.rank, self.world_size = out, rank, world_size
+        self.host, self.pid = socket.gethostname(), os.getpid()
+        self.main = threading.main_thread().ident or 0
+        self.waited = ""
+        """The traceback of the collective this rank waited in when it timed out."""
+        for folder in (RANKS_DIR, STACKS_DIR):
+            (out / folder).mkdir(parents=True, exist_ok=True)
+        self._dump: TextIO = dump_path(out, rank).open("a")
+        self._dump.write(header(self.beat()))
+        self._dump.flush()
+        faulthandler.register(STACKS_SIGNAL, file=self._dump, all_threads=True)
+        self._client: Any = None
+        with contextlib.suppress(Exception):  # no process group (a test): no requests
+            self.store()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="train-watchdog", daemon=True)
+        self._thread.start()
+
+    def beat(self) -> dict[str, Any]:
+        b = _beat
+        return {"rank": self.rank, "host": self.host, "pid": self.pid, "step": b.step,
+                "phase": b.phase, "since": b.since, "written": time.time(),
+                "main_thread": f"0x{self.main:016x}"}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2 * POLL_S)
+        with contextlib.suppress(ValueError, RuntimeError):
+            faulthandler.unregister(STACKS_SIGNAL)
+        self._dump.close()
+
+    def store(self) -> Any:
+        """The watchdog's own client of the job's store (the main thread's may be busy for as
+        long as distributed.timeout_s): a clone of the group's, made while it surely lives."""
+        if self._client is None:
+            self._client = _group_store().clone()
+        return self._client
+
+    def dump_stacks(self) -> None:
+        """Every thread's stack into stacks/rank-<N>.txt: the heartbeat, the collective this
+        rank waited in (if it did), faulthandler's dump, then its DataLoader workers'."""
+        # They read this module's files (and import it): imported here, when used.
+        from train.distributed import stacks, workers
+
+        path = stacks_path(self.out, self.rank)
+        tmp = path.with_name(path.name + ".tmp")
+        with tmp.open("w") as f:
+            f.write(header(self.beat()))
+            if self.waited:
+                f.write(f"Waited in a collective until it timed out:\n{self.waited}\n")
+            f.flush()
+            faulthandler.dump_traceback(f, all_threads=True)
+            for worker, text in workers.stacks_of_workers(self.out, self.rank).items():
+                f.write(f"{stacks.WORKER_SECTION}{worker.stem.rsplit('-', 1)[1]}:\n{text}")
+        os.replace(tmp, path)
+
+    def _run(self) -> None:
+        written: tuple[int, str, float] | None = None
+        last = 0.0
+        answered = False
+        while not self._stop.wait(POLL_S):
+            b = _beat
+            now_state = (b.step, b.phase, b.since)
+            if now_state != written or time.monotonic() - last > REFRESH_S:
+                with contextlib.suppress(OSError):
+                    self._write_beat()
+                written, last = now_state, time.monotonic()
+            # Only a rank that has not moved on for a while can be the one asked for: a
+            # polling rank whose store's host (rank 0) died prints c10d's warnings.
+            if not answered and time.time() - b.since > QUIET_S:
+                answered = self._answer_request()
+
+    def _write_beat(self) -> None:
+        path = beat_path(self.out, self.rank)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.beat()))
+        os.replace(tmp, path)
+
+    def _answer_request(self) -> bool:
+        """Dump the stacks once a rank asked for them; True once done (one request per job)."""
+        try:
+            store = self.store()
+            if not store.check([_REQUEST_KEY]):
+                return False
+            self.dump_stacks()
+            store.set(f"{_DONE_KEY}{self.rank}", "1")
+        except Exception:  # noqa: BLE001 - the store's host (rank 0) may be gone: nobody asks
+            return True
+        return True
+
+
+def start(out: Path, rank: int, world_size: int) -> Watch:
+    """Start this rank's watch (after its process group exists); `stop` ends it."""
+    global _watch
+    stop()
+    _watch = Watch(out, rank, world_size)
+    return _watch
+
+
+def stop() -> None:
+    global _watch
+    if _watch is not None:
+        _watch.close()
+        _watch = None
+
+
+def current() -> Watch | None:
+    return _watch
+
+
+def note_waited(exc: BaseException) -> None:
+    """This rank's collective timed out: keep where it waited (for its stacks file) and say so
+    in the store (for the rank that writes the job's error)."""
+    watch = _watch
+    if watch is None:
+        return
+    watch.waited = "".join(traceback.format_exception(exc))
+    from train.distributed import stacks
+
+    with contextlib.suppress(Exception):
+        _group_store().set(f"{_WAITED_KEY}{watch.rank}", stacks.waited_in(exc))
+
+
+def _group_store() -> Any:
+    """The default group's store, as the main thread has it (its connection exists)."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
+
+
+def request_stacks(wait_s: float) -> tuple[set[int], dict[int, str]]:
+    """Ask every rank for its stacks and wait up to `wait_s` for them: the ranks that answered,
+    and where the ranks that timed out in a collective waited."""
+    watch = _watch
+    if watch is None:
+        return set(), {}
+    answered: set[int] = set()
+    waited: dict[int, str] = {}
+    with contextlib.suppress(Exception):
+        store = _group_store()
+        store.compare_set(_REQUEST_KEY, "", "1")
+        keys = [f"{_DONE_KEY}{r}" for r in range(watch.world_size)]
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and not store.check(keys):
+            time.sleep(0.1)
+        answered = {r for r, key in enumerate(keys) if store.check([key])}
+        for r in range(watch.world_size):
+            if store.check([f"{_WAITED_KEY}{r}"]):
+                waited[r] = store.get(f"{_WAITED_KEY}{r}").decode()
+    return answered, waited

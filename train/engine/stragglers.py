@@ -1,0 +1,58 @@
+"""Stragglers: a rank that is slower than the others, named before it slows the job for long.
+
+Each rank adds up its time waiting for data and computing (forward, backward) between logging
+steps (train/distributed/watch.py's phases: no sync of its own). At a logging step the ranks
+share these sums (one all_gather of two numbers); a rank whose wait for data is more than
+trainer.straggler_share over the median rank's for trainer.straggler_intervals logging
+intervals in a row is named: a warning and the run's `straggler` tag.
+
+Only the wait for data is judged: it ends before any collective. Under DDP the computing time
+holds the gradients' all-reduce (in backward) and the buffers' broadcast (in forward), where a
+fast rank waits for a slow one, so every rank's computing time grows alike; it is reported,
+not judged.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Callable, Mapping
+
+from train.distributed import process_group as distributed
+from train.distributed import watch
+
+log = logging.getLogger("train")
+OWN_WORK = ("data", "forward", "backward")
+"""The phases a rank spends on its own, before it waits for the others."""
+
+
+class Stragglers:
+    def __init__(self, share: float, intervals: int, node_of: Callable[[int], str],
+                 tag: Callable[[Mapping[str, str]], None], speaks: bool) -> None:
+        """`speaks`: this rank warns (rank 0; every rank judges alike)."""
+        self.share, self.intervals, self.node_of, self.tag = share, intervals, node_of, tag
+        self.speaks = speaks
+        self.streaks: dict[int, int] = {}
+        self.named: set[int] = set()
+
+    def observe(self, step: int) -> None:
+        """A logging step, on every rank: share this interval's sums, name a straggler."""
+        spent = watch.take_spent()
+        mine = [spent.get("data", 0.0), sum(spent.get(p, 0.0) for p in OWN_WORK[1:])]
+        self.judge(distributed.gather_floats(mine), step)
+
+    def judge(self, ranks: list[list[float]], step: int) -> None:
+        totals = [data for data, _ in ranks]
+        median = statistics.median(totals)
+        for rank, total in enumerate(totals):
+            slow = median > 0 and total > median * (1 + self.share)
+            self.streaks[rank] = self.streaks.get(rank, 0) + 1 if slow else 0
+            if self.streaks[rank] >= self.intervals and rank not in self.named and self.speaks:
+                self.named.add(rank)
+                data, compute = ranks[rank]
+                text = (f"rank {rank} on {self.node_of(rank)} is a straggler: {data:.2f} s "
+                        f"waiting for data ({total / median - 1:.0%} over the median rank's "
+                        f"{median:.2f} s) and {compute:.2f} s computing in the logging "
+                        f"interval up to step {step}; {self.streaks[rank]} intervals in a row")
+                log.warning("%s", text)
+                self.tag({"straggler": text})

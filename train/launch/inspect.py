@@ -1,0 +1,127 @@
+"""A running job's ranks seen from outside it (the login node, another terminal): where each
+is (`python -m train.status`) and every rank's stacks (`python -m train.stacks`), for a job's
+output directory or its Slurm job id.
+
+The ranks write their heartbeats and answer SIGUSR1 with faulthandler themselves
+(train/distributed/watch.py); this reads the files and sends the signal: to the processes on
+this host, through `scancel --signal=USR1` for a Slurm job. Nothing here stops the job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from train.distributed import stacks, watch
+from train.errors import LaunchError
+
+ANSWER_S = 10.0
+"""How long the ranks get to dump their stacks; one that has not by then did not answer."""
+
+
+def resolve(target: str) -> tuple[Path, str | None]:
+    """The output directory of `target` (that directory, or a Slurm job id's), and the Slurm
+    job id if one was given."""
+    path = Path(target)
+    if (path / watch.RANKS_DIR).is_dir():
+        return path, None
+    if re.fullmatch(r"\d+(_\d+)?", target):
+        return _slurm_output_dir(target), target
+    raise LaunchError(f"{target} is neither a running job's output directory (it has no "
+                      f"{watch.RANKS_DIR}/ with the ranks' heartbeats) nor a Slurm job id")
+
+
+def _slurm_output_dir(job: str) -> Path:
+    """A submitted job's directory: its log is in <sweep dir>/.submitit/<id>/; of the job
+    directories beside it, the one whose ranks write heartbeats (the array task's number)."""
+    try:
+        shown = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True,
+                               text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise LaunchError(f"Slurm job {job}: scontrol failed ({e})") from None
+    out = re.search(r"\bStdOut=(\S+)", shown.stdout)
+    if shown.returncode != 0 or out is None:
+        raise LaunchError(f"Slurm job {job} is not known to Slurm: {shown.stderr.strip()}")
+    sweep = next((p.parent for p in Path(out[1]).parents if p.name == ".submitit"), None)
+    found = sorted(p.parent for p in sweep.glob(f"*/{watch.RANKS_DIR}")) if sweep else []
+    task = re.search(r"\bArrayTaskId=(\d+)", shown.stdout)
+    chosen = [p for p in found if task and p.name == task[1]] or found
+    if len(chosen) != 1:
+        raise LaunchError(f"Slurm job {job}: no single job directory with heartbeats under "
+                          f"{sweep} ({len(chosen)} found): give the output directory instead")
+    return chosen[0]
+
+
+def beats(out: Path) -> dict[int, dict[str, Any]]:
+    """Every rank's last heartbeat, by rank."""
+    found = {}
+    for path in (out / watch.RANKS_DIR).glob("rank-*.json"):
+        if (beat := watch.read_beat(path)) is not None and isinstance(beat.get("rank"), int):
+            found[beat["rank"]] = beat
+    return dict(sorted(found.items()))
+
+
+def status(out: Path) -> str:
+    """One line per rank: its step and phase, for how long, when its watchdog last wrote."""
+    now, lines = time.time(), []
+    for rank, b in beats(out).items():
+        written = now - float(b["written"])
+        silent = " - its watchdog is silent (frozen or dead?)" \
+            if written > 3 * watch.REFRESH_S else ""
+        lines.append(f"rank {rank} on {b['host']} (pid {b['pid']}): step {b['step']}, "
+                     f"{b['phase']} for {now - float(b['since']):.1f} s, heartbeat written "
+                     f"{written:.1f} s ago{silent}{stacks.process_state(b)}")
+    return "\n".join(lines) or f"no rank of {out} has written a heartbeat yet"
+
+
+def dump(out: Path, slurm_job: str | None) -> str:
+    """Ask every rank for its stacks (SIGUSR1) and group them by identical stack."""
+    ranks = beats(out)
+    if not ranks:
+        raise LaunchError(f"no rank of {out} has written a heartbeat yet: nothing to ask")
+    sizes = {r: _size(watch.dump_path(out, r)) for r in ranks}
+    here = socket.gethostname()
+    for b in ranks.values():
+        if b["host"] == here:
+            with contextlib.suppress(OSError):
+                os.kill(int(b["pid"]), watch.STACKS_SIGNAL)
+    if slurm_job is not None:  # the ranks on other nodes
+        subprocess.run(["scancel", f"--signal={signal.Signals(watch.STACKS_SIGNAL).name[3:]}",
+                        slurm_job], capture_output=True, timeout=30)
+    deadline = time.monotonic() + ANSWER_S
+    answered: dict[int, list[stacks.Frame]] = {}
+    seen = dict(sizes)
+    while len(answered) < len(ranks) and time.monotonic() < deadline:
+        time.sleep(0.3)
+        for r in set(ranks) - set(answered):
+            size = _size(watch.dump_path(out, r))
+            if sizes[r] < size == seen[r]:  # it grew, and has stopped growing: dumped
+                text = _new_text(watch.dump_path(out, r), sizes[r])
+                answered[r] = stacks.main_frames(text, ranks[r].get("main_thread"))
+            seen[r] = size
+    missing = [f"rank {r} on {ranks[r]['host']} did not answer the stack request"
+               f"{stacks.process_state(ranks[r])}" for r in ranks if r not in answered]
+    return "\n\n".join([stacks.grouped(answered), *missing]).strip()
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _new_text(path: Path, offset: int) -> str:
+    try:
+        with path.open("rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
