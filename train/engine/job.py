@@ -44,6 +44,7 @@ from train.engine import monitor as monitor_lib
 from train.engine import state as train_state
 from train.engine.ending import JobEnding
 from train.engine.outputs import JobOutputs
+from train.engine.trial import TrialReporter
 from train.errors import ConfigError
 from train.models import build as models
 from train.report import flops
@@ -201,14 +202,28 @@ def _train(job: Job, logger: RunLogger, stop: StopSignals,
         before_write=lambda: logger.run.flush(
             cfg.tracking.checkpoint_flush_s, created_within_s=cfg.distributed.timeout_s / 2),
         run_fields=lambda: {**logger.run_fields(), "monitor": monitor.state_dict()})
-    duties = loop.Duties(logger.training, checkpointer, stop, env.rank, env.local_rank, monitor)
-    final_val = loop.fit(cfg, state, bundle, device, duties, task)
-    if monitor.stop_reason:
+    reporter = None
+    if cfg.trainer.trial is not None and cfg.trainer.study:
+        reporter = TrialReporter(cfg, env.rank)
+        reporter.check_params(job.config)
+    duties = loop.Duties(logger.training, checkpointer, stop, env.rank, env.local_rank, monitor,
+                         reporter)
+    try:
+        final_val = loop.fit(cfg, state, bundle, device, duties, task)
+    finally:
+        if reporter is not None:
+            reporter.close()
+    if reporter is not None and reporter.pruned_at is not None:
+        logger.run.set_tags({"pruned_at": str(reporter.pruned_at)})
+        logger.stopped_early(str(reporter.stop_reason))
+    elif monitor.stop_reason:
         logger.stopped_early(monitor.stop_reason)
     tested = _final_model_and_test(cfg, out, state, bundle, device, logger, task)
     outputs.write_final(state, bundle, final_val, distributed.gather_to_all(peak_rss_mb()),
                         tested)
     logger.finish()
+    if reporter is not None:
+        reporter.tell(logger.training.final_metrics)
     ending.finished()
     return dict(logger.training.final_metrics)
 
