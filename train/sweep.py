@@ -20,6 +20,16 @@ from pathlib import Path
 from typing import Any
 
 
+def __getattr__(name: str) -> object:
+    """`train.sweep` was the sweep's parent-run module (now train/tracking/sweep.py): its names
+    still answer here, for configs (`_target_: train.sweep.ParentRunCallback`) and pickles."""
+    if name.startswith("__"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from train.tracking import sweep as moved
+
+    return getattr(moved, name)
+
+
 def _record(sweep_dir: Path) -> dict[str, Any]:
     path = sweep_dir / "sweep.json"
     if not path.is_file():

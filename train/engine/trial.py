@@ -129,7 +129,11 @@ class TrialReporter:
 
         prune = False
         if self.rank == 0:
-            prune = self._report(epochs_done, objective_value(self.objective, train, val))
+            try:
+                prune = self._report(epochs_done, objective_value(self.objective, train, val))
+            except Exception as e:  # noqa: BLE001 - the peers wait in the collective below
+                log.warning("trial %d: could not report epoch %d to the study (%s); "
+                            "training on", self.number, epochs_done, e)
         if not distributed.any_rank(prune):
             return False
         self.pruned_at = epochs_done

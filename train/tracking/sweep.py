@@ -224,7 +224,8 @@ class ParentRunCallback(Callback):
                   f"{self.unwaited_jobs} jobs to end will summarise and end it.", flush=True)
             return
         print(f"Sweep parent run {parent}: {summary['children']} job(s), {summary['failed']} "
-              f"failed, {summary['pruned']} pruned; best {objective} = {summary.get('best_value')} "
+              f"failed, {summary.get('pruned', 0)} pruned; best {objective} = "
+              f"{summary.get('best_value')} "
               f"(run {summary.get('best_run_id')})", flush=True)
         if summary.get("registered"):
             print(f"Sweep's best job registered as {summary['registered']}: "
