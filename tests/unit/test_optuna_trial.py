@@ -8,6 +8,7 @@ The collectives run over a real 1-rank gloo process group; 2 ranks are tests/e2e
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -125,3 +126,21 @@ def test_the_pruners_verdict_stops_the_trial_and_is_told_to_the_study(
     stored = study.trials[bad.number]
     assert stored.state == optuna.trial.TrialState.PRUNED
     assert stored.user_attrs["pruned_at"] == 1
+
+
+def test_a_trial_whose_heartbeat_stopped_is_failed_and_asked_again(tmp_path: Path) -> None:
+    from train.launch.trials import fail_stale
+
+    s = settings(tmp_path, pruner=None)
+    study = study_lib.open_study(s)
+    space = {"optim.lr": optuna.distributions.FloatDistribution(0.01, 0.1)}
+    dead, alive, mine = study.ask(space), study.ask(space), study.ask(space)
+    dead.set_user_attr(trial_lib.HEARTBEAT_ATTR, time.time() - 3 * s.heartbeat_s - 5)
+    alive.set_user_attr(trial_lib.HEARTBEAT_ATTR, time.time())
+    mine.set_user_attr(trial_lib.HEARTBEAT_ATTR, 0.0)  # this driver's own: its process tells
+    assert fail_stale(study, study.trials, {mine.number}, s.heartbeat_s) == [dead.number]
+    states = [t.state.name for t in study.trials]
+    assert states == ["FAIL", "RUNNING", "RUNNING", "WAITING"]
+    retry = study.ask(space)  # the next trial asked is the dead one's parameters
+    assert retry.params == dead.params
+    assert study.trials[retry.number].user_attrs["retry_of"] == dead.number
