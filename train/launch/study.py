@@ -142,6 +142,10 @@ def open_study(s: StudySettings) -> Any:
     study = optuna.create_study(study_name=s.study_name, storage=trial_lib.storage_of(s.storage),
                                 sampler=s.sampler, pruner=trial_lib.build_pruner(s.pruner),
                                 directions=s.directions, load_if_exists=True)
+    if study.trials:
+        # A resumed sweep: a seeded sampler would start its sequence again and propose the
+        # parameters of the trials that ran already.
+        study.sampler.reseed_rng()
     study.set_user_attr(trial_lib.PRUNER_ATTR, s.pruner)
     study.set_user_attr(trial_lib.HEARTBEAT_S_ATTR, s.heartbeat_s)
     return study
