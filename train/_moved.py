@@ -35,8 +35,10 @@ MOVED = {
     "state": "engine.state", "checkpoint": "engine.checkpoint", "monitor": "engine.monitor",
     "optim": "engine.optim", "safewrite": "engine.safewrite", "launch": "launch.local",
     "joblock": "launch.joblock", "preflight": "launch.preflight", "slurm": "launch.submit",
-    "slurm_follow": "launch.follow", "sweep": "tracking.sweep",
+    "slurm_follow": "launch.follow",
 }
+# `train.sweep` (now tracking/sweep.py) is no alias: `python -m train.sweep` is a root command
+# again (train/sweep.py), whose module __getattr__ answers the old module's names.
 """Old module (under train.) -> where it lives now."""
 _PACKAGE = Path(__file__).resolve().parent
 

@@ -173,7 +173,7 @@ def test_an_optuna_search_cannot_leave_its_trials_unwaited(tmp_path: Path) -> No
     result = slurm_job(tmp_path, "-m", "+hparams_search=optuna_digits", "cluster.wait=false",
                        timeout=120)
     assert result.returncode == 2, result.stdout + result.stderr
-    assert "cluster.wait=false cannot serve OptunaSweeper" in result.stderr
+    assert "cluster.wait=false cannot serve TrainOptunaSweeper" in result.stderr
     assert "Submitted" not in result.stdout
 
 

@@ -34,10 +34,11 @@ one after it and never a root command. `errors` is the one wing that is a single
 package, train/<wing>/."""
 
 ROOT_COMMANDS = {"__init__", "__main__", "app", "load", "server", "outbox", "prepare_text",
-                 "status", "stacks", "_moved"}
+                 "status", "stacks", "sweep", "_moved"}
 """The only other modules at train/'s root: what users run or import (`python -m train`,
 `python -m train.server`, `python -m train.outbox`, `python -m train.prepare_text`,
-`python -m train.status`, `python -m train.stacks`, `train.load.load_model`), and `_moved`
+`python -m train.status`, `python -m train.stacks`, `python -m train.sweep`,
+`train.load.load_model`), and `_moved`
 (old pickled class paths). They may import any wing, and another root command only as
 ROOT_TO_ROOT lists."""
 
@@ -74,6 +75,12 @@ LIGHT = {
     "hydra_plugins.train_launcher.local_launcher": "Hydra imports every plugin at its start",
     "hydra_plugins.train_launcher.slurm_launcher": "Hydra imports every plugin at its start",
     "hydra_plugins.train_launcher.checked_jobs": "Hydra imports every plugin at its start",
+    "hydra_plugins.train_launcher.optuna_sweeper": "Hydra imports every plugin at its start",
+    "hydra_plugins.train_launcher.optuna_run": "Hydra imports every plugin at its start",
+    "train.sweep": "`python -m train.sweep status` reads a journal file, nothing more",
+    "train.launch.study": "the sweep's driver: its trials import torch, it need not",
+    "train.launch.trials": "the sweep's driver: its trials import torch, it need not",
+    "train.engine.trial": "the driver reads the pruner and storage from it",
 }
 """Modules whose import must not reach a HEAVY module, and why. So are every wing's __init__
 and every module of the security and config wings (`light_modules`)."""

@@ -197,6 +197,11 @@ class TrainerConfig:
     logs (each task option sets its own default)."""
     objective_direction: str = "maximize"
     """maximize or minimize (for sweepers)."""
+    trial: int | None = None
+    """Handed by the Optuna sweeper (an override): this job's trial number in `study`."""
+    study: str | None = None
+    """Handed by the Optuna sweeper: `<storage>::<study name>` (train/engine/trial.py); rank 0
+    reports the objective there at each evaluation, and the study's pruner may stop the job."""
 
 
 @dataclass

@@ -46,6 +46,7 @@ from train.engine import state as train_state
 from train.engine.ending import JobEnding
 from train.engine.outputs import JobOutputs
 from train.engine.stragglers import Stragglers
+from train.engine.trial import TrialReporter
 from train.errors import ConfigError
 from train.models import build as models
 from train.report import flops
@@ -235,15 +236,28 @@ def _train(job: Job, logger: RunLogger, stop: StopSignals,
         run_fields=lambda: {**logger.run_fields(), "monitor": monitor.state_dict()})
     stragglers = Stragglers(cfg.trainer.straggler_share, cfg.trainer.straggler_intervals,
                             slurm.node_of_rank, logger.run.set_tags, env.is_main)
+    reporter = None
+    if cfg.trainer.trial is not None and cfg.trainer.study:
+        reporter = TrialReporter(cfg, env.rank)
+        reporter.check_params(job.config)
     duties = loop.Duties(logger.training, checkpointer, stop, env.rank, env.local_rank, monitor,
-                         job.fail_at, stragglers if env.world_size > 1 else None)
-    final_val = loop.fit(cfg, state, bundle, device, duties, task)
-    if monitor.stop_reason:
+                         job.fail_at, stragglers if env.world_size > 1 else None, reporter)
+    try:
+        final_val = loop.fit(cfg, state, bundle, device, duties, task)
+    finally:
+        if reporter is not None:
+            reporter.close()
+    if reporter is not None and reporter.pruned_at is not None:
+        logger.run.set_tags({"pruned_at": str(reporter.pruned_at)})
+        logger.stopped_early(str(reporter.stop_reason))
+    elif monitor.stop_reason:
         logger.stopped_early(monitor.stop_reason)
     tested = _final_model_and_test(cfg, out, state, bundle, device, logger, task)
     outputs.write_final(state, bundle, final_val, distributed.gather_to_all(peak_rss_mb()),
                         tested)
     logger.finish()
+    if reporter is not None:
+        reporter.tell(logger.training.final_metrics)
     ending.finished()
     return dict(logger.training.final_metrics)
 

@@ -27,6 +27,7 @@ from train.engine.checkpoint import Checkpointer
 from train.engine.monitor import Monitor
 from train.engine.state import TrainState
 from train.engine.stragglers import Stragglers
+from train.engine.trial import TrialReporter
 from train.report import metrics, system_stats
 from train.report.trainlog import TrainingLog
 from train.tasks.base import Sums, Task
@@ -53,6 +54,8 @@ class Duties:
     fail_at: int | None = None
     """The step of this rank's failure drill (train/engine/drill.py); None = none."""
     stragglers: Stragglers | None = None
+    trial: TrialReporter | None = None
+    """An Optuna sweep's trial (train/engine/trial.py): reports and the pruner's verdict."""
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
@@ -266,6 +269,9 @@ def fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.dev
                                           task, detailed, examples=last and duties.rank == 0),
                                  task.finalize, task.items_name)
             duties.monitor.observe(state.epoch, state.step, val)
+        # Collective at each evaluation, like early stopping: no rank leaves the loop alone.
+        pruned = (val is not None and duties.trial is not None and not last
+                  and duties.trial.should_stop(state.epoch + 1, train, val))
         nodes = None
         if cfg.tracking.system_metrics:  # one more small gather per epoch
             nodes = distributed.gather_to_all(system_stats.node_sample(duties.local_rank, device))
@@ -276,7 +282,7 @@ def fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.dev
                                 cfg.trainer.monitor)  # before the epoch's checkpoint
         state.epoch += 1
         stop = distributed.any_rank(duties.stop.received is not None)
-        early = not last and duties.monitor.stop_agreed()
+        early = pruned or (not last and duties.monitor.stop_agreed())
         if stop or early or duties.checkpointer.epoch_end_due(state.epoch):
             duties.checkpointer.save(state, None, 0)
         if early:

@@ -37,8 +37,15 @@ NO_RUN_TAG = "sweep.no_run."
 digest of the job's output directory, the value says which and why): it has ended, failed."""
 
 
+PRUNED_TAG = "pruned_at"
+"""On a job the sweep's pruner stopped (train/engine/trial.py): the epoch it stopped after."""
+
+
 def is_sweep(config: DictConfig) -> bool:
-    """More than one job: a sweep override (a=1,2) or a sweeper that proposes trials itself."""
+    """More than one job: a sweep override (a=1,2) or a sweeper that proposes trials itself.
+    One trial of the Optuna sweeper (trainer.trial set) is one job of its driver's sweep."""
+    if config.get("trainer", {}).get("trial") is not None:
+        return False
     if "BasicSweeper" not in str(config.hydra.sweeper.get("_target_", "BasicSweeper")):
         return True
     overrides = OverridesParser.create().parse_overrides(list(config.hydra.overrides.task))
@@ -71,9 +78,14 @@ def end_parent_run(cfg: TrackingConfig, parent_run_id: str, objective: str,
             c.status in ("RUNNING", "SCHEDULED") for c in children)):
         return None
     failed = len([c for c in children if c.status != "FINISHED"]) + len(without_run)
-    scored = [c for c in children if objective in c.metrics]
-    summary: dict[str, Any] = {"children": len(children), "failed": failed}
-    metrics = {"sweep/children": float(len(children)), "sweep/failed_children": float(failed)}
+    # A pruned job (tag pruned_at, FINISHED) stopped before its end: never the sweep's best,
+    # as Optuna's best trial is a completed one.
+    pruned = [c for c in children if PRUNED_TAG in c.tags]
+    scored = [c for c in children if objective in c.metrics and PRUNED_TAG not in c.tags]
+    summary: dict[str, Any] = {"children": len(children), "failed": failed,
+                               "pruned": len(pruned)}
+    metrics = {"sweep/children": float(len(children)), "sweep/failed_children": float(failed),
+               "sweep/pruned_children": float(len(pruned))}
     tags: dict[str, str] = {}
     if scored:
         pick = max if direction == "maximize" else min
@@ -214,7 +226,7 @@ class ParentRunCallback(Callback):
         best = summary.get("best_value")
         best = f"{best:.4g}" if isinstance(best, float | int) else best
         print(f"Sweep parent run {parent}: {summary['children']} job(s), {summary['failed']} "
-              f"failed; best {objective} = {best} "
+              f"failed, {summary.get('pruned', 0)} pruned; best {objective} = {best} "
               f"(run {summary.get('best_run_id')})", flush=True)
         if summary.get("registered"):
             print(f"Sweep's best job registered as {summary['registered']}: "
