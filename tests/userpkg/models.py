@@ -92,3 +92,16 @@ class BigramLM(nn.Module):
         x = self.embed(tokens).transpose(1, 2)  # (batch, width, seq)
         x = torch.relu(self.mix(nn.functional.pad(x, (1, 0))))  # position t sees t-1 and t
         return self.head(x.transpose(1, 2))
+
+
+class ScaledBigramLM(BigramLM):
+    """BigramLM with a learnt output temperature: a parameter of the model's own, which no
+    reset_parameters() initialises, so it cannot be built on the meta device and initialised
+    shard by shard (distributed.fsdp.init_on=meta names it; init_on=cpu trains it)."""
+
+    def __init__(self, vocab_size: int, width: int = 32) -> None:
+        super().__init__(vocab_size, width)
+        self.temperature = nn.Parameter(torch.ones(1))  # FSDP2 shards no 0-d parameter
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return super().forward(tokens) / self.temperature
