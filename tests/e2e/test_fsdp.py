@@ -102,18 +102,32 @@ def test_fsdp_trains_in_parity_with_ddp_and_one_process(trained: dict[str, dict]
             == trained["single"]["params"]["model.params_trainable"])
 
 
-def test_meta_device_init_trains(tokens: Path, store: dict[str, str], tmp_path: Path) -> None:
+def test_meta_device_init_trains_and_rank_0_outputs_are_whole(
+        tokens: Path, store: dict[str, str], tmp_path: Path) -> None:
     """distributed.fsdp.init_on=meta (the default): no whole model on any rank; the shards are
-    initialised by the model's init_weights, the loss falls, the final model is whole."""
-    done = run_train(*LM, f"data.root={tokens}", "distributed.nproc_per_node=2",
+    initialised by the model's init_weights and the loss falls. What rank 0 writes alone is the
+    whole model: best.pt (then the final weights: test_on=best), model.pt, the MLflow model
+    (exported for the registry) that load_model reads back."""
+    from train.load import load_model
+
+    args = [a for a in LM if a != "tracking.log_model=false"]
+    done = run_train(*args, f"data.root={tokens}", "distributed.nproc_per_node=2",
                      "distributed.strategy=fsdp", "trainer.precision=bf16-mixed",
-                     f"hydra.run.dir={tmp_path / 'job'}", env=store, timeout=240)
+                     "trainer.save_best=true", "trainer.test_on=best",
+                     "tracking.register_model=fsdp-gpt", f"hydra.run.dir={tmp_path / 'job'}",
+                     env=store, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    [run] = runs_in(store["MLFLOW_TRACKING_URI"])
-    steps = history(store["MLFLOW_TRACKING_URI"], run.info.run_id, "train/step_loss")
+    uri = store["MLFLOW_TRACKING_URI"]
+    [run] = runs_in(uri)
+    steps = history(uri, run.info.run_id, "train/step_loss")
     assert steps[-1][1] < steps[0][1]
     weights = torch.load(tmp_path / "job" / "model.pt", weights_only=True)
+    best = torch.load(tmp_path / "job" / "checkpoints" / "best.pt", weights_only=True)
     assert weights["wte.weight"].shape == (256, 32)
+    assert all(torch.equal(weights[k], best["model"][k]) for k in weights)
+    model = load_model(run.info.run_id, uri)
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+    assert "registered the model" in done.stderr
 
 
 RESUMES = {"fsdp-to-1": ("fsdp", 1), "fsdp-to-3-as-ddp": ("ddp", 3),

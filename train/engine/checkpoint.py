@@ -7,6 +7,11 @@ the current epoch, the MLflow run id and the composed config. Written atomically
 file, fsync, rename, fsync of the directory); the newest `keep` are kept. Read back with
 `torch.load(weights_only=True)`, which never unpickles arbitrary objects; a file that does not
 load (truncated, corrupt) is reported and the previous one is used.
+
+Under distributed.strategy=fsdp the model and optimiser state are consolidated first (every
+rank takes part: train/engine/fsdp.py) into the layout a DDP job writes, so a checkpoint of
+either strategy continues under the other; and any checkpoint, mid-epoch too, continues on
+any world size (`partial_totals`).
 """
 
 from __future__ import annotations
