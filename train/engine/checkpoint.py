@@ -29,14 +29,15 @@ from typing import Any
 import torch
 
 from train.config.groups import TrainerConfig
-from train.engine import fsdp, safewrite
+from train.engine import fsdp, safewrite, sharded
 from train.engine.state import TrainState
 from train.errors import TrainError
 from train.report.metrics import Totals
 
 log = logging.getLogger("train")
 
-NAME = re.compile(r"step-(\d+)\.pt$")
+NAME = re.compile(r"step-(\d+)\.(pt|dcp)$")
+"""A checkpoint: a file (step-<N>.pt) or a sharded directory (step-<N>.dcp: engine/sharded.py)."""
 
 
 @dataclass
@@ -57,8 +58,8 @@ def is_own(resumed: Resumed, output_dir: Path) -> bool:
 
 
 def candidates(folder: Path) -> list[Path]:
-    """Checkpoint files, newest (highest step) first."""
-    found = [(int(m.group(1)), p) for p in folder.glob("step-*.pt") if (m := NAME.search(p.name))]
+    """Checkpoints (files and sharded directories), newest (highest step) first."""
+    found = [(int(m.group(1)), p) for p in folder.glob("step-*") if (m := NAME.search(p.name))]
     return [p for _, p in sorted(found, reverse=True)]
 
 
@@ -89,11 +90,17 @@ def save(folder: Path, state: dict[str, Any], keep: int) -> Path:
     payload = safewrite.serialised(state)
     for stale in folder.glob("step-*.tmp"):  # left by a crash mid-write: space nobody uses
         stale.unlink(missing_ok=True)
-    safewrite.make_room(folder, len(payload), candidates(folder)[1:], f"checkpoint {path}")
+    safewrite.make_room(folder, len(payload), _files(candidates(folder)[1:]),
+                        f"checkpoint {path}")
     safewrite.write_atomically(path, payload)
     for old in candidates(folder)[keep:]:
-        old.unlink(missing_ok=True)
+        sharded.remove(old)
     return path
+
+
+def _files(paths: list[Path]) -> list[Path]:
+    """What making room may delete: single files (a sharded directory is kept)."""
+    return [p for p in paths if p.is_file()]
 
 
 BEST = "best.pt"
@@ -106,7 +113,8 @@ def save_best(folder: Path, weights: dict[str, Any], record: dict[str, Any]) -> 
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / BEST
     payload = safewrite.serialised({"model": weights, **record})
-    safewrite.make_room(folder, len(payload), candidates(folder)[1:], f"best weights {path}")
+    safewrite.make_room(folder, len(payload), _files(candidates(folder)[1:]),
+                        f"best weights {path}")
     safewrite.write_atomically(path, payload)
     return path
 
@@ -122,7 +130,7 @@ def save_weights(weights: dict[str, Any], path: Path, checkpoints: Path) -> Path
     Returns where they are."""
     payload = safewrite.serialised(weights)
     try:
-        safewrite.make_room(path.parent, len(payload), candidates(checkpoints)[1:],
+        safewrite.make_room(path.parent, len(payload), _files(candidates(checkpoints)[1:]),
                             f"weights {path}")
         safewrite.write_atomically(path, payload)
         return path
@@ -167,6 +175,8 @@ def load_newest(paths: list[Path]) -> Resumed | None:
     """The newest checkpoint that loads; unreadable ones are reported and skipped."""
     for path in paths:
         try:
+            if sharded.is_checkpoint_dir(path):
+                return Resumed(sharded.load_meta(path), path)
             state = torch.load(path, map_location="cpu", weights_only=True)
             if not isinstance(state, dict) or "model" not in state:
                 raise ValueError("not a checkpoint of this tool")
@@ -267,11 +277,11 @@ def find(resume: str, output_dir: Path) -> Resumed | None:
     if resume == "auto":
         return load_newest(candidates(directory(output_dir)))
     path = Path(resume)
-    paths = candidates(path) if path.is_dir() else [path]
+    paths = candidates(path) if path.is_dir() and not sharded.is_checkpoint_dir(path) else [path]
     found = load_newest(paths)
     if found is None:
         raise CheckpointMismatch(f"trainer.resume={resume}: no loadable checkpoint there "
-                                 "(step-<N>.pt files, or one such file).")
+                                 "(step-<N>.pt files or step-<N>.dcp directories, or one).")
     return found
 
 
@@ -303,22 +313,32 @@ class Checkpointer:
         return self.every_epochs > 0 and epochs_done % self.every_epochs == 0
 
     def save(self, train: TrainState, totals: Totals | None, batch_in_epoch: int) -> None:
-        """Collective: call it on every rank at the same point."""
+        """Collective: call it on every rank at the same point. Under FSDP every rank writes its
+        shards (engine/sharded.py) and rank 0 the rest; otherwise rank 0 writes one file."""
         from train.distributed import process_group as distributed
 
-        weights, optimiser = whole_state(train)  # FSDP: a collective, before rank 0 writes
+        shards = fsdp.is_sharded(train.module)
+        weights, optimiser = ({}, {}) if shards else whole_state(train)
         mine = {"rng": rng_state(), "totals": totals.snapshot() if totals is not None else None}
         ranks = distributed.gather_to_main(mine)
-        if ranks is not None:  # rank 0: the one writer
+        fields = None
+        if ranks is not None:  # rank 0: the one writer of all but the shards
             self.before_write()
-            state = {"model": weights, "optimizer": optimiser,
-                     "scheduler": train.scheduler.state_dict(),
-                     "scaler": train.scaler.state_dict(), "epoch": train.epoch,
-                     "step": train.step, "batch_in_epoch": batch_in_epoch,
-                     "world_size": self.world_size, "ranks": ranks, **self.run_fields()}
-            path = save(self.folder, state, self.keep)
+            fields = {"scheduler": train.scheduler.state_dict(),
+                      "scaler": train.scaler.state_dict(), "epoch": train.epoch,
+                      "step": train.step, "batch_in_epoch": batch_in_epoch,
+                      "world_size": self.world_size, "ranks": ranks, **self.run_fields()}
+        if shards:
+            path = sharded.save(self.folder, train.step, train.module, train.optimizer, fields)
+            if fields is not None:
+                for old in candidates(self.folder)[self.keep:]:
+                    sharded.remove(old)
+        elif fields is not None:
+            path = save(self.folder, {"model": weights, "optimizer": optimiser, **fields},
+                        self.keep)
+        if fields is not None:
             log.info("checkpoint %s (epoch %d, step %d)", path, train.epoch, train.step)
-        distributed.barrier()  # nobody stops (or goes on) before the file is complete
+        distributed.barrier()  # nobody stops (or goes on) before the checkpoint is complete
         self.last_save = time.monotonic()
 
 
@@ -347,7 +367,9 @@ def partial_totals(state: dict[str, Any], rank: int, world_size: int) -> Any:
 def restore(train: TrainState, resumed: Resumed, rank: int, world_size: int) -> None:
     """Put a loaded checkpoint back into this rank's training state."""
     s = resumed.state
-    if fsdp.is_sharded(train.module):  # the same layout whichever strategy wrote it
+    if sharded.is_checkpoint_dir(resumed.path):  # resharded for this world size and strategy
+        sharded.load(resumed.path, train.module, train.optimizer)
+    elif fsdp.is_sharded(train.module):  # the same layout whichever strategy wrote it
         fsdp.load_full(train.module, train.optimizer, s["model"], s["optimizer"])
     else:
         train.module.load_state_dict(s["model"])
