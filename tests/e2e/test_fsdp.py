@@ -56,7 +56,12 @@ VARIANTS = {"single": ("distributed.nproc_per_node=1",),
             "fsdp2": ("distributed.nproc_per_node=2", "distributed.strategy=fsdp",
                       "distributed.fsdp.init_on=cpu"),
             "fsdp3": ("distributed.nproc_per_node=3", "distributed.strategy=fsdp",
-                      "distributed.fsdp.init_on=cpu")}
+                      "distributed.fsdp.init_on=cpu"),
+            # Micro-batches of 5 (no gradient sync but on the last) and the clipping path on
+            # sharded gradients (a bound no step reaches: the reference is not clipped).
+            "fsdp2-accumulate": ("distributed.nproc_per_node=2", "distributed.strategy=fsdp",
+                                 "distributed.fsdp.init_on=cpu",
+                                 "trainer.accumulate_grad_batches=3", "optim.grad_clip=1000")}
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +89,7 @@ def trained(tokens: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
 def test_fsdp_trains_in_parity_with_ddp_and_one_process(trained: dict[str, dict]) -> None:
     reference = trained["single"]
     assert [s for s, _ in reference["steps"]] == list(range(1, STEPS + 1))
-    for name in ("ddp2", "fsdp2", "fsdp3"):
+    for name in ("ddp2", "fsdp2", "fsdp3", "fsdp2-accumulate"):
         run = trained[name]
         assert [s for s, _ in run["steps"]] == list(range(1, STEPS + 1)), name
         assert [v for _, v in run["steps"]] == pytest.approx(
