@@ -208,12 +208,17 @@ def rank_processes(launcher: psutil.Process) -> list[psutil.Process]:
 def kill_job_after_checkpoints(out_dir: Path, env: dict[str, str], checkpoints: int,
                                *overrides: str, timeout: float = 180) -> None:
     """Start `python -m train <overrides>` in `out_dir` and SIGKILL it - launcher, ranks and
-    their DataLoader workers, as a node failure would - once `checkpoints` checkpoints exist."""
+    their DataLoader workers, as a node failure would - once `checkpoints` checkpoints exist
+    (single files or sharded directories)."""
     proc = subprocess.Popen([sys.executable, "-m", "train", f"hydra.run.dir={out_dir}",
                              *overrides], cwd=REPO, env={**os.environ, **env},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + timeout
-    while len(list((out_dir / "checkpoints").glob("step-*.pt"))) < checkpoints:
+    def whole() -> int:  # files (step-<N>.pt) and sharded directories (step-<N>.dcp)
+        folder = out_dir / "checkpoints"
+        return len([*folder.glob("step-*.pt"), *folder.glob("step-*.dcp")])
+
+    while whole() < checkpoints:
         assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint came"
         time.sleep(0.1)
     family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]

@@ -142,16 +142,19 @@ def _checkpoint_state(*overrides: str, world_size: int = 2, batch_in_epoch: int 
             "batch_in_epoch": batch_in_epoch}
 
 
-def test_a_checkpoint_of_another_model_or_world_size_is_named_as_such() -> None:
+def test_a_checkpoint_of_another_model_or_batch_is_named_as_such() -> None:
     cnn = _checkpoint_state("model=cnn")
     mlp = preflight.config_dict(typed("model=mlp"))
     problem = checkpoint.mismatch(cnn, mlp, world_size=2)
     assert problem is not None and "model.name='cnn' there, 'mlp' here" in problem
     same = preflight.config_dict(typed("model=cnn", "model.dropout=0.3", "optim.lr=0.01"))
     assert checkpoint.mismatch(cnn, same, world_size=1) is None  # epoch end: any world size
+    # Mid-epoch: any world size too (the position counts global batches), not another batch.
     mid_epoch = _checkpoint_state("model=cnn", batch_in_epoch=7)
-    problem = checkpoint.mismatch(mid_epoch, same, world_size=1)
-    assert problem is not None and "mid-epoch by 2 ranks and this job has 1" in problem
+    assert checkpoint.mismatch(mid_epoch, same, world_size=1) is None
+    bigger = preflight.config_dict(typed("model=cnn", "data.batch_size=128"))
+    problem = checkpoint.mismatch(mid_epoch, bigger, world_size=2)
+    assert problem is not None and "mid-epoch with data.batch_size=" in problem
     synthetic = _checkpoint_state("data=synthetic", "data.num_classes=4")
     other = preflight.config_dict(typed("data=synthetic", "data.num_classes=7"))
     assert "data.num_classes=4 there, 7 here" in (checkpoint.mismatch(synthetic, other, 2) or "")

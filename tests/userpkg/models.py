@@ -121,3 +121,15 @@ class SpinsOnRank(TinyConvNet):
         while int(os.environ.get("RANK", "0")) == self.rank and self.calls > self.after:
             spins += 1  # the endless loop
         return super().forward(x)
+
+class ScaledBigramLM(BigramLM):
+    """BigramLM with a learnt output temperature: a parameter of the model's own, which no
+    reset_parameters() initialises, so it cannot be built on the meta device and initialised
+    shard by shard (distributed.fsdp.init_on=meta names it; init_on=cpu trains it)."""
+
+    def __init__(self, vocab_size: int, width: int = 32) -> None:
+        super().__init__(vocab_size, width)
+        self.temperature = nn.Parameter(torch.ones(1))  # FSDP2 shards no 0-d parameter
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return super().forward(tokens) / self.temperature

@@ -205,7 +205,32 @@ class TrainerConfig:
 
 
 @dataclass
+class FsdpConfig:
+    """distributed.strategy=fsdp's keys (train/engine/fsdp.py)."""
+
+    shard_modules: list[str] = field(default_factory=list)
+    """Class names of the blocks sharded one by one (fully_shard each, then the root); empty =
+    the classes of the modules held in the model's ModuleLists (model=gpt: `Block`)."""
+    reshard_after_forward: bool = True
+    """Free each block's gathered parameters after its forward (gathered again for backward):
+    less memory, one more all-gather per block."""
+    cpu_offload: bool = False
+    """Keep the parameter shards, gradients and optimiser state in host memory (CPUOffloadPolicy):
+    a GPU holds only what a block computes with, at the price of copies each step."""
+    init_on: str = "meta"
+    """meta: build the model without memory, shard it, then allocate each rank's shards and
+    initialise them (the modules' reset_parameters, or the model's init_weights); cpu: build
+    the whole model on every rank first (for a model that cannot, or model.weights)."""
+
+
+@dataclass
 class DistributedConfig:
+    strategy: str = "ddp"
+    """ddp (every rank holds the whole model, gradients all-reduced) or fsdp (FSDP2: parameters,
+    gradients and optimiser state sharded over the ranks; for models larger than one device's
+    memory; distributed.fsdp.*)."""
+    fsdp: FsdpConfig = field(default_factory=FsdpConfig)
+    """distributed.strategy=fsdp's keys."""
     backend: str = "auto"
     """auto (nccl with CUDA, else gloo), gloo or nccl."""
     nproc_per_node: int = 1

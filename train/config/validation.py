@@ -126,6 +126,7 @@ def _training(cfg: TrainConfig, p: list[str]) -> None:
              f"trainer.max_steps must be a positive number of optimiser steps, or null (got "
              f"{cfg.trainer.max_steps}).", p)
     _best_and_test(cfg, p)
+    _fsdp(cfg, p)
     _require(cfg.trainer.log_every_n_steps > 0, "trainer.log_every_n_steps must be positive.", p)
     _require(cfg.trainer.keep_checkpoints > 0, "trainer.keep_checkpoints must be positive.", p)
     _require(cfg.trainer.checkpoint_every >= 0, "trainer.checkpoint_every cannot be negative.",
@@ -138,6 +139,34 @@ def _training(cfg: TrainConfig, p: list[str]) -> None:
         for key in ("num_samples", "channels", "image_size", "num_classes"):
             _require(getattr(cfg.data, key) > 0,
                      f"data.{key} must be positive (got {getattr(cfg.data, key)}).", p)
+
+
+def _fsdp(cfg: TrainConfig, p: list[str]) -> None:
+    """distributed.strategy and, with fsdp, what FSDP2 is not combined with here (untested or
+    refused by torch): one line each, before any rank starts."""
+    d = cfg.distributed
+    _require(d.strategy in ("ddp", "fsdp"),
+             f"distributed.strategy={d.strategy!r}; choose ddp or fsdp.", p)
+    if d.strategy != "fsdp":
+        return
+    _require(d.fsdp.init_on in ("meta", "cpu"),
+             f"distributed.fsdp.init_on={d.fsdp.init_on!r}; choose meta or cpu.", p)
+    why = {"trainer.precision=fp16-mixed": cfg.trainer.precision == "fp16-mixed",
+           "trainer.compile=true": cfg.trainer.compile,
+           "distributed.sync_batchnorm=true": d.sync_batchnorm,
+           "distributed.static_graph=true": d.static_graph,
+           "distributed.find_unused_parameters=true": d.find_unused_parameters,
+           "model.freeze": bool(cfg.model.freeze)}
+    hint = {"trainer.precision=fp16-mixed": "use bf16-mixed (FSDP's MixedPrecisionPolicy: bf16 "
+            "parameters, fp32 gradient reduction) or fp32",
+            "trainer.compile=true": "set trainer.compile=false"}
+    for key in (k for k, on in why.items() if on):
+        p.append(f"distributed.strategy=fsdp cannot be combined with {key} (not supported by this "
+                 f"service's FSDP path); {hint.get(key, 'remove it')}, or use "
+                 "distributed.strategy=ddp.")
+    _require(not (cfg.model.weights and d.fsdp.init_on == "meta"),
+             "model.weights with distributed.strategy=fsdp needs distributed.fsdp.init_on=cpu "
+             "(the weights are loaded into the whole model before it is sharded).", p)
 
 
 def _task_metrics(cfg: TrainConfig, p: list[str]) -> None:

@@ -7,6 +7,11 @@ the current epoch, the MLflow run id and the composed config. Written atomically
 file, fsync, rename, fsync of the directory); the newest `keep` are kept. Read back with
 `torch.load(weights_only=True)`, which never unpickles arbitrary objects; a file that does not
 load (truncated, corrupt) is reported and the previous one is used.
+
+Under distributed.strategy=fsdp the model and optimiser state are consolidated first (every
+rank takes part: train/engine/fsdp.py) into the layout a DDP job writes, so a checkpoint of
+either strategy continues under the other; and any checkpoint, mid-epoch too, continues on
+any world size (`partial_totals`).
 """
 
 from __future__ import annotations
@@ -24,14 +29,15 @@ from typing import Any
 import torch
 
 from train.config.groups import TrainerConfig
-from train.engine import safewrite
+from train.engine import fsdp, safewrite, sharded
 from train.engine.state import TrainState
 from train.errors import TrainError
 from train.report.metrics import Totals
 
 log = logging.getLogger("train")
 
-NAME = re.compile(r"step-(\d+)\.pt$")
+NAME = re.compile(r"step-(\d+)\.(pt|dcp)$")
+"""A checkpoint: a file (step-<N>.pt) or a sharded directory (step-<N>.dcp: engine/sharded.py)."""
 
 
 @dataclass
@@ -52,8 +58,8 @@ def is_own(resumed: Resumed, output_dir: Path) -> bool:
 
 
 def candidates(folder: Path) -> list[Path]:
-    """Checkpoint files, newest (highest step) first."""
-    found = [(int(m.group(1)), p) for p in folder.glob("step-*.pt") if (m := NAME.search(p.name))]
+    """Checkpoints (files and sharded directories), newest (highest step) first."""
+    found = [(int(m.group(1)), p) for p in folder.glob("step-*") if (m := NAME.search(p.name))]
     return [p for _, p in sorted(found, reverse=True)]
 
 
@@ -84,11 +90,17 @@ def save(folder: Path, state: dict[str, Any], keep: int) -> Path:
     payload = safewrite.serialised(state)
     for stale in folder.glob("step-*.tmp"):  # left by a crash mid-write: space nobody uses
         stale.unlink(missing_ok=True)
-    safewrite.make_room(folder, len(payload), candidates(folder)[1:], f"checkpoint {path}")
+    safewrite.make_room(folder, len(payload), _files(candidates(folder)[1:]),
+                        f"checkpoint {path}")
     safewrite.write_atomically(path, payload)
     for old in candidates(folder)[keep:]:
-        old.unlink(missing_ok=True)
+        sharded.remove(old)
     return path
+
+
+def _files(paths: list[Path]) -> list[Path]:
+    """What making room may delete: single files (a sharded directory is kept)."""
+    return [p for p in paths if p.is_file()]
 
 
 BEST = "best.pt"
@@ -101,7 +113,8 @@ def save_best(folder: Path, weights: dict[str, Any], record: dict[str, Any]) -> 
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / BEST
     payload = safewrite.serialised({"model": weights, **record})
-    safewrite.make_room(folder, len(payload), candidates(folder)[1:], f"best weights {path}")
+    safewrite.make_room(folder, len(payload), _files(candidates(folder)[1:]),
+                        f"best weights {path}")
     safewrite.write_atomically(path, payload)
     return path
 
@@ -117,7 +130,7 @@ def save_weights(weights: dict[str, Any], path: Path, checkpoints: Path) -> Path
     Returns where they are."""
     payload = safewrite.serialised(weights)
     try:
-        safewrite.make_room(path.parent, len(payload), candidates(checkpoints)[1:],
+        safewrite.make_room(path.parent, len(payload), _files(candidates(checkpoints)[1:]),
                             f"weights {path}")
         safewrite.write_atomically(path, payload)
         return path
@@ -135,7 +148,9 @@ def check_room_for_one(folder: Path, train: TrainState) -> None:
     """Before training: the output directory's filesystem holds at least one checkpoint (the
     weights and, per parameter, the optimiser's buffers), or DiskFull now rather than after
     the first epoch's work."""
-    weights = len(safewrite.serialised(train.module.state_dict()))
+    weights = (sum(p.numel() * p.element_size() for p in train.module.parameters())
+               if fsdp.is_sharded(train.module)  # shards: their global shapes are the size
+               else len(safewrite.serialised(train.module.state_dict())))
     buffers = 2 if isinstance(train.optimizer, torch.optim.Adam | torch.optim.AdamW) else 1
     folder.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(folder).free
@@ -146,10 +161,22 @@ def check_room_for_one(folder: Path, train: TrainState) -> None:
                        "on a larger filesystem (hydra.run.dir=...).")
 
 
+def whole_state(train: TrainState) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model's and optimiser's state dicts in one layout for both strategies (torch.optim's:
+    parameters by index). Under FSDP a collective that gives rank 0 the consolidated dicts (the
+    other ranks empty ones), so DDP and FSDP checkpoints load into each other."""
+    if fsdp.is_sharded(train.module):
+        weights, optimiser = fsdp.full_state_dict(train.module, train.optimizer)
+        return weights, optimiser or {}
+    return train.module.state_dict(), train.optimizer.state_dict()
+
+
 def load_newest(paths: list[Path]) -> Resumed | None:
     """The newest checkpoint that loads; unreadable ones are reported and skipped."""
     for path in paths:
         try:
+            if sharded.is_checkpoint_dir(path):
+                return Resumed(sharded.load_meta(path), path)
             state = torch.load(path, map_location="cpu", weights_only=True)
             if not isinstance(state, dict) or "model" not in state:
                 raise ValueError("not a checkpoint of this tool")
@@ -202,12 +229,17 @@ def _accumulation(config: Any) -> Any:
     return trainer.get("accumulate_grad_batches", 1) if isinstance(trainer, dict) else 1
 
 
+def _batch_size(config: Any) -> Any:
+    data = config.get("data") if isinstance(config, dict) else None
+    return data.get("batch_size") if isinstance(data, dict) else None
+
+
 def mismatch(state: dict[str, Any], config: dict[str, Any], world_size: int) -> str | None:
     """Why this job (its composed `config`, on `world_size` ranks) cannot continue from a
     checkpoint's `state`; None if it can. A checkpoint taken at an epoch's end continues on any
     world size (every rank starts the next epoch afresh; the other ranks' RNG streams are
     seeded anew); one taken mid-epoch holds each rank's place in its shard and partial sums,
-    which exist only for the world size that wrote it."""
+    which are folded for another world size (`restore`): any world size continues either."""
     import yaml
 
     try:
@@ -217,17 +249,16 @@ def mismatch(state: dict[str, Any], config: dict[str, Any], world_size: int) -> 
     theirs, ours = _shaping(stored if isinstance(stored, dict) else {}), _shaping(config)
     differences = [f"{key}={theirs[key]!r} there, {ours.get(key)!r} here"
                    for key in theirs if key in ours and theirs[key] != ours[key]]
-    written_by = int(state.get("world_size") or world_size)
-    if state.get("batch_in_epoch") and written_by != world_size:
-        differences.append(
-            f"it was written mid-epoch by {written_by} ranks and this job has {world_size} (a "
-            "mid-epoch checkpoint holds each rank's place in its shard; resume it with "
-            f"{written_by} ranks, or from an epoch-end checkpoint on any number)")
     theirs_k, ours_k = _accumulation(stored), _accumulation(config)
     if state.get("batch_in_epoch") and theirs_k != ours_k:
         differences.append(
             f"it was written mid-epoch with trainer.accumulate_grad_batches={theirs_k} and this "
             f"job has {ours_k} (its place in the epoch counts micro-batches of that size)")
+    theirs_b, ours_b = _batch_size(stored), _batch_size(config)
+    if state.get("batch_in_epoch") and theirs_b != ours_b:
+        differences.append(
+            f"it was written mid-epoch with data.batch_size={theirs_b} and this job has "
+            f"{ours_b} (its place in the epoch counts global batches of that size)")
     return "; ".join(differences) or None
 
 
@@ -246,11 +277,11 @@ def find(resume: str, output_dir: Path) -> Resumed | None:
     if resume == "auto":
         return load_newest(candidates(directory(output_dir)))
     path = Path(resume)
-    paths = candidates(path) if path.is_dir() else [path]
+    paths = candidates(path) if path.is_dir() and not sharded.is_checkpoint_dir(path) else [path]
     found = load_newest(paths)
     if found is None:
         raise CheckpointMismatch(f"trainer.resume={resume}: no loadable checkpoint there "
-                                 "(step-<N>.pt files, or one such file).")
+                                 "(step-<N>.pt files or step-<N>.dcp directories, or one).")
     return found
 
 
@@ -282,36 +313,74 @@ class Checkpointer:
         return self.every_epochs > 0 and epochs_done % self.every_epochs == 0
 
     def save(self, train: TrainState, totals: Totals | None, batch_in_epoch: int) -> None:
-        """Collective: call it on every rank at the same point."""
+        """Collective: call it on every rank at the same point. Under FSDP every rank writes its
+        shards (engine/sharded.py) and rank 0 the rest; otherwise rank 0 writes one file."""
         from train.distributed import process_group as distributed
         from train.distributed import watch
 
         watch.enter("checkpoint")
+        shards = fsdp.is_sharded(train.module)
+        weights, optimiser = ({}, {}) if shards else whole_state(train)
         mine = {"rng": rng_state(), "totals": totals.snapshot() if totals is not None else None}
         ranks = distributed.gather_to_main(mine)
-        if ranks is not None:  # rank 0: the one writer
+        fields = None
+        if ranks is not None:  # rank 0: the one writer of all but the shards
             self.before_write()
-            state = {"model": train.module.state_dict(), "optimizer": train.optimizer.state_dict(),
-                     "scheduler": train.scheduler.state_dict(),
-                     "scaler": train.scaler.state_dict(), "epoch": train.epoch,
-                     "step": train.step, "batch_in_epoch": batch_in_epoch,
-                     "world_size": self.world_size, "ranks": ranks, **self.run_fields()}
-            path = save(self.folder, state, self.keep)
+            fields = {"scheduler": train.scheduler.state_dict(),
+                      "scaler": train.scaler.state_dict(), "epoch": train.epoch,
+                      "step": train.step, "batch_in_epoch": batch_in_epoch,
+                      "world_size": self.world_size, "ranks": ranks, **self.run_fields()}
+        if shards:
+            path = sharded.save(self.folder, train.step, train.module, train.optimizer, fields)
+            if fields is not None:
+                for old in candidates(self.folder)[self.keep:]:
+                    sharded.remove(old)
+        elif fields is not None:
+            path = save(self.folder, {"model": weights, "optimizer": optimiser, **fields},
+                        self.keep)
+        if fields is not None:
             log.info("checkpoint %s (epoch %d, step %d)", path, train.epoch, train.step)
-        distributed.barrier()  # nobody stops (or goes on) before the file is complete
+        distributed.barrier()  # nobody stops (or goes on) before the checkpoint is complete
         self.last_save = time.monotonic()
+
+
+def partial_totals(state: dict[str, Any], rank: int, world_size: int) -> Any:
+    """This rank's running sums of a mid-epoch checkpoint (None at an epoch's end). On another
+    world size, rank 0 takes the sum of every writer's sums and the others start at zero:
+    the epoch's metrics sum over ranks, so they stay exact. The data position needs no such
+    fold: `batch_in_epoch` counts global micro-batches (data.batch_size / accumulation
+    samples each, whatever the world size), and DistributedSampler hands out its epoch's
+    order interleaved over the ranks, so the first batch_in_epoch x that many samples of the
+    order are the trained ones at any world size (train/data/batches.py ShardOrder)."""
+    if not state["batch_in_epoch"]:
+        return None
+    ranks = state["ranks"]
+    if len(ranks) == world_size:
+        return ranks[rank]["totals"]
+    if rank != 0:
+        return None
+    written = [r["totals"] for r in ranks if r.get("totals") is not None]
+    if not written or not isinstance(written[0], dict):
+        return written[0] if len(written) == 1 else None
+    return {name: torch.stack([torch.as_tensor(t[name]) for t in written]).sum(0).tolist()
+            for name in written[0]}
 
 
 def restore(train: TrainState, resumed: Resumed, rank: int, world_size: int) -> None:
     """Put a loaded checkpoint back into this rank's training state."""
     s = resumed.state
-    train.module.load_state_dict(s["model"])
-    train.optimizer.load_state_dict(s["optimizer"])
+    if sharded.is_checkpoint_dir(resumed.path):  # resharded for this world size and strategy
+        sharded.load(resumed.path, train.module, train.optimizer)
+    elif fsdp.is_sharded(train.module):  # the same layout whichever strategy wrote it
+        fsdp.load_full(train.module, train.optimizer, s["model"], s["optimizer"])
+    else:
+        train.module.load_state_dict(s["model"])
+        train.optimizer.load_state_dict(s["optimizer"])
     train.scheduler.load_state_dict(s["scheduler"])
     train.scaler.load_state_dict(s["scaler"])
     train.epoch, train.step, train.batch_in_epoch = s["epoch"], s["step"], s["batch_in_epoch"]
     mine = s["ranks"][rank] if rank < len(s["ranks"]) else None
     if mine is not None:
         set_rng_state(mine["rng"])
-        train.partial_totals = mine["totals"] if s["batch_in_epoch"] else None
+    train.partial_totals = partial_totals(s, rank, world_size)
     log.info("resumed from %s: epoch %d, step %d", resumed.path, train.epoch, train.step)

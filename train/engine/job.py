@@ -40,7 +40,7 @@ from train.distributed import process_group as distributed
 from train.distributed import slurm, watch
 from train.distributed.devices import device_name
 from train.distributed.stopping import Preempted, StopSignals
-from train.engine import checkpoint, drill, loop
+from train.engine import checkpoint, drill, fsdp, loop
 from train.engine import monitor as monitor_lib
 from train.engine import state as train_state
 from train.engine.ending import JobEnding
@@ -127,14 +127,19 @@ def _final_model_and_test(cfg: TrainConfig, out: Path, state: train_state.TrainS
     best = checkpoint.directory(out) / checkpoint.BEST
     use_best = cfg.trainer.test_on == "best" and best.is_file()
     if use_best:
-        state.module.load_state_dict(checkpoint.load_best(checkpoint.directory(out))["model"])
+        best_weights = checkpoint.load_best(checkpoint.directory(out))["model"]
+        if fsdp.is_sharded(state.module):
+            fsdp.load_full(state.module, None, best_weights)
+        else:
+            state.module.load_state_dict(best_weights)
     logger.run.set_tags({"final_weights": "best" if use_best else "last"})
     if cfg.trainer.test_on == "none":
         return None
     if bundle.test is None:
         log.info("data=%s has no test split: no test phase", cfg.data.name)
         return None
-    tested = loop.test(state.module, bundle.test, device, cfg.trainer.precision, task)
+    tested = loop.test(state.module, bundle.test, device, cfg.trainer.precision, task,
+                       filler=state.filler)
     logger.training.test(state.epoch, tested)
     return tested
 
@@ -217,14 +222,17 @@ def _train(job: Job, logger: RunLogger, stop: StopSignals,
     watch.enter("model")  # DDP's constructor waits for every rank
     steps_per_epoch = -(-len(bundle.train) // accumulate)  # optimiser steps: the schedule's
     state = train_state.build(cfg, spec, steps_per_epoch, device, resumed is not None)
-    logger.log_model_params(state.module)
+    # FSDP: counted from the shapes of a meta-device copy, not from this rank's shards.
+    shapes = fsdp.meta_copy(cfg, spec) if fsdp.is_sharded(state.module) else state.module
+    logger.log_model_params(shapes)
     logger.training.throughput = flops.Throughput(
-        state.module, bundle.input_shape, device, cfg.trainer.precision, cfg.trainer.peak_tflops,
+        shapes, bundle.input_shape, device, cfg.trainer.precision, cfg.trainer.peak_tflops,
         env.world_size, tokens=bundle.vocab_size is not None)
     torch.manual_seed(cfg.trainer.seed + env.rank)  # different augmentation per rank
     if resumed is not None:
         checkpoint.restore(state, resumed, env.rank, env.world_size)
     outputs = JobOutputs(cfg, env, out, logger, task)
+    outputs.spec = spec
     outputs.check_room(state)
     monitor = monitor_lib.Monitor(cfg.trainer, outputs.best_writer(state))
     if resumed is not None:

@@ -22,7 +22,7 @@ from train.data.build import Batches, DataBundle
 from train.distributed import process_group as distributed
 from train.distributed import watch
 from train.distributed.stopping import StopSignals
-from train.engine import drill, optim
+from train.engine import drill, fsdp, optim
 from train.engine.checkpoint import Checkpointer
 from train.engine.monitor import Monitor
 from train.engine.state import TrainState
@@ -101,7 +101,7 @@ def _micro_step(cfg: TrainConfig, state: TrainState, inputs: Any, target: Any,
     items; where items vary (ignored pixels, padding) the sum stays, and `_optimiser_step`
     divides by the step's item count over all ranks. `sync=False`: under DDP's no_sync the
     gradient only accumulates on this rank; the step's last micro-batch all-reduces the sum."""
-    with contextlib.nullcontext() if sync else state.model.no_sync():
+    with fsdp.gradient_sync(state.model, sync):
         with autocast(device, cfg.trainer.precision):
             output = state.model(inputs)
             loss, sums = task.step(output, target)
@@ -127,7 +127,7 @@ def _optimiser_step(cfg: TrainConfig, state: TrainState, items: torch.Tensor | N
         scale = (torch.distributed.get_world_size() / everywhere.clamp_min(1)).float()
         for param in state.module.parameters():
             if param.grad is not None:
-                param.grad.mul_(scale)
+                fsdp.local(param.grad).mul_(scale)  # FSDP: this rank's shard
     if cfg.optim.grad_clip is not None:
         state.scaler.unscale_(state.optimizer)
         nn.utils.clip_grad_norm_(state.model.parameters(), cfg.optim.grad_clip)
@@ -218,13 +218,19 @@ def _check_output(task: Task, output: Any, target: Any, inputs: Any) -> None:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: Batches, device: torch.device, precision: str,
-             task: Task, detailed: bool = False, examples: bool = False) -> metrics.Totals:
+             task: Task, detailed: bool = False, examples: bool = False,
+             filler: torch.Tensor | None = None) -> metrics.Totals:
     """This rank's shard of the validation set, on the bare module (no DDP collectives), the
     task's sums on fp32 outputs; `detailed`: what the task keeps for the final evaluations (a
-    confusion matrix); `examples`: the task keeps a few samples for its picture."""
+    confusion matrix); `examples`: the task keeps a few samples for its picture. `filler`
+    (FSDP, whose every forward is a collective): the shards differ by up to a batch, so a rank
+    with fewer batches runs forwards on it until it has run as many as the rank with the most;
+    their outputs are dropped, so the sums stay exact."""
     model.eval()
     watch.enter("validation")
     totals = metrics.Totals(device, task.layout(detailed))
+    if filler is not None:
+        _lockstep(model, len(batches), filler, device, precision)
     for index, (inputs, target) in enumerate(batches):
         with autocast(device, precision):
             output = model(inputs)
@@ -235,6 +241,17 @@ def evaluate(model: nn.Module, batches: Batches, device: torch.device, precision
         if examples:
             task.keep_examples(inputs, output, target)
     return totals
+
+
+def _lockstep(model: nn.Module, batches: int, filler: torch.Tensor, device: torch.device,
+              precision: str) -> None:
+    """Every rank learns the most batches any rank holds (one small all-reduce) and runs the
+    forwards it lacks first, on `filler`, outputs dropped: then all run as many forwards."""
+    most = torch.tensor([batches], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+    for _ in range(int(most.item()) - batches):
+        with autocast(device, precision):
+            model(filler)
 
 
 def _fp32(output: Any) -> Any:
@@ -266,7 +283,8 @@ def fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.dev
             # With early stopping any evaluation may be the last: each keeps the details.
             detailed = last or duties.monitor.patience is not None
             val = metrics.reduce(evaluate(state.module, data.val, device, cfg.trainer.precision,
-                                          task, detailed, examples=last and duties.rank == 0),
+                                          task, detailed, examples=last and duties.rank == 0,
+                                          filler=state.filler),
                                  task.finalize, task.items_name)
             duties.monitor.observe(state.epoch, state.step, val)
         # Collective at each evaluation, like early stopping: no rank leaves the loop alone.
@@ -293,8 +311,9 @@ def fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.dev
 
 
 def test(model: nn.Module, batches: Batches, device: torch.device, precision: str,
-         task: Task) -> metrics.Reduced:
+         task: Task, filler: torch.Tensor | None = None) -> metrics.Reduced:
     """The final model, once, on every rank's strided shard of the test split (each sample on
     exactly one rank, none twice), with the task's details (a confusion matrix)."""
-    return metrics.reduce(evaluate(model, batches, device, precision, task, detailed=True),
+    return metrics.reduce(evaluate(model, batches, device, precision, task, detailed=True,
+                                   filler=filler),
                           task.finalize, task.items_name)

@@ -17,7 +17,7 @@ import torch
 from train.config.groups import TrainConfig
 from train.data.build import DataBundle
 from train.distributed.env import DistEnv
-from train.engine import checkpoint
+from train.engine import checkpoint, fsdp
 from train.engine import monitor as monitor_lib
 from train.engine.state import TrainState
 from train.report.metrics import Reduced
@@ -34,18 +34,27 @@ class JobOutputs:
         self.writes = env.is_main
         """Rank 0 is the one writer; the other ranks' outputs are no-ops."""
         self.checkpoints = checkpoint.directory(out)
+        self.spec: Any = None
+        """The model's input spec (train/models/build.py InputSpec): what FSDP's plain copy of
+        the final model is built from; set by the job once known."""
 
     def best_writer(self, state: TrainState) -> monitor_lib.OnBest | None:
         """The monitor's reaction to a new best evaluation: best.pt (trainer.save_best) and the
         run's best/<monitor> metric and best_epoch tag; None on the ranks that write nothing."""
-        if not self.writes:
+        sharded = fsdp.is_sharded(state.module)
+        if not self.writes and not (sharded and self.cfg.trainer.save_best):
             return None
 
         def on_best(best: monitor_lib.Best) -> None:
+            # FSDP: every rank takes part in gathering the weights; rank 0 alone writes.
+            keep = sharded and self.cfg.trainer.save_best
+            weights = fsdp.full_state_dict(state.module)[0] if keep else None
+            if not self.writes:
+                return
             path = None
             if self.cfg.trainer.save_best:
                 path = checkpoint.save_best(
-                    self.checkpoints, state.module.state_dict(),
+                    self.checkpoints, weights if sharded else state.module.state_dict(),
                     {"epoch": best.epoch + 1, "step": best.step, "monitor": best.monitor,
                      "mode": best.mode, "value": best.value})
             self.logger.training.best(best.epoch, best.monitor, best.value, path)
@@ -60,18 +69,24 @@ class JobOutputs:
     def write_final(self, state: TrainState, bundle: DataBundle, final_val: Reduced | None,
                     peaks: list[float], tested: Reduced | None = None) -> None:
         """model.pt, the task's pictures and tables of the final validation and of the test,
-        summary.json; the same in the run."""
+        summary.json; the same in the run. FSDP: every rank gathers the weights; rank 0 then
+        works on a plain copy holding them (train/engine/fsdp.py)."""
+        module = state.module
+        if fsdp.is_sharded(module):
+            weights = fsdp.full_state_dict(module)[0]
+            if self.writes:
+                module = fsdp.plain_copy(self.cfg, self.spec, weights)
         if not self.writes:
             return
         for reduced, prefix in ((final_val, ""), (tested, "test_")):
             if reduced is not None:
                 self.logger.task_outputs(*self.task.write_outputs(reduced, self.out, prefix))
-        device = next(state.module.parameters()).device
-        self.logger.task_outputs(*self.task.final_outputs(state.module, self.out, device))
-        weights = checkpoint.save_weights(state.module.state_dict(), self.out / "model.pt",
+        device = next(module.parameters()).device
+        self.logger.task_outputs(*self.task.final_outputs(module, self.out, device))
+        weights = checkpoint.save_weights(module.state_dict(), self.out / "model.pt",
                                           self.checkpoints)
         example = _example(bundle)
-        self.logger.log_outputs({"weights": weights}, state.module, example)
+        self.logger.log_outputs({"weights": weights}, module, example)
         (self.out / "summary.json").write_text(json.dumps(self.logger.summary(peaks), indent=2))
 
 

@@ -12,8 +12,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from train.config.groups import TrainConfig
 from train.distributed import devices
-from train.engine import optim
+from train.engine import fsdp, optim
 from train.engine.monitor import direction
+from train.errors import ConfigError
 from train.models import build as models
 from train.models import finetune, pretrained
 
@@ -60,9 +61,11 @@ class GradScaler(torch.amp.GradScaler):
 @dataclass
 class TrainState:
     model: nn.Module
-    """What the loop calls: DDP around the model (and torch.compile around that if asked)."""
+    """What the loop calls: DDP around the model (and torch.compile around that if asked);
+    under FSDP the sharded model itself."""
     module: nn.Module
-    """The bare model: what checkpoints, the saved weights and evaluation use."""
+    """The bare model: what checkpoints, the saved weights and evaluation use; under FSDP the
+    same sharded model as `model` (train/engine/fsdp.py: whole state dicts are collectives)."""
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     """The built-in schedule (a LambdaLR) or optim.scheduler's class."""
@@ -76,6 +79,9 @@ class TrainState:
     scheduler_interval: str = "step"
     """When `scheduler` steps: after each optimiser step (train/engine/loop.py's
     _optimiser_step), or once at each epoch's end (optim.step_at_epoch_end)."""
+    filler: torch.Tensor | None = None
+    """FSDP: one zero sample of the input's shape, for the forwards a rank runs without data so
+    that every rank runs as many (train/engine/loop.py `evaluate`); None under DDP."""
     peak_lrs: list[float] | None = None
     """Each optimiser group's lr as built (optim.lr x its lr_scale), before any schedule: what
     the `lr` metric is read against. None = the scheduler's base_lrs (the built-in schedule's
@@ -102,6 +108,8 @@ def build(cfg: TrainConfig, spec: models.InputSpec, steps_per_epoch: int,
     first: every rank must start from the same weights. model.weights are loaded unless
     `resuming` (the checkpoint's weights win); model.freeze's parameters are frozen before
     DDP and the optimiser see them."""
+    if cfg.distributed.strategy == "fsdp":
+        return _build_sharded(cfg, spec, steps_per_epoch, device)
     module = models.build(cfg.model, spec)
     if resuming and cfg.model.weights:
         log.info("model.weights=%s not loaded: the checkpoint's weights are resumed",
@@ -120,11 +128,42 @@ def build(cfg: TrainConfig, spec: models.InputSpec, steps_per_epoch: int,
                          bucket_cap_mb=cfg.distributed.bucket_cap_mb)
     if cfg.trainer.compile:
         ddp = torch.compile(ddp)  # type: ignore[assignment]
+    return _with_optimiser(cfg, ddp, module, steps_per_epoch, device)
+
+
+def _build_sharded(cfg: TrainConfig, spec: models.InputSpec, steps_per_epoch: int,
+                   device: torch.device) -> TrainState:
+    """distributed.strategy=fsdp: the model sharded (train/engine/fsdp.py). init_on=meta builds
+    it without memory and initialises each rank's shards once allocated; init_on=cpu builds
+    the whole model (and loads model.weights) on every rank first. The optimiser is built on
+    the sharded parameters, so its state is sharded too."""
+    on_meta = cfg.distributed.fsdp.init_on == "meta"
+    if on_meta:
+        with torch.device("meta"):
+            module = models.build(cfg.model, spec)
+        if refusal := fsdp.meta_refusal(cfg, module):
+            raise ConfigError(refusal)
+    else:
+        module = models.build(cfg.model, spec)
+        if cfg.model.weights:
+            pretrained.load(module, cfg.model, spec.num_classes)
+        module = module.to(device)
+    module = fsdp.shard(module, cfg, device)
+    if on_meta:
+        fsdp.materialise(module, device)
+    state = _with_optimiser(cfg, module, module, steps_per_epoch, device)
+    kind = torch.long if spec.vocab_size is not None else torch.float32
+    state.filler = torch.zeros(1, *spec.sample_shape, dtype=kind, device=device)
+    return state
+
+
+def _with_optimiser(cfg: TrainConfig, model: nn.Module, module: nn.Module,
+                    steps_per_epoch: int, device: torch.device) -> TrainState:
     optimizer = optim.build_optimizer(cfg.optim, module)
     peaks = [float(group["lr"]) for group in optimizer.param_groups]
     scheduler = optim.build_scheduler(cfg.optim, optimizer, steps_per_epoch, cfg.trainer.epochs,
                                       cfg.trainer.max_steps,
                                       direction(cfg.trainer.monitor, cfg.trainer.monitor_mode))
     scaler = GradScaler(device, enabled=cfg.trainer.precision == "fp16-mixed")
-    return TrainState(ddp, module, optimizer, scheduler, scaler,
+    return TrainState(model, module, optimizer, scheduler, scaler,
                       scheduler_interval=optim.interval(cfg.optim), peak_lrs=peaks)

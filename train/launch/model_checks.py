@@ -60,6 +60,8 @@ def check_model(cfg: TrainConfig,
     try:
         if custom and known is not None and classifying:
             models.check_output(cfg.model, models.InputSpec.of(*known))
+            if cfg.distributed.strategy == "fsdp":
+                check_fsdp_init(cfg, models.build_on_meta(cfg.model, models.InputSpec.of(*known)))
         elif custom:
             models.custom_target(cfg.model)
         if cfg.trainer.loss != DEFAULT_LOSS:
@@ -175,6 +177,7 @@ def check_token_data(cfg: TrainConfig) -> None:
         except (usercode.UserCodeError, ValueError) as e:
             raise ConfigError(str(e)) from None
         vocab, context = _vocabulary(model), getattr(model, "block_size", None)
+        check_fsdp_init(cfg, model)
     if isinstance(context, int) and seq_len > context:
         raise ConfigError(f"data.seq_len={seq_len} is longer than the model's context "
                           f"(block_size={context}): lower data.seq_len, or raise "
@@ -183,6 +186,17 @@ def check_token_data(cfg: TrainConfig) -> None:
         tokens.check(root, seq_len, vocab)
     except tokens.TokenDataError as e:
         raise LaunchError(str(e)) from None
+
+
+def check_fsdp_init(cfg: TrainConfig, model: object) -> None:
+    """distributed.fsdp.init_on=meta: the model (built on the meta device) can be initialised
+    shard by shard, or one line saying which module cannot and what to do."""
+    if cfg.distributed.strategy != "fsdp":
+        return
+    from train.engine import fsdp
+
+    if refusal := fsdp.meta_refusal(cfg, model):  # type: ignore[arg-type]
+        raise ConfigError(refusal)
 
 
 def _vocabulary(model: object) -> int | None:

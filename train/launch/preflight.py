@@ -94,9 +94,11 @@ def check_resume(cfg: TrainConfig, world_size: int, output_dir: str | None) -> b
                           "or never.")
     folder = (Path(output_dir) / "checkpoints") if resume == "auto" and output_dir else (
         None if resume == "auto" else Path(resume))
-    if folder is None or not (folder.is_file() or any(folder.glob("step-*.pt"))):
+    if folder is None or not (folder.is_file() or folder.name.endswith(".dcp")
+                              or any(folder.glob("step-*.pt")) or any(folder.glob("step-*.dcp"))):
         if resume != "auto":
-            raise ConfigError(f"trainer.resume={resume}: no checkpoint there (step-<N>.pt).")
+            raise ConfigError(f"trainer.resume={resume}: no checkpoint there (step-<N>.pt or "
+                              "step-<N>.dcp).")
         return False
     from train.engine import checkpoint, job
 

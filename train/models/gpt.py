@@ -67,10 +67,17 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
         if tie_weights:
             self.lm_head.weight = self.wte.weight
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """GPT-2's initialisation, in place: also what distributed.fsdp.init_on=meta calls on
+        each rank's shards once they exist (train/engine/fsdp.py)."""
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2: residual projections scaled by depth
             if name.endswith(("attn.proj.weight", "mlp.2.weight")):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * self.n_layer))
+        for norm in (m for m in self.modules() if isinstance(m, nn.LayerNorm)):
+            norm.reset_parameters()
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:

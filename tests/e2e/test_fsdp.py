@@ -1,0 +1,209 @@
+"""distributed.strategy=fsdp through the real CLI on gloo ranks, read back from the real MLflow
+store: a tiny GPT trained by 1 process, DDP at world 2 and FSDP2 at worlds 2 and 3 takes the
+same steps (loss and weights); validation with uneven shards ends (no hang) and stays exact; a
+job killed mid-epoch at world 2 resumes at world 1 and at world 3, under FSDP and DDP, in one
+run with every step once and the losses of a job never killed; the refusals of FSDP's
+combinations before any rank starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap as textwrap_module
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import (
+    REPO,
+    USER_PATH,
+    assert_refused,
+    history,
+    kill_job_after_checkpoints,
+    run_train,
+    runs_in,
+)
+
+SMALL_TEXT = Path(textwrap_module.__file__)
+"""A 20 KB standard-library module: 585 training windows of 32 tokens, 31 validation ones."""
+STEPS = 8
+LM = ("data=tokens", "model=gpt", "task=language_model", "model.n_layer=2", "model.n_head=2",
+      "model.n_embd=32", "data.num_workers=0", "data.seq_len=32", "optim=adamw",
+      "optim.lr=3e-3", "task.sample_tokens=0", "trainer.log_every_n_steps=1",
+      f"trainer.max_steps={STEPS}", "trainer.epochs=1", "tracking.log_model=false",
+      # 30 a step: 15 a rank at world 2 (validation: 16 and 15 windows, 2 and 1 batches), 10 at
+      # world 3 (11, 10, 10: 2, 1, 1 batches), so FSDP's evaluation pads with filler forwards.
+      "data.batch_size=30")
+LOSS_TOLERANCE = 1e-5
+"""Measured differences of step losses and val/loss between the four runs: < 2e-6 (float32
+sums in another order)."""
+WEIGHT_TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("small") / "tokens"
+    done = subprocess.run([sys.executable, "-m", "train.prepare_text", str(SMALL_TEXT), str(out),
+                           "--val-fraction", "0.05"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+VARIANTS = {"single": ("distributed.nproc_per_node=1",),
+            "ddp2": ("distributed.nproc_per_node=2",),
+            "fsdp2": ("distributed.nproc_per_node=2", "distributed.strategy=fsdp",
+                      "distributed.fsdp.init_on=cpu"),
+            "fsdp3": ("distributed.nproc_per_node=3", "distributed.strategy=fsdp",
+                      "distributed.fsdp.init_on=cpu"),
+            # Micro-batches of 5 (no gradient sync but on the last) and the clipping path on
+            # sharded gradients (a bound no step reaches: the reference is not clipped).
+            "fsdp2-accumulate": ("distributed.nproc_per_node=2", "distributed.strategy=fsdp",
+                                 "distributed.fsdp.init_on=cpu",
+                                 "trainer.accumulate_grad_batches=3", "optim.grad_clip=1000")}
+
+
+@pytest.fixture(scope="module")
+def trained(tokens: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """Each variant's step losses, val/loss and final weights (model.pt)."""
+    root = tmp_path_factory.mktemp("parity")
+    store = {"MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}"}
+    results: dict[str, dict] = {}
+    for name, args in VARIANTS.items():
+        out = root / name
+        done = run_train(*LM, f"data.root={tokens}", *args, f"tracking.run_name={name}",
+                         f"hydra.run.dir={out}", env=store, timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+        [run] = [r for r in runs_in(store["MLFLOW_TRACKING_URI"])
+                 if r.info.run_name == name]
+        uri = store["MLFLOW_TRACKING_URI"]
+        results[name] = {"steps": history(uri, run.info.run_id, "train/step_loss"),
+                         "val": run.data.metrics["val/loss"],
+                         "params": run.data.params,
+                         "weights": torch.load(out / "model.pt", weights_only=True),
+                         "log": done.stderr}
+    return results
+
+
+def test_fsdp_trains_in_parity_with_ddp_and_one_process(trained: dict[str, dict]) -> None:
+    reference = trained["single"]
+    assert [s for s, _ in reference["steps"]] == list(range(1, STEPS + 1))
+    for name in ("ddp2", "fsdp2", "fsdp3", "fsdp2-accumulate"):
+        run = trained[name]
+        assert [s for s, _ in run["steps"]] == list(range(1, STEPS + 1)), name
+        assert [v for _, v in run["steps"]] == pytest.approx(
+            [v for _, v in reference["steps"]], abs=LOSS_TOLERANCE), name
+        # Validation at world 2 and 3 ran uneven shards (filler forwards under FSDP): it ended
+        # and its loss is every validation token's, as in one process.
+        assert run["val"] == pytest.approx(reference["val"], abs=LOSS_TOLERANCE), name
+        weights = run["weights"]
+        assert weights.keys() == reference["weights"].keys()
+        worst = max(float((weights[k] - reference["weights"][k]).abs().max()) for k in weights)
+        assert worst < WEIGHT_TOLERANCE, (name, worst)
+    assert "FSDP2: 2 Block blocks sharded over 3 ranks" in trained["fsdp3"]["log"]
+    # The parameter count is the whole model's (from shapes), not a shard's.
+    assert (trained["fsdp2"]["params"]["model.params_trainable"]
+            == trained["single"]["params"]["model.params_trainable"])
+
+
+def test_meta_device_init_trains_and_rank_0_outputs_are_whole(
+        tokens: Path, store: dict[str, str], tmp_path: Path) -> None:
+    """distributed.fsdp.init_on=meta (the default): no whole model on any rank; the shards are
+    initialised by the model's init_weights and the loss falls. What rank 0 writes alone is the
+    whole model: best.pt (then the final weights: test_on=best), model.pt, the MLflow model
+    (exported for the registry) that load_model reads back."""
+    from train.load import load_model
+
+    args = [a for a in LM if a != "tracking.log_model=false"]
+    done = run_train(*args, f"data.root={tokens}", "distributed.nproc_per_node=2",
+                     "distributed.strategy=fsdp", "trainer.precision=bf16-mixed",
+                     "trainer.save_best=true", "trainer.test_on=best",
+                     "tracking.register_model=fsdp-gpt", f"hydra.run.dir={tmp_path / 'job'}",
+                     env=store, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    uri = store["MLFLOW_TRACKING_URI"]
+    [run] = runs_in(uri)
+    steps = history(uri, run.info.run_id, "train/step_loss")
+    assert steps[-1][1] < steps[0][1]
+    weights = torch.load(tmp_path / "job" / "model.pt", weights_only=True)
+    best = torch.load(tmp_path / "job" / "checkpoints" / "best.pt", weights_only=True)
+    assert weights["wte.weight"].shape == (256, 32)
+    assert all(torch.equal(weights[k], best["model"][k]) for k in weights)
+    model = load_model(run.info.run_id, uri)
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+    assert "registered the model" in done.stderr
+
+
+RESUMES = {"fsdp-to-1": ("fsdp", 1), "fsdp-to-3-as-ddp": ("ddp", 3),
+           "ddp-to-3-as-fsdp": ("fsdp", 3)}
+
+
+@pytest.mark.parametrize("case", list(RESUMES))
+def test_a_job_killed_mid_epoch_at_world_2_resumes_at_another_world_size(
+        case: str, tokens: Path, trained: dict[str, dict], tmp_path: Path) -> None:
+    """Killed after its third checkpoint (mid-epoch: one epoch of 19 steps), resumed on
+    another number of ranks and, two of the cases, another strategy: one run, every step
+    logged, the losses of the run never killed (the single-process reference)."""
+    strategy, world = RESUMES[case]
+    first = "ddp" if case.startswith("ddp") else "fsdp"
+    store = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    args = (*LM, f"data.root={tokens}", "trainer.checkpoint_interval_min=0.0001",
+            "trainer.keep_checkpoints=10", "distributed.fsdp.init_on=cpu")
+    out = tmp_path / "job"
+    kill_job_after_checkpoints(out, store, 3, *args, "distributed.nproc_per_node=2",
+                               f"distributed.strategy={first}")
+    resumed = run_train(*args, f"distributed.nproc_per_node={world}",
+                        f"distributed.strategy={strategy}", f"hydra.run.dir={out}", env=store,
+                        timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr and "continuing MLflow run" in resumed.stderr
+    uri = store["MLFLOW_TRACKING_URI"]
+    [run] = runs_in(uri)
+    assert run.info.status == "FINISHED" and run.data.tags["restarts"] == "1"
+    reference = dict(trained["single"]["steps"])
+    steps = history(uri, run.info.run_id, "train/step_loss")
+    assert sorted({s for s, _ in steps}) == list(range(1, STEPS + 1))
+    for step, value in steps:  # a step logged twice (after the checkpoint, before the kill)
+        assert value == pytest.approx(reference[step], abs=LOSS_TOLERANCE), step
+    assert run.data.metrics["val/loss"] == pytest.approx(trained["single"]["val"],
+                                                         abs=LOSS_TOLERANCE)
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    (("trainer.precision=fp16-mixed",), "distributed.strategy=fsdp cannot be combined with "
+                                        "trainer.precision=fp16-mixed"),
+    (("trainer.compile=true",), "cannot be combined with trainer.compile=true"),
+    (("model.weights=/nonexistent.pt",), "needs distributed.fsdp.init_on=cpu"),
+    (("distributed.fsdp.init_on=disk",), "distributed.fsdp.init_on='disk'; choose meta or cpu"),
+])
+def test_fsdp_refusals_come_before_any_rank(overrides: tuple[str, ...], expected: str,
+                                            store: dict[str, str], tmp_path: Path) -> None:
+    done = run_train("distributed.strategy=fsdp", "distributed.nproc_per_node=2", *overrides,
+                     f"hydra.run.dir={tmp_path / 'job'}", env=store, timeout=60)
+    assert_refused(done, expected, store)
+
+
+def test_an_unknown_strategy_is_refused(store: dict[str, str], tmp_path: Path) -> None:
+    done = run_train("distributed.strategy=zero3", f"hydra.run.dir={tmp_path / 'job'}",
+                     env=store, timeout=60)
+    assert_refused(done, "distributed.strategy='zero3'; choose ddp or fsdp", store)
+
+
+def test_a_model_that_cannot_be_initialised_on_meta_is_named(
+        tokens: Path, store: dict[str, str], tmp_path: Path) -> None:
+    """A parameter of the model's own with no reset_parameters(): init_on=meta says which and
+    what to do, in one line; init_on=cpu trains the same model."""
+    args = ("data=tokens", f"data.root={tokens}", "task=language_model", "model=custom",
+            "data.num_workers=0", "data.seq_len=32", "data.batch_size=16",
+            "task.sample_tokens=0", "tracking.log_model=false", "trainer.epochs=1",
+            "model._target_=userpkg.models.ScaledBigramLM", "distributed.nproc_per_node=2",
+            "distributed.strategy=fsdp", "trainer.max_steps=2")
+    env = {**store, "PYTHONPATH": USER_PATH}
+    done = run_train(*args, f"hydra.run.dir={tmp_path / 'meta'}", env=env, timeout=120)
+    assert_refused(done, "distributed.fsdp.init_on=meta cannot initialise model "
+                   "ScaledBigramLM: its module (root) (ScaledBigramLM) holds parameters", store)
+    assert "or set distributed.fsdp.init_on=cpu" in done.stderr
+    done = run_train(*args, "distributed.fsdp.init_on=cpu", f"hydra.run.dir={tmp_path / 'cpu'}",
+                     env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -1,0 +1,214 @@
+"""distributed.strategy=fsdp: the model sharded with FSDP2 (`torch.distributed.fsdp.fully_shard`)
+and what rank 0 alone would otherwise do on a whole model.
+
+Every parameter becomes a DTensor holding this rank's rows (Shard(0)); a block's forward and
+backward all-gather its parameters, and its gradients are reduce-scattered (averaged, as DDP
+does, so the loop's loss scaling is the same under both strategies). Hence:
+- every rank must run the same forwards, in the same order (evaluation pads with filler
+  forwards: train/engine/loop.py `evaluate`);
+- `state_dict()` is this rank's shards: checkpoints, best.pt and model.pt take the consolidated
+  state dict (`full_state_dict`, a collective; rank 0 receives it in host memory one
+  parameter at a time, so no rank holds two whole copies);
+- what rank 0 does with a whole model (the MLflow model, a task's sampled text) it does on a
+  plain copy built from that state dict (`plain_copy`), and FLOPs are counted from shapes
+  (`meta_copy`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from train.config.groups import TrainConfig
+from train.errors import ConfigError
+
+log = logging.getLogger("train")
+
+
+def is_sharded(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def blocks(module: nn.Module, names: list[str]) -> list[nn.Module]:
+    """The submodules sharded one by one: those of the classes `names`, or (none named) the
+    modules held in ModuleLists (model=gpt's `Block`s: a transformer's repeated layers)."""
+    if not names:
+        names = sorted({type(child).__name__ for list_ in module.modules()
+                        if isinstance(list_, nn.ModuleList) for child in list_})
+    found = [m for m in module.modules() if type(m).__name__ in names and m is not module]
+    missing = sorted(set(names) - {type(m).__name__ for m in found})
+    if missing and not found:
+        raise ConfigError(f"distributed.fsdp.shard_modules={names}: the model has no module of "
+                          f"class {missing[0]}; name classes of its blocks (or [] for the "
+                          "default), e.g. distributed.fsdp.shard_modules=[Block].")
+    return found
+
+
+def shard(module: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.Module:
+    """fully_shard each block, then the root (bottom-up, as FSDP2 asks), over all ranks of the
+    job, with trainer.precision's MixedPrecisionPolicy and distributed.fsdp's keys."""
+    from torch.distributed import get_world_size
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
+
+    # An explicit mesh: FSDP2's default picks the accelerator whatever the job's device.
+    mesh = init_device_mesh(device.type, (get_world_size(),))
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if cfg.trainer.precision == "bf16-mixed" else MixedPrecisionPolicy())
+    offload = CPUOffloadPolicy() if cfg.distributed.fsdp.cpu_offload else OffloadPolicy()
+    reshard = cfg.distributed.fsdp.reshard_after_forward
+    parts = blocks(module, list(cfg.distributed.fsdp.shard_modules))
+    kinds = "/".join(sorted({type(p).__name__ for p in parts})) or "no"  # before FSDP renames
+    for part in parts:
+        fully_shard(part, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy,
+                    offload_policy=offload)
+    # The root's parameters (embeddings, final norm) stay gathered after forward: backward
+    # needs them first (FSDP2's default for the root).
+    fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=policy,
+                offload_policy=offload)
+    log.info("FSDP2: %d %s blocks sharded over %d ranks, then the root (precision %s)",
+             len(parts), kinds, get_world_size(), cfg.trainer.precision)
+    return module
+
+
+def not_initialisable(module: nn.Module) -> str | None:
+    """Why a model built on the meta device cannot be initialised shard by shard: a module
+    holding parameters or buffers of its own and no reset_parameters() (unless the model has
+    init_weights(), which then initialises everything). None when it can."""
+    if callable(getattr(module, "init_weights", None)):
+        return None
+    for name, sub in module.named_modules():
+        own = [*sub.parameters(recurse=False), *sub.buffers(recurse=False)]
+        if own and not callable(getattr(sub, "reset_parameters", None)):
+            return (f"its module {name or '(root)'} ({type(sub).__name__}) holds parameters or "
+                    "buffers and has no reset_parameters()")
+    return None
+
+
+def meta_refusal(cfg: TrainConfig, module: nn.Module) -> str | None:
+    """The one line refusing distributed.fsdp.init_on=meta for a model it cannot initialise
+    (pre-flight, where the model can be built on the meta device, and every rank)."""
+    if cfg.distributed.strategy != "fsdp" or cfg.distributed.fsdp.init_on != "meta":
+        return None
+    if (problem := not_initialisable(module)) is None:
+        return None
+    return (f"distributed.fsdp.init_on=meta cannot initialise model {type(module).__name__}: "
+            f"{problem}. Give it reset_parameters() or an init_weights() method, or set "
+            "distributed.fsdp.init_on=cpu.")
+
+
+def materialise(module: nn.Module, device: torch.device) -> None:
+    """A sharded meta-device model's shards allocated on `device` and initialised: the
+    model's init_weights() if it has one, else every module's reset_parameters()."""
+    module.to_empty(device=device)
+    init = getattr(module, "init_weights", None)
+    with torch.no_grad():
+        if callable(init):
+            init()
+            return
+        for sub in module.modules():
+            if callable(reset := getattr(sub, "reset_parameters", None)):
+                reset()
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
+    """DDP's no_sync under either strategy: `sync=False` accumulates this micro-batch's
+    gradient on the rank only; the step's last micro-batch reduces the sum."""
+    if sync:
+        yield
+    elif is_sharded(model):
+        model.set_requires_gradient_sync(False)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)  # type: ignore[operator]
+    else:
+        with model.no_sync():  # type: ignore[operator]
+            yield
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (DTensor) gradient: scaled in place, no collective."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+def full_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer | None = None
+                    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Collective (every rank, same point): the consolidated model state dict, and the
+    optimiser's in torch.optim's own layout (parameters by index, as a DDP job saves it), on
+    rank 0 in host memory; empty dicts on the other ranks."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(module, options=options)
+    if optimizer is None:
+        return weights, None
+    by_name = get_optimizer_state_dict(module, optimizer, options=options)
+    if not by_name:
+        return weights, {}
+    index = {fqn: i for i, fqn in enumerate(_names_in_order(module, optimizer))}
+    state = {index[fqn]: value for fqn, value in by_name["state"].items()}
+    groups = [{**g, "params": [index[fqn] for fqn in g["params"]]} for g in by_name["param_groups"]]
+    return weights, {"state": state, "param_groups": groups}
+
+
+def load_full(module: nn.Module, optimizer: torch.optim.Optimizer | None,
+              weights: dict[str, Any], optim_state: dict[str, Any] | None = None) -> None:
+    """Collective: a consolidated state dict (a DDP or an FSDP job's: the same layout) into
+    the sharded model (and optimiser); every rank passes the whole dicts."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(module, weights, options=options)
+    if optimizer is None or optim_state is None:
+        return
+    names = _names_in_order(module, optimizer)
+    by_name = {"state": {names[i]: value for i, value in optim_state["state"].items()},
+               "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
+                                for g in optim_state["param_groups"]]}
+    set_optimizer_state_dict(module, optimizer, by_name, options=options)
+
+
+def _names_in_order(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """Each optimiser parameter's name, in torch.optim's index order (groups in turn)."""
+    name_of = {id(p): name for name, p in module.named_parameters()}
+    return [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def meta_copy(cfg: TrainConfig, spec: Any) -> nn.Module:
+    """The model as built, on the meta device: its shapes (parameter count, FLOPs) without
+    memory and without the sharded module."""
+    from train.models import build as models
+
+    with torch.device("meta"):
+        return models.build(cfg.model, spec)
+
+
+def plain_copy(cfg: TrainConfig, spec: Any, weights: dict[str, Any]) -> nn.Module:
+    """Rank 0: a plain module holding the consolidated `weights` (their tensors, not a copy of
+    them: assign=True) for what rank 0 does alone with the final model."""
+    module = meta_copy(cfg, spec)
+    module.load_state_dict(weights, assign=True)
+    return module.eval()

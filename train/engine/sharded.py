@@ -1,0 +1,108 @@
+"""Sharded checkpoints (distributed.strategy=fsdp): a directory `step-<N>.dcp` that every rank
+writes its own shard of with `torch.distributed.checkpoint` - no rank gathers the model.
+
+Whole or absent, as a single-file checkpoint: the ranks write into `step-<N>.dcp.tmp`; once all
+have (a barrier), rank 0 adds `meta.pt` (epoch, step, the data position, every rank's RNG state
+and running sums, the schedule, the MLflow run: the same fields as a single-file checkpoint
+but the tensors) and renames the directory. A directory without `meta.pt` or DCP's `.metadata`
+is not a checkpoint (`load_meta`), and a `.tmp` one is a crash's leftover, removed at the next
+save.
+
+DCP reshards on load: the checkpoint loads at any world size, and into a DDP job as well
+(`load`: the state dict of the model and optimiser as this job holds them is the template).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+META = "meta.pt"
+SUFFIX = ".dcp"
+
+
+def path_for(folder: Path, step: int) -> Path:
+    return folder / f"step-{step:09d}{SUFFIX}"
+
+
+def save(folder: Path, step: int, module: nn.Module, optimizer: torch.optim.Optimizer,
+         meta: dict[str, Any] | None) -> Path:
+    """Collective: every rank writes its shards; rank 0 (the one passing `meta`) completes
+    the checkpoint. Returns its final path."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    final = path_for(folder, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if meta is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+        for stale in folder.glob(f"step-*{SUFFIX}.tmp"):  # a crash's leftovers
+            shutil.rmtree(stale, ignore_errors=True)
+    dist.barrier()  # the folder is clean before anyone writes
+    model_sd, optim_sd = get_state_dict(module, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    dist.barrier()  # every shard is on disk
+    if meta is not None:
+        with open(tmp / META, "wb") as f:
+            torch.save(meta, f)
+            f.flush()
+            os.fsync(f.fileno())
+        shutil.rmtree(final, ignore_errors=True)  # the same step again (a resumed job)
+        os.replace(tmp, final)
+        _fsync_dir(folder)
+    return final
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def is_checkpoint_dir(path: Path) -> bool:
+    return path.is_dir() and path.name.endswith(SUFFIX)
+
+
+def load_meta(path: Path) -> dict[str, Any]:
+    """The checkpoint's fields but the tensors; ValueError if the directory is not whole."""
+    if not (path / ".metadata").is_file() or not (path / META).is_file():
+        raise ValueError("not a whole sharded checkpoint (no .metadata or meta.pt)")
+    state = torch.load(path / META, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict) or "step" not in state:
+        raise ValueError("not a checkpoint of this tool")
+    return state
+
+
+def load(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Collective: the checkpoint's model and optimiser state into this job's (sharded or
+    not), resharded for this world size."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(module, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(module, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+
+
+def remove(path: Path) -> None:
+    """A checkpoint of either kind (keep-K, making room)."""
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def size(path: Path) -> int:
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+    return path.stat().st_size
