@@ -59,10 +59,12 @@ mlflow-server: setup
 
 # `make bench`: the service against a plain DDP loop, on in-memory data, for task=regression and
 # task=segmentation (bench/task_data.py), and on an ImageFolder of JPEGs the bench writes itself
-# (docs/benchmarks.md); and FSDP against DDP on a 57 M-parameter GPT (bench/fsdp.py).
+# (docs/benchmarks.md); model=gpt against a nanoGPT-style loop (bench/lm.py); and FSDP against
+# DDP on a 57 M-parameter GPT (bench/fsdp.py).
 bench: setup
 	$(PY) -m bench.run $(BENCH_ARGS)
 	$(PY) -m bench.tasks
+	$(PY) -m bench.lm
 	$(PY) -m bench.imagefolder
 	$(PY) -m bench.new_store --dirty-mb 1000
 	$(PY) -m bench.fsdp --out .bench/fsdp.json
