@@ -49,7 +49,13 @@ def _train(tmp_path: Path, store: dict[str, str], *overrides: str) -> subprocess
          "cluster.time_min=10", f"hydra.sweep.dir={tmp_path}/sweep",
          *(o for o in overrides if o != "-m")],
         cwd=REPO, env={**os.environ, **store}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True)
+        text=True, preexec_fn=_as_a_terminal_starts_it)
+
+
+def _as_a_terminal_starts_it() -> None:
+    """Ctrl-C reaches a terminal's foreground command: SIGINT at its default, also when these
+    tests run in the background of a non-interactive shell (which starts them ignoring it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _read_until(proc: subprocess.Popen[str], text: str, timeout: float) -> str:

@@ -155,7 +155,8 @@ def test_the_local_launcher_shows_the_failing_rank_in_one_line_its_traceback_in_
         text=True, timeout=120)
     assert result.returncode == 1
     assert ("the training job failed; rank 1 on " in result.stderr
-            and ": FailureDrill: trainer.fail_on_rank=1" in result.stderr), result.stderr
+            and ": FailureDrill: TRAIN_FAIL_DRILL: rank 1 failing on purpose" in result.stderr), \
+        result.stderr
     assert "Traceback" not in result.stderr
     logged = (tmp_path / "job" / "train.log").read_text()
     assert "Traceback" in logged and "raise FailureDrill" in logged

@@ -61,6 +61,7 @@ def test_without_an_error_or_a_signal_the_exit_codes_are_the_root_cause() -> Non
 def test_the_first_stop_signal_names_the_stop_and_a_second_ctrl_c_aborts() -> None:
     """A closed terminal sends HUP to the group, the launcher passes TERM on: HUP it was. A
     second Ctrl-C does not wait for the checkpoint."""
+    before = signal.getsignal(signal.SIGHUP)  # SIG_DFL, or SIG_IGN under nohup
     with stopping.StopSignals() as stop:
         os.kill(os.getpid(), signal.SIGHUP)
         os.kill(os.getpid(), signal.SIGTERM)
@@ -72,7 +73,7 @@ def test_the_first_stop_signal_names_the_stop_and_a_second_ctrl_c_aborts() -> No
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(1)  # the handler runs before this ends
-    assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL  # the previous handlers are back
+    assert signal.getsignal(signal.SIGHUP) == before  # the previous handlers are back
 
 
 def test_a_stop_job_exits_as_a_shell_reports_the_signal() -> None:

@@ -44,9 +44,22 @@ class Frame:
         return f"{short_path(self.path)}:{self.line}"
 
 
+_SNAPSHOT = re.compile(r".*?/code/project/")
+"""Where a Slurm job's code snapshot holds the project (train/launch/snapshot.py's layout)."""
+
+
+def as_here(path: str) -> str:
+    """A frame of a Slurm job's code snapshot as the same file of this checkout, so that the
+    login node (python -m train.stacks) tells the service's frames from the user's as the rank
+    does."""
+    m = _SNAPSHOT.match(path)
+    return str(Path(_TRAIN).parent / path[m.end():]) if m else path
+
+
 def short_path(path: str) -> str:
     """`path` as its module's place: the service's as train/..., a library's from its
     site-packages, the user's from the PYTHONPATH entry that holds it."""
+    path = as_here(path)
     if path.startswith(_TRAIN):
         return "train/" + path[len(_TRAIN):]
     roots = [*_LIBRARIES, *(os.path.abspath(p) + os.sep for p in sys.path if p)]
@@ -56,6 +69,7 @@ def short_path(path: str) -> str:
 
 def is_service(path: str) -> bool:
     """The service's own code, Python's or an installed library's: not the user's."""
+    path = as_here(path)
     return path.startswith(_TRAIN) or path.startswith(_LIBRARIES) or path.startswith("<")
 
 

@@ -299,9 +299,13 @@ class MlflowRun(NullRun):
         with self._changed:
             waiting = [r for r in [self._in_flight, *self._pending] if r is not None]
         header = {"run_id": self.run_id, "tracking_uri": self.uri, "status": status}
-        self.unsent_path = unsent.save_rest(
-            self.output_dir, header, self.rows.everything(), waiting,
-            self._client.logged_until if self._client is not None else None, why)
+        try:
+            self.unsent_path = unsent.save_rest(
+                self.output_dir, header, self.rows.everything(), waiting,
+                self._client.logged_until if self._client is not None else None, why)
+        except OSError as e:  # a full output disk: the job's own error must still be told
+            log.error("what MLflow did not take could not be kept in %s (%s): it is lost",
+                      self.output_dir, e)
 
 
 def open_run(cfg: TrackingConfig, output_dir: Path, is_main: bool) -> NullRun:
