@@ -6,22 +6,11 @@ from __future__ import annotations
 
 import sys
 
-from train.errors import TrainError
-
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1 or argv[0].startswith("-"):
-        print("usage: python -m train.stacks <output dir or Slurm job id>", file=sys.stderr)
-        return 2
     from train.launch import inspect
 
-    try:
-        out, job = inspect.resolve(argv[0])
-        print(inspect.dump(out, job))
-    except TrainError as e:
-        print(e.terminal_line(), file=sys.stderr)
-        return e.exit_code
-    return 0
+    return inspect.command("stacks", argv, inspect.dump)
 
 
 if __name__ == "__main__":

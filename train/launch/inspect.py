@@ -15,15 +15,31 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from train.distributed import stacks, watch
-from train.errors import LaunchError
+from train.errors import LaunchError, TrainError
 
 ANSWER_S = 10.0
 """How long the ranks get to dump their stacks; one that has not by then did not answer."""
+
+
+def command(name: str, argv: list[str], show: Callable[[Path, str | None], str]) -> int:
+    """`python -m train.<name> <output dir or Slurm job id>`: what `show` says of the job
+    (its output directory, its Slurm job id or None), or one line and the exit code."""
+    if len(argv) != 1 or argv[0].startswith("-"):
+        print(f"usage: python -m train.{name} <output dir or Slurm job id>", file=sys.stderr)
+        return 2
+    try:
+        print(show(*resolve(argv[0])))
+    except TrainError as e:
+        print(e.terminal_line(), file=sys.stderr)
+        return e.exit_code
+    return 0
 
 
 def resolve(target: str) -> tuple[Path, str | None]:
