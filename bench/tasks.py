@@ -121,9 +121,14 @@ def run_one(task: str, variant: str, repeat: int, args: argparse.Namespace,
     cmd = maker(task, s, args, out)
     started, wall, result = run_variant(cmd, env, out, args.timeout,
                                         f"{task} {NAMES[variant]}", variant == "a")
-    by_epoch = [e["samples_per_sec"] for e in result["epochs" if variant == "a" else "by_epoch"]]
+    epochs = result["epochs" if variant == "a" else "by_epoch"]
+    by_epoch = [e["samples_per_sec"] for e in epochs]
+    # Rank 0's CPU time per training sample over the steady epochs: the work each variant
+    # does, which other load on the machine hardly changes (wall-clock rates it does).
+    cpu = [e["cpu_s" if variant == "a" else "train_cpu_s"] for e in epochs][1:]
+    cpu_us = 1e6 * sum(cpu) / (s["num_samples"] * max(1, len(cpu)))
     return {"task": task, "variant": variant, "repeat": repeat,
-            "samples_per_sec": steady_rate(by_epoch),
+            "samples_per_sec": steady_rate(by_epoch), "cpu_us_per_sample": round(cpu_us, 2),
             "by_epoch": [round(v, 1) for v in by_epoch],
             "first_step_s": round(result["first_step_at"] - started, 2),
             "peak_rss_mb": [round(v) for v in result["peak_rss_mb"]], "wall_s": round(wall, 1),
@@ -144,9 +149,14 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 "first_step_s": round(statistics.median(r["first_step_s"] for r in rs), 2),
                 "peak_rss_mb": [statistics.median(x) for x in zip(*(r["peak_rss_mb"] for r in rs),
                                                                   strict=True)],
-                "wall_s": round(statistics.median(r["wall_s"] for r in rs), 1)}
+                "wall_s": round(statistics.median(r["wall_s"] for r in rs), 1),
+                "cpu_us_per_sample": round(statistics.median(
+                    r["cpu_us_per_sample"] for r in rs), 2)}
         row["ratio"] = round(row["service"]["samples_per_sec"] / row["plain"]["samples_per_sec"],
                              3)
+        # plain's CPU per sample over the service's: >= 1.0 when the service costs no more work.
+        row["cpu_ratio"] = round(row["plain"]["cpu_us_per_sample"]
+                                 / row["service"]["cpu_us_per_sample"], 3)
         row["ratio_per_pair"] = [round(b["samples_per_sec"] / a["samples_per_sec"], 3)
                                  for a, b in zip(mine["a"], mine["b"], strict=True)]
         out[task] = row
@@ -164,7 +174,9 @@ def print_table(summary: dict[str, Any]) -> None:
             print(f"{task:<13} {name:<8} {s['samples_per_sec']:>10.1f} {spread:>17} "
                   f"{s['first_step_s']:>11.1f} {rss:>21} {s['wall_s']:>7.1f}")
         pairs = ", ".join(f"{r:.3f}" for r in row["ratio_per_pair"])
-        print(f"{task:<13} service/plain = {row['ratio']:.3f} (medians); per pair: {pairs}")
+        print(f"{task:<13} service/plain = {row['ratio']:.3f} (medians); per pair: {pairs}; "
+              f"rank 0 CPU us/sample plain/service = {row['cpu_ratio']:.3f} "
+              f"({row['plain']['cpu_us_per_sample']} / {row['service']['cpu_us_per_sample']})")
 
 
 def main() -> None:
@@ -184,6 +196,7 @@ def main() -> None:
                     print(f"  {task:<13} {NAMES[variant]:<8} #{repeat + 1}: "
                           f"{r['samples_per_sec']:9.1f} samples/s (epochs {r['by_epoch']})  "
                           f"first step {r['first_step_s']:5.1f} s  wall {r['wall_s']:.1f} s  "
+                          f"CPU {r['cpu_us_per_sample']} us/sample  "
                           f"load {os.getloadavg()[0]:.1f}", flush=True)
     finally:
         if not args.keep:

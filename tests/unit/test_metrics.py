@@ -145,11 +145,15 @@ def test_reduce_of_nothing_is_zero_not_an_error(one_rank_group: None) -> None:
         ({"loss": 0.0, "accuracy": 0.0}, 0, None)
 
 
-def test_sync_step_carries_loss_step_time_and_both_requests(one_rank_group: None) -> None:
+def test_sync_step_carries_loss_step_time_both_requests_and_extras(one_rank_group: None) -> None:
     quiet = metrics.sync_step(torch.tensor(0.75), 0.125, stop_requested=False,
                               checkpoint_due=False)
     assert quiet == metrics.StepSync(mean_loss=0.75, slowest_s=0.125, fastest_s=0.125,
-                                     stop_requested=False, checkpoint_due=False)
+                                     stop_requested=False, checkpoint_due=False, extras=[[]])
+    # The stragglers' sums ride in the same all_gather, exact (float64).
+    timed = metrics.sync_step(torch.tensor(0.75), 0.125, stop_requested=False,
+                              checkpoint_due=False, extra=[0.1, 2.7])
+    assert timed.extras == [[0.1, 2.7]] and timed.mean_loss == 0.75
     stop = metrics.sync_step(torch.tensor(2.0), 0.5, stop_requested=True, checkpoint_due=False)
     assert stop.stop_requested and not stop.checkpoint_due
     due = metrics.sync_step(torch.tensor(2.0), 0.5, stop_requested=False, checkpoint_due=True)

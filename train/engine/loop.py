@@ -147,11 +147,12 @@ def _log_step(state: TrainState, duties: Duties, totals: metrics.Totals, step_lo
               step_time_s: float, batches_done: int, batches: int) -> None:
     """A logging step, the only one that waits for the device: the step loss, fp16's scaler,
     and a checkpoint (then a stop) if any rank asks for one."""
-    if duties.stragglers is not None:
-        duties.stragglers.observe(state.step)
+    spent = duties.stragglers.measure() if duties.stragglers is not None else []
     watch.enter("collective")
     sync = metrics.sync_step(step_loss, step_time_s, duties.stop.received is not None,
-                             duties.checkpointer.interval_due())
+                             duties.checkpointer.interval_due(), extra=spent)
+    if duties.stragglers is not None:
+        duties.stragglers.judge(sync.extras, state.step)
     _check_finite(sync.mean_loss, duties.rank, state.step, "train/step_loss (mean over ranks)")
     duties.logger.step(state.step, sync)
     _report_scaler(state, duties)
@@ -269,13 +270,16 @@ def fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.dev
     this start had no epoch left."""
     epochs, limit, val = cfg.trainer.epochs, cfg.trainer.max_steps, None
     while state.epoch < epochs and (limit is None or state.step < limit):
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         train_totals = train_epoch(cfg, state, data.train, device, duties, task)
         _check_finite(train_totals.as_host()["loss"], duties.rank, state.step,
                       "the epoch's training loss")
         if state.step % cfg.trainer.log_every_n_steps:  # else logged at that step already
             _report_scaler(state, duties)
         train_time = time.perf_counter() - started
+        # This process's CPU time (all its threads): what the rank's work cost, whatever else
+        # ran on the machine (bench/ compares it with a plain loop's).
+        train_cpu = time.process_time() - cpu_started
         train = metrics.reduce(train_totals, task.finalize, task.items_name)
         last = state.epoch + 1 == epochs or state.step == limit
         val = None
@@ -294,7 +298,7 @@ def fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.dev
         if cfg.tracking.system_metrics:  # one more small gather per epoch
             nodes = distributed.gather_to_all(system_stats.node_sample(duties.local_rank, device))
         duties.logger.epoch(state.epoch, train=train, val=val, train_time_s=train_time,
-                            epoch_time_s=time.perf_counter() - started,
+                            epoch_time_s=time.perf_counter() - started, train_cpu_s=train_cpu,
                             lrs=state.learning_rates(cfg.optim.lr), nodes=nodes)
         optim.step_at_epoch_end(state.scheduler, state.scheduler_interval, val,
                                 cfg.trainer.monitor)  # before the epoch's checkpoint

@@ -60,9 +60,10 @@ class TrainingLog:
                               "train/loss_scale": loss_scale}, step)
 
     def epoch(self, epoch: int, *, train: Reduced, val: Reduced | None, train_time_s: float,
-              epoch_time_s: float, lrs: dict[str, float],
+              epoch_time_s: float, lrs: dict[str, float], train_cpu_s: float = 0.0,
               nodes: list[Any] | None = None) -> None:
-        """`lrs`: `lr` and each optim.param_groups group's `lr/<prefix>` (TrainState)."""
+        """`lrs`: `lr` and each optim.param_groups group's `lr/<prefix>` (TrainState);
+        `train_cpu_s`: this process's CPU time while it trained (summary.json only)."""
         values = {**_named("train", train.values), "train/samples": float(train.samples),
                   "train/samples_per_sec": train.samples / train_time_s,
                   **lrs, "epoch_time_s": epoch_time_s,
@@ -77,7 +78,7 @@ class TrainingLog:
         self.run.log_metrics(values, step=epoch + 1)
         self.final_metrics.update(values)
         self.by_epoch.append({"samples_per_sec": values["train/samples_per_sec"],
-                              "epoch_time_s": epoch_time_s,
+                              "epoch_time_s": epoch_time_s, "train_cpu_s": train_cpu_s,
                               "tracking_thread_cpu_s": self.run.cpu_seconds})
         shown = "  ".join(f"{k}={v:.4g}" for k, v in values.items() if k in SHOWN)
         log.info("epoch %d/%d  %s", epoch + 1, self.cfg.trainer.epochs, shown)
