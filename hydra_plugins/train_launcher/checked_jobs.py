@@ -95,3 +95,38 @@ def with_ids(launcher: Any, job_overrides: Sequence[Sequence[str]],
     parent = callback.parent_for_jobs(experiment_id) if callback is not None else None
     handed = handed_overrides(experiment_id, parent)
     return [[*o, *handed] for o in job_overrides], parent
+
+
+def report_failed_jobs(results: Sequence[Any], job_overrides: Sequence[Sequence[str]],
+                       initial_job_idx: int) -> None:
+    """A local sweep whose jobs failed or were stopped (Ctrl-C, `kill`) ends here, with one
+    line per such job - its own terminal line, the job named by its number and the user's
+    overrides - and the exit code of the first, instead of Hydra's "Error executing job"
+    report and its traceback (a rank's is cut to its exception's line). An error that is not
+    the service's own is left to Hydra's report."""
+    from hydra.core.utils import JobStatus
+
+    from train.errors import LaunchError, StoppedBySignal
+
+    failed = [(initial_job_idx + i, overrides, r._return_value)
+              for i, (r, overrides) in enumerate(zip(results, job_overrides, strict=True))
+              if r.status == JobStatus.FAILED]
+    if not failed or not all(isinstance(e, TrainError) for _, _, e in failed):
+        return
+    stopped = next((e for _, _, e in failed if isinstance(e, StoppedBySignal)), None)
+    unstarted = [n for n, _, e in failed if stopped is not None and isinstance(e, LaunchError)]
+    lines = [f"job #{n} ({' '.join(overrides)}): {_one_line(e)}" for n, overrides, e in failed
+             if n not in unstarted]
+    if unstarted:
+        lines.append(f"jobs #{', #'.join(map(str, unstarted))} not started: the sweep was "
+                     f"stopped by {stopped.signal_name}")  # type: ignore[union-attr]
+    print("\n" + "\n".join(lines) + "\n", file=sys.stderr, flush=True)
+    raise SystemExit((stopped or failed[0][2]).exit_code)
+
+
+def _one_line(error: TrainError) -> str:
+    """A job's terminal line, its traceback (a rank's failure) cut to the exception's line."""
+    lines = [line for line in error.terminal_line().splitlines() if line.strip()]
+    if len(lines) > 1 and lines[1].startswith("Traceback"):
+        return f"{lines[0]} {lines[-1].strip()}"
+    return " ".join(line.strip() for line in lines)

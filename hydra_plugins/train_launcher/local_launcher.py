@@ -5,6 +5,8 @@ Before the first job starts, every job of the batch is pre-flighted (train/launc
 sweep with a refused job starts none and creates no MLflow run. Then each job's overrides get
 the experiment id (created once, here) and, for a sweep, the parent run's id
 (hydra_plugins/train_launcher/checked_jobs.py), so the jobs themselves check nothing twice.
+After the jobs, a failed or stopped one ends the sweep with one line per such job, not
+Hydra's report.
 """
 # No `from __future__ import annotations`: Hydra's plugin scan executes this module outside
 # sys.modules, where dataclasses cannot resolve string annotations.
@@ -35,4 +37,6 @@ class TrainLocalLauncher(BasicLauncher):
             configs = checked_jobs.job_configs(self, job_overrides)
             experiment_id = checked_jobs.preflight_jobs(configs)
         handed, _ = checked_jobs.with_ids(self, job_overrides, experiment_id)
-        return super().launch(handed, initial_job_idx)
+        results = super().launch(handed, initial_job_idx)
+        checked_jobs.report_failed_jobs(results, job_overrides, initial_job_idx)
+        return results

@@ -78,7 +78,12 @@ def test_a_failing_job_does_not_stop_the_sweep(store: dict[str, str], tmp_path: 
     result = run_train("-m", "optim.lr=0.1,0.05,0.01", "trainer.epochs=1",
                        "tracking.log_model=false", f"hydra.sweep.dir={tmp_path}/sweep",
                        env={**store, "TRAIN_FAIL_DRILL": "0/0:0,1/0:1"}, timeout=600)
-    assert result.returncode != 0  # the sweep reports its failure...
+    assert result.returncode == 1  # the sweep reports its failure...
+    # ...in one line per failed job, by number and overrides; no Hydra report, no traceback.
+    said = result.stderr.strip().splitlines()
+    assert said[-2].startswith("job #0 (optim.lr=0.1 ") and "failing on purpose" in said[-2]
+    assert said[-1].startswith("job #1 (optim.lr=0.05 ") and "FailureDrill" in said[-1]
+    assert "Traceback" not in result.stderr and "Error executing job" not in result.stderr
     parent, children = parent_and_children(store["MLFLOW_TRACKING_URI"])
     statuses = sorted(c.info.status for c in children)
     assert statuses == ["FAILED", "FINISHED"]  # ...after running every job
@@ -143,10 +148,15 @@ def test_a_stopped_sweep_starts_no_further_job(store: dict[str, str], tmp_path: 
             proc.wait()
     name = "SIGINT" if how == "ctrl-c" else "SIGTERM"
     stderr_text = log.read_text()
-    # Hydra reports the sweep's first failed job, whose last line is the stopped job's.
-    assert proc.returncode == 1, stderr_text
-    assert (f"stopped by {name} after saving a checkpoint in {first}/checkpoints; the same "
-            f"command with hydra.run.dir={first} resumes it") in stderr_text
+    # As a shell reports a process ended by that signal; one line for the stopped job and one
+    # for those not started, no Hydra report, no traceback.
+    assert proc.returncode == 128 + getattr(signal, name), stderr_text
+    said = stderr_text.strip().splitlines()
+    assert said[-2] == (f"job #0 (optim.lr=0.1 trainer.epochs=200 tracking.log_model=False): "
+                        f"stopped by {name} after saving a checkpoint in {first}/checkpoints; "
+                        f"the same command with hydra.run.dir={first} resumes it"), stderr_text
+    assert said[-1] == f"jobs #1, #2 not started: the sweep was stopped by {name}"
+    assert "Traceback" not in stderr_text and "Error executing job" not in stderr_text
     assert stderr_text.count("training on 1 rank(s)") == 1  # the other jobs never trained
     for later in ("1", "2"):  # Hydra made their directories; nothing ran in them
         assert not (sweep_dir / later / "checkpoints").exists()
