@@ -3,8 +3,8 @@
 The shared pieces are in train/data/batches.py. Two paths, chosen by the data set (not by a flag):
 - the built-in sets (train/data/datasets.py) are held in memory; batches are gathered by index,
   converted and normalised on the training device (and kept there, data.on_device, on a GPU);
-- imagefolder, custom and token sets are streamed (train/data/streaming.py): DataLoader workers
-  read and decode each batch; nothing holds the whole set.
+- imagefolder, custom and token sets are streamed (train/data/sources.py, streaming.py):
+  DataLoader workers read and decode each batch; nothing holds the whole set.
 Training shards come from DistributedSampler (padded so every rank takes the same number of
 steps); validation shards are strided slices that cover the validation set exactly once over all
 ranks, so validation metrics do not depend on the world size. An epoch can start at a batch
@@ -34,7 +34,7 @@ from train.distributed import devices
 from train.distributed.env import DistEnv
 
 STREAMED = ("imagefolder", "custom", "tokens")
-"""Data sets read from disk batch by batch (train/data/streaming.py); the others are in memory."""
+"""Data sets read from disk batch by batch (train/data/sources.py); the others are in memory."""
 
 
 class _Subset(torch.utils.data.Dataset):
@@ -87,9 +87,9 @@ def build(cfg: DataConfig, env: DistEnv, device: torch.device, seed: int, *,
     data.on_device on a GPU) keeps an in-memory data set on `device` and batches it there."""
     per_rank = cfg.batch_size // (env.world_size * micro_batches)
     if cfg.name in STREAMED:
-        from train.data import streaming
+        from train.data import sources
 
-        return streaming.build(cfg, env, device, seed, per_rank, channels_last, classes)
+        return sources.build(cfg, env, device, seed, per_rank, channels_last, classes)
     keep = devices.keep_data_on_device(cfg.on_device, device) if resident is None else resident
     return _in_memory(cfg, env, _Reader(cfg, env, device, per_rank, channels_last, keep), seed)
 

@@ -196,10 +196,10 @@ def digest(root: str | Path, meta: TokenMeta) -> str:
 
 
 def source(cfg: Any) -> Any:
-    """data=tokens as a streamed data set (train/data/streaming.py `Source`): windows of
+    """data=tokens as a streamed data set (train/data/sources.py `Source`): windows of
     data.seq_len tokens, the vocabulary and tokenizer from meta.json."""
     from train.data.batches import DataDescription
-    from train.data.streaming import Source
+    from train.data.sources import Source
 
     meta = read_meta(cfg.root)
     seq_len = cfg.seq_len
