@@ -29,7 +29,7 @@ def _evaluate_on_rank(rank: int, world_size: int, port: int, results: mp.Queue) 
     from train.config.groups import DataConfig, ModelConfig
     from train.data import build as data
     from train.distributed import process_group as distributed
-    from train.engine import loop
+    from train.engine import evaluation
     from train.models import build as models
     from train.report import metrics
     from train.tasks.base import summed
@@ -44,7 +44,7 @@ def _evaluate_on_rank(rank: int, world_size: int, port: int, results: mp.Queue) 
         model = models.build(ModelConfig(), models.InputSpec(1, 8, 10))
         task = Classification()
         task.setup(summed(torch.nn.CrossEntropyLoss()), 10, [str(i) for i in range(10)])
-        reduced = metrics.reduce(loop.evaluate(model, bundle.val, device, "fp32", task),
+        reduced = metrics.reduce(evaluation.evaluate(model, bundle.val, device, "fp32", task),
                                  task.finalize)
         if rank == 0:  # every rank holds the same figures
             results.put((reduced.loss, reduced.values["accuracy"], reduced.samples))

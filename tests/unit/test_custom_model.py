@@ -13,7 +13,7 @@ import torch
 
 from tests.conftest import typed
 from train.config.groups import ConfigError, CustomModelConfig
-from train.engine import loop
+from train.engine import evaluation
 from train.launch import model_checks, preflight
 from train.models import build as models
 from train.tasks.base import summed
@@ -81,11 +81,11 @@ def test_the_first_batch_checks_the_models_output() -> None:
     task = Classification()
     task.setup(summed(torch.nn.CrossEntropyLoss()), 10, [str(i) for i in range(10)])
     assert task.top_k == 5
-    with pytest.raises(loop.ModelOutputError,
+    with pytest.raises(evaluation.ModelOutputError,
                        match=r"the model returns shape \(4, 3\) for inputs of shape "
                              r"\(4, 1, 8, 8\); task=classification needs \(batch, num_classes\)"
                              r" = \(4, 10\)"):
-        loop._check_output(task, torch.zeros(4, 3), torch.zeros(4, dtype=torch.long),
+        evaluation.check_output(task, torch.zeros(4, 3), torch.zeros(4, dtype=torch.long),
                            torch.zeros(4, 1, 8, 8))
     task.setup(summed(torch.nn.CrossEntropyLoss()), 5, [str(i) for i in range(5)])
     assert task.top_k is None

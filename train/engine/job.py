@@ -40,7 +40,7 @@ from train.distributed import process_group as distributed
 from train.distributed import slurm, watch
 from train.distributed.devices import device_name
 from train.distributed.stopping import Preempted, StopSignals
-from train.engine import checkpoint, drill, fsdp, loop
+from train.engine import checkpoint, drill, evaluation, fsdp, loop
 from train.engine import monitor as monitor_lib
 from train.engine import state as train_state
 from train.engine.ending import JobEnding
@@ -138,7 +138,7 @@ def _final_model_and_test(cfg: TrainConfig, out: Path, state: train_state.TrainS
     if bundle.test is None:
         log.info("data=%s has no test split: no test phase", cfg.data.name)
         return None
-    tested = loop.test(state.module, bundle.test, device, cfg.trainer.precision, task,
+    tested = evaluation.test(state.module, bundle.test, device, cfg.trainer.precision, task,
                        filler=state.filler)
     logger.training.test(state.epoch, tested)
     return tested

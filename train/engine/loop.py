@@ -8,7 +8,6 @@ what is recorded of them is the training log's business (train/report/trainlog.p
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from train.distributed import watch
 from train.distributed.stopping import StopSignals
 from train.engine import drill, fsdp, optim
 from train.engine.checkpoint import Checkpointer
+from train.engine.evaluation import autocast, check_output, evaluate
 from train.engine.monitor import Monitor
 from train.engine.state import TrainState
 from train.engine.stragglers import Stragglers
@@ -35,10 +35,6 @@ from train.tasks.base import Sums, Task
 
 class NonFiniteLossError(FloatingPointError):
     """Training diverged."""
-
-
-class ModelOutputError(ValueError):
-    """The model's output does not fit the task (e.g. not (batch, num_classes))."""
 
 
 @dataclass
@@ -56,13 +52,6 @@ class Duties:
     stragglers: Stragglers | None = None
     trial: TrialReporter | None = None
     """An Optuna sweep's trial (train/engine/trial.py): reports and the pruner's verdict."""
-
-
-def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float16
-    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def _check_finite(value: float, rank: int, step: int, where: str) -> None:
@@ -191,7 +180,7 @@ def train_epoch(cfg: TrainConfig, state: TrainState, batches: Batches, device: t
         output, sums = _micro_step(cfg, state, inputs, target, device, task,
                                    batches.samples_in(first, end), sync=index + 1 == end)
         if index == skip:
-            _check_output(task, output, target, inputs)
+            check_output(task, output, target, inputs)
         totals.add(sums)
         step_loss, step_items = step_loss + sums["loss"], step_items + sums["items"]
         if index + 1 < end:
@@ -208,59 +197,6 @@ def train_epoch(cfg: TrainConfig, state: TrainState, batches: Batches, device: t
         if state.step == cfg.trainer.max_steps:  # the training ends with this step
             break
     return totals
-
-
-def _check_output(task: Task, output: Any, target: Any, inputs: Any) -> None:
-    """The first batch's output fits the task (host-side shapes: no sync), or the model is
-    named with the shapes instead of an obscure error inside the loss."""
-    if problem := task.output_problem(output, target, inputs):
-        raise ModelOutputError(f"the model {problem}")
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, batches: Batches, device: torch.device, precision: str,
-             task: Task, detailed: bool = False, examples: bool = False,
-             filler: torch.Tensor | None = None) -> metrics.Totals:
-    """This rank's shard of the validation set, on the bare module (no DDP collectives), the
-    task's sums on fp32 outputs; `detailed`: what the task keeps for the final evaluations (a
-    confusion matrix); `examples`: the task keeps a few samples for its picture. `filler`
-    (FSDP, whose every forward is a collective): the shards differ by up to a batch, so a rank
-    with fewer batches runs forwards on it until it has run as many as the rank with the most;
-    their outputs are dropped, so the sums stay exact."""
-    model.eval()
-    watch.enter("validation")
-    totals = metrics.Totals(device, task.layout(detailed))
-    if filler is not None:
-        _lockstep(model, len(batches), filler, device, precision)
-    for index, (inputs, target) in enumerate(batches):
-        with autocast(device, precision):
-            output = model(inputs)
-        output = _fp32(output)
-        if index == 0:
-            _check_output(task, output, target, inputs)
-        totals.add(task.step(output, target, detailed)[1])
-        if examples:
-            task.keep_examples(inputs, output, target)
-    return totals
-
-
-def _lockstep(model: nn.Module, batches: int, filler: torch.Tensor, device: torch.device,
-              precision: str) -> None:
-    """Every rank learns the most batches any rank holds (one small all-reduce) and runs the
-    forwards it lacks first, on `filler`, outputs dropped: then all run as many forwards."""
-    most = torch.tensor([batches], dtype=torch.int64, device=device)
-    torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
-    for _ in range(int(most.item()) - batches):
-        with autocast(device, precision):
-            model(filler)
-
-
-def _fp32(output: Any) -> Any:
-    if isinstance(output, torch.Tensor):
-        return output.float()
-    if isinstance(output, dict):
-        return {key: _fp32(value) for key, value in output.items()}
-    return output
 
 
 def fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.device,
@@ -312,12 +248,3 @@ def fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.dev
         if stop and not last:
             raise duties.stop.preempted()
     return val
-
-
-def test(model: nn.Module, batches: Batches, device: torch.device, precision: str,
-         task: Task, filler: torch.Tensor | None = None) -> metrics.Reduced:
-    """The final model, once, on every rank's strided shard of the test split (each sample on
-    exactly one rank, none twice), with the task's details (a confusion matrix)."""
-    return metrics.reduce(evaluate(model, batches, device, precision, task, detailed=True,
-                                   filler=filler),
-                          task.finalize, task.items_name)
