@@ -1,5 +1,5 @@
-"""The training loop of one rank: epochs of DDP steps, exact validation, reduced metrics, the
-same for every task (train/tasks/: what a batch's loss and metric sums are).
+"""The training loop of one rank: epochs of DDP steps and reduced metrics (validation and test:
+train/engine/evaluation.py), the same for every task (train/tasks/: a batch's loss and sums).
 
 The loop is the same on every rank. It syncs with the host only at the end of an epoch and on
 every `trainer.log_every_n_steps`-th step; the metrics it reduces are the same on every rank, and
