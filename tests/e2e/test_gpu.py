@@ -1,4 +1,5 @@
-"""The CUDA-only branches of train/distributed/devices.py, run for real where a GPU exists.
+"""The CUDA-only branches of train/distributed/devices.py (and FSDP on nccl), run for real where
+a GPU exists.
 
 Without CUDA every test here skips with its reason - under CI=true too: no GPU machine serves
 this project's CI, and tests/conftest.py lets the `gpu` marker's skips (and only those) pass.
@@ -10,16 +11,23 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import history, run_train, runs_in
+from tests.conftest import REPO, history, run_train, runs_in
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(),
                                  reason="CUDA-only branch: this machine has no CUDA device")]
+
+
+SMALL_TEXT = Path(textwrap.__file__)
+"""A 20 KB standard-library module: the language model's text."""
 
 
 def _ranks() -> int:
@@ -70,3 +78,28 @@ def test_bf16_compile_channels_last_resnet18_reports_mfu(store: dict[str, str],
                       "trainer.channels_last=true", "tracking.log_model=false", *peak)
     assert 0 < metrics["train/mfu"] < 1
     assert metrics["val/accuracy"] >= 0  # synthetic labels are random: it ran to the end
+
+
+def test_fsdp_jobs_on_the_gpus(store: dict[str, str], tmp_path: Path) -> None:
+    """distributed.strategy=fsdp over nccl, meta-device init, bf16-mixed - each of these jobs
+    failed on a GPU before: model=cnn with optim=sgd (fused SGD has no DTensor rule: at the
+    first step; BatchNorm's bf16 weights beside its fp32 statistics: at the first forward), and
+    a language model with cpu_offload=true (shards in host memory: the step's token count was
+    all-reduced there, which nccl refuses). On the CPU: tests/e2e/test_fsdp.py,
+    tests/unit/test_fsdp.py."""
+    common = ("distributed.backend=nccl", "distributed.strategy=fsdp",
+              "trainer.precision=bf16-mixed", "tracking.log_model=false")
+    run, metrics = _job(store, tmp_path / "cnn", *common, "trainer.epochs=2")
+    assert run.data.tags["backend"] == "nccl" and run.data.tags["devices"] != "cpu"
+    assert run.data.params["distributed.strategy"] == "fsdp"
+    assert metrics["val/accuracy"] > 0.8
+    tokens = tmp_path / "tokens"
+    done = subprocess.run([sys.executable, "-m", "train.prepare_text", str(SMALL_TEXT),
+                           str(tokens)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    run, metrics = _job(store, tmp_path / "lm", *common, "distributed.fsdp.cpu_offload=true",
+                        "data=tokens", f"data.root={tokens}", "model=gpt", "task=language_model",
+                        "data.seq_len=64", "optim=adamw", "optim.lr=3e-3", "trainer.epochs=2")
+    assert run.data.params["distributed.fsdp.cpu_offload"] == "True"
+    assert metrics["val/loss"] < math.log(256)  # better than a uniform guess over the bytes
+    assert sorted((tmp_path / "lm" / "checkpoints").glob("step-*.dcp"))

@@ -67,10 +67,21 @@ def shard(module: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.Modul
     mesh = init_device_mesh(device.type, (get_world_size(),))
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if cfg.trainer.precision == "bf16-mixed" else MixedPrecisionPolicy())
-    offload = CPUOffloadPolicy() if cfg.distributed.fsdp.cpu_offload else OffloadPolicy()
+    # Pinned host shards let their copies to the GPU overlap; pinning needs CUDA (a CPU job
+    # with cpu_offload failed at its first forward).
+    offload = (CPUOffloadPolicy(pin_memory=device.type == "cuda")
+               if cfg.distributed.fsdp.cpu_offload else OffloadPolicy())
     reshard = cfg.distributed.fsdp.reshard_after_forward
     parts = blocks(module, list(cfg.distributed.fsdp.shard_modules))
     kinds = "/".join(sorted({type(p).__name__ for p in parts})) or "no"  # before FSDP renames
+    # BatchNorm keeps fp32 parameters (FSDP1's MixedPrecision does the same by default): its
+    # running statistics are fp32 buffers, and batch_norm refuses bf16 weights beside them
+    # ("expected scalar type BFloat16 but found Float"); it takes the bf16 input as it is.
+    if cfg.trainer.precision == "bf16-mixed":
+        for norm in [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+                     and m is not module]:
+            fully_shard(norm, mesh=mesh, reshard_after_forward=reshard,
+                        mp_policy=MixedPrecisionPolicy(), offload_policy=offload)
     for part in parts:
         fully_shard(part, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy,
                     offload_policy=offload)
@@ -109,18 +120,25 @@ def meta_refusal(cfg: TrainConfig, module: nn.Module) -> str | None:
             "distributed.fsdp.init_on=cpu.")
 
 
-def materialise(module: nn.Module, device: torch.device) -> None:
+def materialise(module: nn.Module, device: torch.device, offload: bool = False) -> None:
     """A sharded meta-device model's shards allocated on `device` and initialised: the
-    model's init_weights() if it has one, else every module's reset_parameters()."""
-    module.to_empty(device=device)
+    model's init_weights() if it has one, else every module's reset_parameters(). With
+    `offload` (distributed.fsdp.cpu_offload) the shards live in host memory - FSDP2 refuses
+    offloaded parameters on the GPU at the first forward - and only the buffers (BatchNorm's
+    statistics), which FSDP does not move, go to `device`, where the forward uses them."""
+    module.to_empty(device=torch.device("cpu") if offload else device)
     init = getattr(module, "init_weights", None)
     with torch.no_grad():
         if callable(init):
             init()
-            return
+        else:
+            for sub in module.modules():
+                if callable(reset := getattr(sub, "reset_parameters", None)):
+                    reset()
+    if offload:
         for sub in module.modules():
-            if callable(reset := getattr(sub, "reset_parameters", None)):
-                reset()
+            for name, buffer in sub.named_buffers(recurse=False):
+                sub._buffers[name] = buffer.to(device)
 
 
 @contextlib.contextmanager

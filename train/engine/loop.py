@@ -102,7 +102,8 @@ def _micro_step(cfg: TrainConfig, state: TrainState, inputs: Any, target: Any,
     return output, sums
 
 
-def _optimiser_step(cfg: TrainConfig, state: TrainState, items: torch.Tensor | None) -> None:
+def _optimiser_step(cfg: TrainConfig, state: TrainState, items: torch.Tensor | None,
+                    device: torch.device) -> None:
     """Once per optimiser step, after its micro-batches: divide the summed gradient by the
     step's item count over all ranks where the task's items vary (`items`: this rank's; one
     small all-reduce, no host sync), unscale (fp16) and clip it, step, and advance
@@ -110,7 +111,9 @@ def _optimiser_step(cfg: TrainConfig, state: TrainState, items: torch.Tensor | N
     optim.scheduler_interval=step)."""
     watch.enter("optimizer")
     if items is not None:
-        everywhere = torch.as_tensor(items, dtype=torch.float64, device=_device(state)).clone()
+        # On the job's device, not the parameters' (in host memory with cpu_offload): nccl
+        # reduces only GPU tensors.
+        everywhere = torch.as_tensor(items, dtype=torch.float64, device=device).clone()
         torch.distributed.all_reduce(everywhere)
         # DDP averaged the ranks' summed gradients: times the world size, over every item.
         scale = (torch.distributed.get_world_size() / everywhere.clamp_min(1)).float()
@@ -126,10 +129,6 @@ def _optimiser_step(cfg: TrainConfig, state: TrainState, items: torch.Tensor | N
         state.scheduler.step()
     state.step += 1
     watch.enter("optimizer", state.step)
-
-
-def _device(state: TrainState) -> torch.device:
-    return next(state.module.parameters()).device
 
 
 def _log_step(state: TrainState, duties: Duties, totals: metrics.Totals, step_loss: torch.Tensor,
@@ -185,7 +184,7 @@ def train_epoch(cfg: TrainConfig, state: TrainState, batches: Batches, device: t
         step_loss, step_items = step_loss + sums["loss"], step_items + sums["items"]
         if index + 1 < end:
             continue
-        _optimiser_step(cfg, state, None if task.fixed_items else step_items)
+        _optimiser_step(cfg, state, None if task.fixed_items else step_items, device)
         window_steps += 1
         if state.step == 1:
             duties.logger.first_step()

@@ -51,15 +51,26 @@ def build_optimizer(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer
     if cfg._target_ is not None:
         return _user_optimizer(cfg, cfg._target_, groups)
     params = [p for g in groups for p in g["params"]]
-    # On GPUs, the fused kernels: one launch for all parameters, and with fp16 the GradScaler
-    # hands them its inf check instead of reading it back to the host every step.
-    fused = (bool(params) and all(p.is_cuda for p in params)) or None
+    fused = fused_kernels(cfg.name, params, bool(params) and all(p.is_cuda for p in params))
     if cfg.name == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas),  # type: ignore[arg-type]
                                  weight_decay=cfg.weight_decay, fused=fused)
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum,
                            nesterov=cfg.nesterov and cfg.momentum > 0,
                            weight_decay=cfg.weight_decay, fused=fused)
+
+
+def fused_kernels(name: str, params: list[torch.Tensor], on_gpu: bool) -> bool | None:
+    """The presets' `fused` argument. On GPUs, the fused kernels: one launch for all
+    parameters, and with fp16 the GradScaler hands them its inf check instead of reading it
+    back to the host every step. Not SGD's over FSDP's DTensor shards: torch has no sharding
+    rule for `_fused_sgd_` (NotImplementedError at the first step), while fused AdamW has
+    one; SGD takes its foreach kernels there. None: torch's default."""
+    from torch.distributed.tensor import DTensor
+
+    if not on_gpu or (name == "sgd" and any(isinstance(p, DTensor) for p in params)):
+        return None
+    return True
 
 
 def _user_optimizer(cfg: OptimConfig, path: str, groups: list[dict[str, Any]]

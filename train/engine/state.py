@@ -150,7 +150,7 @@ def _build_sharded(cfg: TrainConfig, spec: models.InputSpec, steps_per_epoch: in
         module = module.to(device)
     module = fsdp.shard(module, cfg, device)
     if on_meta:
-        fsdp.materialise(module, device)
+        fsdp.materialise(module, device, cfg.distributed.fsdp.cpu_offload)
     state = _with_optimiser(cfg, module, module, steps_per_epoch, device)
     kind = torch.long if spec.vocab_size is not None else torch.float32
     state.filler = torch.zeros(1, *spec.sample_shape, dtype=kind, device=device)
