@@ -117,9 +117,13 @@ def _optimiser_step(cfg: TrainConfig, state: TrainState, items: torch.Tensor | N
         torch.distributed.all_reduce(everywhere)
         # DDP averaged the ranks' summed gradients: times the world size, over every item.
         scale = (torch.distributed.get_world_size() / everywhere.clamp_min(1)).float()
+        on_device: dict[torch.device, torch.Tensor] = {scale.device: scale}
         for param in state.module.parameters():
             if param.grad is not None:
-                fsdp.local(param.grad).mul_(scale)  # FSDP: this rank's shard
+                grad = fsdp.local(param.grad)  # FSDP: this rank's shard, offloaded: on the host
+                if grad.device not in on_device:
+                    on_device[grad.device] = scale.to(grad.device)
+                grad.mul_(on_device[grad.device])
     if cfg.optim.grad_clip is not None:
         state.scaler.unscale_(state.optimizer)
         nn.utils.clip_grad_norm_(state.model.parameters(), cfg.optim.grad_clip)
