@@ -12,7 +12,7 @@ from pathlib import Path
 import optuna
 import pytest
 
-from tests.cluster.conftest import queued_jobs, slurm_job
+from tests.cluster.conftest import queued_jobs, slurm_job, wait_for_job
 from tests.conftest import LAUNCHER_VARS, REPO, history, wait_until
 from tests.e2e.test_sweeps import parent_and_children
 
@@ -101,3 +101,33 @@ def _study(sweep_dir: Path) -> optuna.Study:
     storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(
         str(sweep_dir / "optuna.journal")))
     return optuna.load_study(study_name="digits", storage=storage)
+
+
+@pytest.mark.timeout(900)
+def test_the_driver_runs_as_a_slurm_job_of_its_own(cluster: None, store: dict[str, str],
+                                                   tmp_path: Path) -> None:
+    # docs/sweeps.md's line: the driver as a small job (one CPU, no GPU), its trials Slurm jobs
+    # of their own; nothing of the sweep is left on the login node.
+    sweep_dir = tmp_path / "sweep"
+    command = (f"{sys.executable} -m train -m +hparams_search=optuna_digits +cluster=slurm "
+               f"cluster.partition=debug cluster.time_min=10 hydra.sweep.dir={sweep_dir} "
+               "hydra.sweeper.n_trials=2 trainer.epochs=1 model=mlp tracking.log_model=false")
+    env = {k: v for k, v in os.environ.items()
+           if k not in LAUNCHER_VARS and not k.startswith("SLURM_")}
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", "--partition=debug", "--cpus-per-task=1", "--time=20",
+         f"--output={tmp_path}/driver.out", "--wrap", command],
+        cwd=REPO, env={**env, **store}, capture_output=True, text=True, check=True)
+    driver_job = submitted.stdout.strip().split(";")[0]
+    try:
+        state = wait_for_job(driver_job, 600)
+    finally:
+        subprocess.run(["scancel", *queued_jobs().split()], check=False)
+    out = (tmp_path / "driver.out").read_text()
+    assert state == "COMPLETED", out
+    assert "(2 complete, 0 pruned, 0 failed)" in out
+    assert [t.state.name for t in _study(sweep_dir).trials] == ["COMPLETE"] * 2
+    parent, children = parent_and_children(store["MLFLOW_TRACKING_URI"])
+    trial_jobs = {c.data.tags["slurm.job_id"] for c in children}
+    assert len(trial_jobs) == 2 and driver_job not in trial_jobs  # each trial its own job
+    assert parent.info.status == "FINISHED" and parent.data.metrics["sweep/children"] == 2
