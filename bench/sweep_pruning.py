@@ -34,7 +34,8 @@ REPO = Path(__file__).resolve().parent.parent
 PRUNERS: dict[str, list[str]] = {
     "off": [],
     # Prunes a trial whose value at a step is below the median of the completed trials' at
-    # that step, after 4 trials completed and from epoch 3 on (epochs 1-2 are noisy).
+    # that step, once 4 trials completed and from epoch 2 on (Optuna's n_warmup_steps=2: no
+    # verdict at a step below 2; epoch 1 says little).
     "median": ["+hydra.sweeper.pruner.name=median", "+hydra.sweeper.pruner.n_startup_trials=4",
                "+hydra.sweeper.pruner.n_warmup_steps=2"],
     # Rungs at epochs 1, 3 and 9: a trial goes on past a rung only in the top third there.
