@@ -92,7 +92,12 @@ def reported_steps(journal: Path) -> list[int]:
 
     if not journal.exists():
         return []
-    ops = [json.loads(line) for line in journal.read_text().splitlines() if line.strip()]
+    ops = []
+    for line in journal.read_text().splitlines():
+        try:
+            ops.append(json.loads(line))
+        except ValueError:  # the line being written as we read
+            break
     return [op["step"] for op in ops
             if op["op_code"] == JournalOperation.SET_TRIAL_INTERMEDIATE_VALUE]
 
