@@ -55,8 +55,10 @@ def test_a_pruned_sweep_keeps_both_slots_busy(store: dict[str, str], tmp_path: P
             assert run.data.tags["pruned_at"] == "1" == str(t.user_attrs["pruned_at"])
             assert "pruned" in run.data.tags["stop_reason"]
             assert sorted(t.intermediate_values) == [1]
-        else:
+        else:  # every evaluation reported, the last one too
             assert "pruned_at" not in run.data.tags
+            assert sorted(t.intermediate_values) == [1, 2]
+            assert t.intermediate_values[2] == pytest.approx(t.value)
     # The best is a completed trial, the same for Optuna, the parent run and the results file.
     best = study_of(sweep_dir).best_trial
     assert parent.data.tags["best_run_id"] == by_trial[best.number].info.run_id

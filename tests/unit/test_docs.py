@@ -70,6 +70,9 @@ def train_commands() -> list[tuple[str, str]]:
 
 def overrides_of(command: str) -> list[str]:
     words = shlex.split(command.replace("$USER", "me"))
+    # A command quoted inside another (`sbatch --wrap "python -m train ..."`): its own words.
+    words = [w for word in words
+             for w in (shlex.split(word) if " -m train" in f" {word}" else [word])]
     args = words[words.index("train", words.index("-m")) + 1:]
     if HELP & set(args):
         return []  # `--help [GROUP]`: tests/unit/test_config.py runs the help itself

@@ -128,6 +128,26 @@ def test_the_pruners_verdict_stops_the_trial_and_is_told_to_the_study(
     assert stored.user_attrs["pruned_at"] == 1
 
 
+def test_the_last_evaluation_is_reported_but_never_pruned(tmp_path: Path,
+                                                          one_rank_group: None) -> None:
+    s = settings(tmp_path)
+    study = study_lib.open_study(s)
+    space = {"optim.lr": optuna.distributions.FloatDistribution(0.01, 0.1)}
+    good = study.ask(space)
+    for step in (1, 2):
+        good.report(0.9, step)
+    study.tell(good, 0.9)
+    bad = study.ask(space)
+    reporter = _reporter(s, bad.number)
+    # Below the median at epoch 2 as at epoch 1, but epoch 2 is the last: the trial ends.
+    assert not reporter.should_stop(2, None, _val(0.1), last=True)
+    assert reporter.pruned_at is None
+    reporter.tell({"val/accuracy": 0.1})
+    stored = study.trials[bad.number]
+    assert stored.state == optuna.trial.TrialState.COMPLETE
+    assert stored.intermediate_values == {2: 0.1}
+
+
 def test_a_trial_whose_heartbeat_stopped_is_failed_and_asked_again(tmp_path: Path) -> None:
     from train.launch.trials import fail_stale
 

@@ -231,8 +231,8 @@ def fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.dev
                                  task.finalize, task.items_name)
             duties.monitor.observe(state.epoch, state.step, val)
         # Collective at each evaluation, like early stopping: no rank leaves the loop alone.
-        pruned = (val is not None and duties.trial is not None and not last
-                  and duties.trial.should_stop(state.epoch + 1, train, val))
+        pruned = (val is not None and duties.trial is not None
+                  and duties.trial.should_stop(state.epoch + 1, train, val, last))
         nodes = None
         if cfg.tracking.system_metrics:  # one more small gather per epoch
             nodes = distributed.gather_to_all(system_stats.node_sample(duties.local_rank, device))

@@ -122,19 +122,22 @@ class TrialReporter:
         log.info("trial %d: the same parameters on all %d rank(s): %s", self.number,
                  len(every), params)
 
-    def should_stop(self, epochs_done: int, train: Any, val: Any) -> bool:
-        """Collective, at each evaluation: report (rank 0) and the pruner's verdict, the same
-        on every rank. `epochs_done` (1-based) is the step reported."""
+    def should_stop(self, epochs_done: int, train: Any, val: Any, last: bool = False) -> bool:
+        """Collective, at each evaluation but the last: report (rank 0) and the pruner's
+        verdict, the same on every rank. `epochs_done` (1-based) is the step reported. The last
+        evaluation is reported too (the curve the pruners compare later trials against, and
+        Hyperband's `max_resource="auto"`, end there) but asks nothing: no collective."""
         from train.distributed import process_group as distributed
 
         prune = False
         if self.rank == 0:
             try:
-                prune = self._report(epochs_done, objective_value(self.objective, train, val))
+                prune = self._report(epochs_done, objective_value(self.objective, train, val),
+                                     ask=not last)
             except Exception as e:  # noqa: BLE001 - the peers wait in the collective below
                 log.warning("trial %d: could not report epoch %d to the study (%s); "
                             "training on", self.number, epochs_done, e)
-        if not distributed.any_rank(prune):
+        if last or not distributed.any_rank(prune):
             return False
         self.pruned_at = epochs_done
         self.stop_reason = f"pruned by the sweep's pruner after epoch {epochs_done}"
@@ -142,7 +145,7 @@ class TrialReporter:
             self._trial.set_user_attr("pruned_at", epochs_done)
         return True
 
-    def _report(self, step: int, value: float | None) -> bool:
+    def _report(self, step: int, value: float | None, ask: bool = True) -> bool:
         if value is None:
             return False
         if step in self._trial.storage.get_trial(self._trial._trial_id).intermediate_values:
@@ -151,7 +154,7 @@ class TrialReporter:
                      self.number, step)
         else:
             self._trial.report(value, step)
-        return bool(self._trial.should_prune())
+        return ask and bool(self._trial.should_prune())
 
     def tell(self, final: dict[str, float]) -> None:
         """Rank 0, at the end of a job that trained: the trial's end (PRUNED, or COMPLETE with
