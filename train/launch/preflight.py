@@ -54,6 +54,8 @@ def preflight(cfgs: Sequence[TrainConfig], on_slurm: bool = False, dry_run: bool
         for cfg in cfgs:
             world_size = slurm.check_request(cfg) if on_slurm else cfg.distributed.nproc_per_node
             validate(cfg, world_size)
+            if on_slurm and (fewest := slurm.smallest_world_size(cfg.cluster)) != world_size:
+                validate(cfg, fewest)  # an elastic job may resume on cluster.min_nodes
             if dry_run:
                 continue
             resuming = check_resume(cfg, world_size, output_dir if len(cfgs) == 1 else None)
