@@ -52,7 +52,8 @@ def tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 VARIANTS = {"single": ("distributed.nproc_per_node=1",),
-            "ddp2": ("distributed.nproc_per_node=2",),
+            # Clipping at a bound no step reaches, for train/grad_norm (DDP's to compare with).
+            "ddp2": ("distributed.nproc_per_node=2", "optim.grad_clip=1000"),
             "fsdp2": ("distributed.nproc_per_node=2", "distributed.strategy=fsdp",
                       "distributed.fsdp.init_on=cpu"),
             "fsdp3": ("distributed.nproc_per_node=3", "distributed.strategy=fsdp",
@@ -79,6 +80,7 @@ def trained(tokens: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
                  if r.info.run_name == name]
         uri = store["MLFLOW_TRACKING_URI"]
         results[name] = {"steps": history(uri, run.info.run_id, "train/step_loss"),
+                         "grad_norm": history(uri, run.info.run_id, "train/grad_norm"),
                          "val": run.data.metrics["val/loss"],
                          "params": run.data.params,
                          "weights": torch.load(out / "model.pt", weights_only=True),
@@ -102,6 +104,14 @@ def test_fsdp_trains_in_parity_with_ddp_and_one_process(trained: dict[str, dict]
         worst = max(float((weights[k] - reference["weights"][k]).abs().max()) for k in weights)
         assert worst < WEIGHT_TOLERANCE, (name, worst)
     assert "FSDP2: 2 Block blocks sharded over 3 ranks" in trained["fsdp3"]["log"]
+    # The norm clipping saw, at each logging step: under FSDP the whole gradient's (its shards'
+    # norms combined), the same as DDP's; none logged without clipping.
+    ddp_norms, fsdp_norms = trained["ddp2"]["grad_norm"], trained["fsdp2-accumulate"]["grad_norm"]
+    assert [s for s, _ in ddp_norms] == list(range(1, STEPS + 1))
+    assert all(v > 0 for _, v in ddp_norms)
+    assert [s for s, _ in fsdp_norms] == [s for s, _ in ddp_norms]
+    assert [v for _, v in fsdp_norms] == pytest.approx([v for _, v in ddp_norms], rel=1e-4)
+    assert trained["single"]["grad_norm"] == []
     # The parameter count is the whole model's (from shapes), not a shard's.
     assert (trained["fsdp2"]["params"]["model.params_trainable"]
             == trained["single"]["params"]["model.params_trainable"])
