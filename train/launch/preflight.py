@@ -102,15 +102,15 @@ def check_resume(cfg: TrainConfig, world_size: int, output_dir: str | None) -> b
             raise ConfigError(f"trainer.resume={resume}: no checkpoint there (step-<N>.pt or "
                               "step-<N>.dcp).")
         return False
-    from train.engine import checkpoint, job
+    from train.engine import checkpoint_folder, checkpoint_match, job
 
     if output_dir and job.finished_already(cfg, Path(output_dir)) is not None:
         return True  # the job itself says so, and changes nothing
     try:
-        found = checkpoint.find(resume, Path(output_dir or "."))
+        found = checkpoint_folder.find(resume, Path(output_dir or "."))
         if found is not None:
-            checkpoint.check_compatible(found, config_dict(cfg), world_size)
-    except checkpoint.CheckpointMismatch as e:
+            checkpoint_match.check_compatible(found, config_dict(cfg), world_size)
+    except checkpoint_match.CheckpointMismatch as e:
         raise ConfigError(str(e)) from None
     return found is not None
 
