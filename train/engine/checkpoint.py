@@ -108,7 +108,8 @@ class Checkpointer:
                       "step": train.step, "batch_in_epoch": batch_in_epoch,
                       "world_size": self.world_size, "ranks": ranks, **self.run_fields()}
         if shards:
-            path = sharded.save(self.folder, train.step, train.module, train.optimizer, fields)
+            path = sharded.save(self.folder, train.step, train.module, train.optimizer, fields,
+                                candidates(self.folder)[1:] if fields is not None else None)
             if fields is not None:
                 for old in candidates(self.folder)[self.keep:]:
                     sharded.remove(old)

@@ -31,9 +31,11 @@ def path_for(folder: Path, step: int) -> Path:
 
 
 def save(folder: Path, step: int, module: nn.Module, optimizer: torch.optim.Optimizer,
-         meta: dict[str, Any] | None) -> Path:
+         meta: dict[str, Any] | None, expendable: list[Path] | None = None) -> Path:
     """Collective: every rank writes its shards; rank 0 (the one passing `meta`) completes
-    the checkpoint. Returns its final path."""
+    the checkpoint. Returns its final path. Room is made first (`room`): `expendable`, rank
+    0's older checkpoints but the newest, go if that is what it takes; DiskFull on every rank
+    if even that is not enough, before anyone writes."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -46,6 +48,8 @@ def save(folder: Path, step: int, module: nn.Module, optimizer: torch.optim.Opti
             shutil.rmtree(stale, ignore_errors=True)
     dist.barrier()  # the folder is clean before anyone writes
     model_sd, optim_sd = get_state_dict(module, optimizer)
+    room(folder, final, local_bytes({"model": model_sd, "optim": optim_sd}),
+         expendable if meta is not None else None)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
     dist.barrier()  # every shard is on disk
     if meta is not None:
@@ -57,6 +61,39 @@ def save(folder: Path, step: int, module: nn.Module, optimizer: torch.optim.Opti
         os.replace(tmp, final)
         _fsync_dir(folder)
     return final
+
+
+def local_bytes(state: Any) -> int:
+    """The bytes of this rank's part of a state dict's tensors (a DTensor's local shard)."""
+    if isinstance(state, dict):
+        return sum(local_bytes(v) for v in state.values())
+    if isinstance(state, list | tuple):
+        return sum(local_bytes(v) for v in state)
+    if isinstance(state, torch.Tensor):
+        to_local = getattr(state, "to_local", None)
+        mine = to_local() if callable(to_local) else state
+        return mine.numel() * mine.element_size()
+    return 0
+
+
+def room(folder: Path, final: Path, mine: int, expendable: list[Path] | None) -> None:
+    """Collective, before a sharded save: every rank's `mine` bytes summed; rank 0 (the one
+    with `expendable`) makes room for them or finds there is none, and every rank learns its
+    verdict: all raise DiskFull together rather than some waiting in dcp.save for the others.
+    (The ranks' shards are taken to share rank 0's filesystem, as the checkpoint does.)"""
+    from train.distributed import process_group as distributed
+    from train.engine import safewrite
+
+    needed = sum(distributed.gather_to_all(mine))
+    problem = None
+    if expendable is not None:
+        try:
+            safewrite.make_room(folder, needed, expendable, f"checkpoint {final}")
+        except safewrite.DiskFull as e:
+            problem = str(e)
+    verdict = distributed.gather_to_all(problem)[0]
+    if verdict is not None:
+        raise safewrite.DiskFull(verdict)
 
 
 def _fsync_dir(folder: Path) -> None:
