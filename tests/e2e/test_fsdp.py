@@ -146,7 +146,10 @@ def test_meta_device_init_trains_and_rank_0_outputs_are_whole(
 
 
 RESUMES = {"fsdp-to-1": ("fsdp", 1), "fsdp-to-3-as-ddp": ("ddp", 3),
-           "ddp-to-3-as-fsdp": ("fsdp", 3)}
+           "ddp-to-3-as-fsdp": ("fsdp", 3),
+           # Checkpoints written in the background (dcp.async_save), each completed before
+           # the next: the killed job's newest whole one resumes as a synchronous one does.
+           "fsdp-async-to-1": ("fsdp", 1)}
 
 
 @pytest.mark.parametrize("case", list(RESUMES))
@@ -161,13 +164,17 @@ def test_a_job_killed_mid_epoch_at_world_2_resumes_at_another_world_size(
     args = (*LM, f"data.root={tokens}", "trainer.checkpoint_interval_min=0.0001",
             "trainer.keep_checkpoints=10", "distributed.fsdp.init_on=cpu")
     out = tmp_path / "job"
+    background = ("distributed.fsdp.async_checkpoint=true",) if "async" in case else ()
     kill_job_after_checkpoints(out, store, 3, *args, "distributed.nproc_per_node=2",
-                               f"distributed.strategy={first}")
+                               f"distributed.strategy={first}", *background)
     resumed = run_train(*args, f"distributed.nproc_per_node={world}",
-                        f"distributed.strategy={strategy}", f"hydra.run.dir={out}", env=store,
-                        timeout=240)
+                        f"distributed.strategy={strategy}", *background, f"hydra.run.dir={out}",
+                        env=store, timeout=240)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr and "continuing MLflow run" in resumed.stderr
+    if background:  # and the job's last one was completed before it ended
+        assert "written in the background" in resumed.stderr
+        assert not list((out / "checkpoints").glob("*.tmp"))
     uri = store["MLFLOW_TRACKING_URI"]
     [run] = runs_in(uri)
     assert run.info.status == "FINISHED" and run.data.tags["restarts"] == "1"

@@ -72,8 +72,8 @@ class Checkpointer:
     """
 
     def __init__(self, folder: Path, cfg: TrainerConfig, rank: int, world_size: int,
-                 before_write: Callable[[], None], run_fields: Callable[[], dict[str, Any]]
-                 ) -> None:
+                 before_write: Callable[[], None], run_fields: Callable[[], dict[str, Any]],
+                 background: bool = False) -> None:
         self.folder, self.keep = folder, cfg.keep_checkpoints
         self.every_epochs = cfg.checkpoint_every
         interval_min = cfg.checkpoint_interval_min
@@ -81,6 +81,9 @@ class Checkpointer:
         self.rank, self.world_size = rank, world_size
         self.before_write, self.run_fields = before_write, run_fields
         self.last_save = time.monotonic()
+        self.background = background
+        """distributed.fsdp.async_checkpoint: sharded checkpoints written in the background."""
+        self.unfinished: sharded.Unfinished | None = None
 
     def interval_due(self) -> bool:
         """checkpoint_interval_min has passed since the last checkpoint (on this rank's clock)."""
@@ -96,6 +99,7 @@ class Checkpointer:
         from train.distributed import watch
 
         watch.enter("checkpoint")
+        self.finish()  # the one being written in the background, if any: whole first
         shards = fsdp.is_sharded(train.module)
         weights, optimiser = ({}, {}) if shards else whole_state(train)
         mine = {"rng": rng_state(), "totals": totals.snapshot() if totals is not None else None}
@@ -108,18 +112,31 @@ class Checkpointer:
                       "step": train.step, "batch_in_epoch": batch_in_epoch,
                       "world_size": self.world_size, "ranks": ranks, **self.run_fields()}
         if shards:
-            path = sharded.save(self.folder, train.step, train.module, train.optimizer, fields,
-                                candidates(self.folder)[1:] if fields is not None else None)
-            if fields is not None:
-                for old in candidates(self.folder)[self.keep:]:
-                    sharded.remove(old)
+            self.unfinished = sharded.begin(
+                self.folder, train.step, train.module, train.optimizer, fields,
+                candidates(self.folder)[1:] if fields is not None else None, self.background)
+            path = self.unfinished.final
+            if not self.background:
+                self.finish()
         elif fields is not None:
             path = save(self.folder, {"model": weights, "optimizer": optimiser, **fields},
                         self.keep)
         if fields is not None:
-            log.info("checkpoint %s (epoch %d, step %d)", path, train.epoch, train.step)
+            log.info("checkpoint %s (epoch %d, step %d%s)", path, train.epoch, train.step,
+                     ", written in the background" if self.unfinished is not None else "")
         distributed.barrier()  # nobody stops (or goes on) before the checkpoint is complete
         self.last_save = time.monotonic()
+
+    def finish(self) -> None:
+        """Collective: complete the sharded checkpoint still being written, if any (before
+        the next, and before the job ends), then keep the newest `keep`."""
+        if self.unfinished is None:
+            return
+        sharded.finish(self.unfinished)
+        if self.unfinished.meta is not None:
+            for old in candidates(self.folder)[self.keep:]:
+                sharded.remove(old)
+        self.unfinished = None
 
 
 def partial_totals(state: dict[str, Any], rank: int, world_size: int) -> Any:

@@ -241,7 +241,8 @@ def _train(job: Job, logger: RunLogger, stop: StopSignals,
         checkpoint_folder.directory(out), cfg.trainer, env.rank, env.world_size,
         before_write=lambda: logger.run.flush(
             cfg.tracking.checkpoint_flush_s, created_within_s=cfg.distributed.timeout_s / 2),
-        run_fields=lambda: {**logger.run_fields(), "monitor": monitor.state_dict()})
+        run_fields=lambda: {**logger.run_fields(), "monitor": monitor.state_dict()},
+        background=cfg.distributed.fsdp.async_checkpoint)
     stragglers = Stragglers(cfg.trainer.straggler_share, cfg.trainer.straggler_intervals,
                             slurm.node_of_rank, logger.run.set_tags, env.is_main)
     reporter = None
@@ -252,6 +253,10 @@ def _train(job: Job, logger: RunLogger, stop: StopSignals,
                          job.fail_at, stragglers if env.world_size > 1 else None, reporter)
     try:
         final_val = loop.fit(cfg, state, bundle, device, duties, task)
+        checkpointer.finish()  # a checkpoint written in the background is whole
+    except Preempted:
+        checkpointer.finish()  # the stop's checkpoint, before the job ends
+        raise
     finally:
         if reporter is not None:
             reporter.close()
