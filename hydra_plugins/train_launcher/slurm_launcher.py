@@ -71,16 +71,18 @@ class TrainSlurmLauncher(SlurmLauncher):
         job_overrides, parent = checked_jobs.with_ids(self, job_overrides, experiment_id)
         job_params = [(o, "hydra.sweep.dir", initial_job_idx + i, f"job_id_for_{i}",
                        self._singleton_state()) for i, o in enumerate(job_overrides)]
-        jobs = executor.map_array(self, *zip(*job_params, strict=True))
+        jobs = slurm.with_all_tasks(executor, executor.map_array(
+            self, *zip(*job_params, strict=True)), configs[0].cluster)
         cluster = configs[0].cluster
-        slurm_follow.announce(jobs, slurm.job_world_size(cluster), cluster.nodes,
+        slurm_follow.announce(jobs, slurm.rank_request(cluster), slurm.node_request(cluster),
                               per_node=cluster.ranks == "per_node")
         if not self.wait:
             self._leave_unwaited(jobs, parent)
             # Completed as far as this process goes: Hydra's sweeper reads every return value.
             return [JobReturn(status=JobStatus.COMPLETED, _return_value=None) for _ in jobs]
         try:
-            outcomes = slurm_follow.collect(jobs, slurm_follow.follow(jobs))
+            outcomes = slurm_follow.collect(jobs, slurm_follow.follow(jobs),
+                                            slurm.elastic_tasks_per_node(cluster))
         except KeyboardInterrupt:
             # The jobs go on without us: say so, and leave a sweep's parent run to them.
             self._leave_unwaited(jobs, parent)
@@ -157,6 +159,10 @@ class TrainSlurmLauncher(SlurmLauncher):
         if configs and configs[0].cluster.snapshot_code:
             params["setup"] += self._snapshot(configs)
         params["srun_args"] = slurm.srun_args(params.get("srun_args") or [])
+        if "nodes" in (params.get("additional_parameters") or {}):
+            # An elastic job (cluster.min_nodes): srun starts each node's tasks, sbatch asks
+            # for none (train/config/cluster.py slurm_sbatch_extra).
+            params.pop("tasks_per_node", None)
         # One requeue budget: the job's own (cluster.max_requeues, counted in its checkpoints,
         # train/distributed/slurm.py requeue_after_stop). Each rank replaces submitit's USR2
         # handler with

@@ -52,7 +52,8 @@ def tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 VARIANTS = {"single": ("distributed.nproc_per_node=1",),
-            "ddp2": ("distributed.nproc_per_node=2",),
+            # Clipping at a bound no step reaches, for train/grad_norm (DDP's to compare with).
+            "ddp2": ("distributed.nproc_per_node=2", "optim.grad_clip=1000"),
             "fsdp2": ("distributed.nproc_per_node=2", "distributed.strategy=fsdp",
                       "distributed.fsdp.init_on=cpu"),
             "fsdp3": ("distributed.nproc_per_node=3", "distributed.strategy=fsdp",
@@ -79,6 +80,7 @@ def trained(tokens: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
                  if r.info.run_name == name]
         uri = store["MLFLOW_TRACKING_URI"]
         results[name] = {"steps": history(uri, run.info.run_id, "train/step_loss"),
+                         "grad_norm": history(uri, run.info.run_id, "train/grad_norm"),
                          "val": run.data.metrics["val/loss"],
                          "params": run.data.params,
                          "weights": torch.load(out / "model.pt", weights_only=True),
@@ -102,6 +104,14 @@ def test_fsdp_trains_in_parity_with_ddp_and_one_process(trained: dict[str, dict]
         worst = max(float((weights[k] - reference["weights"][k]).abs().max()) for k in weights)
         assert worst < WEIGHT_TOLERANCE, (name, worst)
     assert "FSDP2: 2 Block blocks sharded over 3 ranks" in trained["fsdp3"]["log"]
+    # The norm clipping saw, at each logging step: under FSDP the whole gradient's (its shards'
+    # norms combined), the same as DDP's; none logged without clipping.
+    ddp_norms, fsdp_norms = trained["ddp2"]["grad_norm"], trained["fsdp2-accumulate"]["grad_norm"]
+    assert [s for s, _ in ddp_norms] == list(range(1, STEPS + 1))
+    assert all(v > 0 for _, v in ddp_norms)
+    assert [s for s, _ in fsdp_norms] == [s for s, _ in ddp_norms]
+    assert [v for _, v in fsdp_norms] == pytest.approx([v for _, v in ddp_norms], rel=1e-4)
+    assert trained["single"]["grad_norm"] == []
     # The parameter count is the whole model's (from shapes), not a shard's.
     assert (trained["fsdp2"]["params"]["model.params_trainable"]
             == trained["single"]["params"]["model.params_trainable"])
@@ -136,7 +146,10 @@ def test_meta_device_init_trains_and_rank_0_outputs_are_whole(
 
 
 RESUMES = {"fsdp-to-1": ("fsdp", 1), "fsdp-to-3-as-ddp": ("ddp", 3),
-           "ddp-to-3-as-fsdp": ("fsdp", 3)}
+           "ddp-to-3-as-fsdp": ("fsdp", 3),
+           # Checkpoints written in the background (dcp.async_save), each completed before
+           # the next: the killed job's newest whole one resumes as a synchronous one does.
+           "fsdp-async-to-1": ("fsdp", 1)}
 
 
 @pytest.mark.parametrize("case", list(RESUMES))
@@ -151,13 +164,17 @@ def test_a_job_killed_mid_epoch_at_world_2_resumes_at_another_world_size(
     args = (*LM, f"data.root={tokens}", "trainer.checkpoint_interval_min=0.0001",
             "trainer.keep_checkpoints=10", "distributed.fsdp.init_on=cpu")
     out = tmp_path / "job"
+    background = ("distributed.fsdp.async_checkpoint=true",) if "async" in case else ()
     kill_job_after_checkpoints(out, store, 3, *args, "distributed.nproc_per_node=2",
-                               f"distributed.strategy={first}")
+                               f"distributed.strategy={first}", *background)
     resumed = run_train(*args, f"distributed.nproc_per_node={world}",
-                        f"distributed.strategy={strategy}", f"hydra.run.dir={out}", env=store,
-                        timeout=240)
+                        f"distributed.strategy={strategy}", *background, f"hydra.run.dir={out}",
+                        env=store, timeout=240)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr and "continuing MLflow run" in resumed.stderr
+    if background:  # and the job's last one was completed before it ended
+        assert "written in the background" in resumed.stderr
+        assert not list((out / "checkpoints").glob("*.tmp"))
     uri = store["MLFLOW_TRACKING_URI"]
     [run] = runs_in(uri)
     assert run.info.status == "FINISHED" and run.data.tags["restarts"] == "1"

@@ -182,3 +182,13 @@ def test_launcher_ids_are_quoted_overrides_left_out_of_the_command() -> None:
     typed = to_typed(to_container(composed(*handed)))
     assert (typed.tracking.experiment_id, typed.tracking.parent_run_id) == ("123e45", "abc")
     assert typed_by_user(["optim.lr=0.1", *handed]) == ["optim.lr=0.1"]
+
+
+def test_background_checkpoints_are_refused_without_fsdp() -> None:
+    """distributed.fsdp.async_checkpoint writes sharded checkpoints: a DDP job has none."""
+    ddp = to_typed(to_container(composed("distributed.fsdp.async_checkpoint=true")))
+    with pytest.raises(ConfigError, match=r"distributed.fsdp.async_checkpoint=true needs "
+                                          r"distributed.strategy=fsdp"):
+        validate(ddp, world_size=2)
+    validate(to_typed(to_container(composed("distributed.strategy=fsdp",
+                                            "distributed.fsdp.async_checkpoint=true"))), 2)

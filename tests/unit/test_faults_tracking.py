@@ -31,7 +31,7 @@ from train import outbox
 from train.config.groups import ConfigError
 from train.config.schema import to_container, to_typed
 from train.distributed.env import free_port
-from train.engine import checkpoint
+from train.engine import checkpoint_folder, checkpoint_match
 from train.launch import preflight
 from train.launch.local import LaunchError
 from train.tracking import client, unsent
@@ -145,27 +145,28 @@ def _checkpoint_state(*overrides: str, world_size: int = 2, batch_in_epoch: int 
 def test_a_checkpoint_of_another_model_or_batch_is_named_as_such() -> None:
     cnn = _checkpoint_state("model=cnn")
     mlp = preflight.config_dict(typed("model=mlp"))
-    problem = checkpoint.mismatch(cnn, mlp, world_size=2)
+    problem = checkpoint_match.mismatch(cnn, mlp, world_size=2)
     assert problem is not None and "model.name='cnn' there, 'mlp' here" in problem
     same = preflight.config_dict(typed("model=cnn", "model.dropout=0.3", "optim.lr=0.01"))
-    assert checkpoint.mismatch(cnn, same, world_size=1) is None  # epoch end: any world size
+    assert checkpoint_match.mismatch(cnn, same, world_size=1) is None  # epoch end: any world size
     # Mid-epoch: any world size too (the position counts global batches), not another batch.
     mid_epoch = _checkpoint_state("model=cnn", batch_in_epoch=7)
-    assert checkpoint.mismatch(mid_epoch, same, world_size=1) is None
+    assert checkpoint_match.mismatch(mid_epoch, same, world_size=1) is None
     bigger = preflight.config_dict(typed("model=cnn", "data.batch_size=128"))
-    problem = checkpoint.mismatch(mid_epoch, bigger, world_size=2)
+    problem = checkpoint_match.mismatch(mid_epoch, bigger, world_size=2)
     assert problem is not None and "mid-epoch with data.batch_size=" in problem
     synthetic = _checkpoint_state("data=synthetic", "data.num_classes=4")
     other = preflight.config_dict(typed("data=synthetic", "data.num_classes=7"))
-    assert "data.num_classes=4 there, 7 here" in (checkpoint.mismatch(synthetic, other, 2) or "")
+    problem = checkpoint_match.mismatch(synthetic, other, 2)
+    assert "data.num_classes=4 there, 7 here" in (problem or "")
     # Another task shapes the model's outputs otherwise; a checkpoint from before the task
     # group existed (no `task` in its config) is a classifier's and continues as one.
     regression = preflight.config_dict(typed("model=cnn", "task=regression"))
     assert "task.name='classification' there, 'regression' here" in (
-        checkpoint.mismatch(cnn, regression, 1) or "")
+        checkpoint_match.mismatch(cnn, regression, 1) or "")
     before_tasks = {**cnn, "config": OmegaConf.to_yaml(
         {k: v for k, v in preflight.config_dict(typed("model=cnn")).items() if k != "task"})}
-    assert checkpoint.mismatch(before_tasks, same, world_size=1) is None
+    assert checkpoint_match.mismatch(before_tasks, same, world_size=1) is None
 
 
 # -- case 6: a full disk ------------------------------------------------------------------------
@@ -191,24 +192,66 @@ def _state(step: int, kilobytes: int) -> dict:
 def test_a_full_disk_keeps_the_previous_checkpoint_and_rescues_the_weights(
         small_disk: Path) -> None:
     folder = small_disk / "checkpoints"
-    first = checkpoint.save(folder, _state(1, 300), keep=2)
-    second = checkpoint.save(folder, _state(2, 300), keep=2)
+    first = checkpoint_folder.save(folder, _state(1, 300), keep=2)
+    second = checkpoint_folder.save(folder, _state(2, 300), keep=2)
     # A third does not fit beside both: the older one goes, never the newest.
-    third = checkpoint.save(folder, _state(3, 300), keep=2)
+    third = checkpoint_folder.save(folder, _state(3, 300), keep=2)
     assert not first.exists() and second.exists() and third.exists()
     with pytest.raises(OSError, match="No space left on device") as full:
-        checkpoint.save(folder, _state(4, 700), keep=2)
+        checkpoint_folder.save(folder, _state(4, 700), keep=2)
     assert re.search(f"checkpoint {folder}/step-000000004.pt needs 7\\d{{5}} bytes and {folder} "
                      "has \\d+ free", str(full.value))
     assert sorted(p.name for p in folder.iterdir()) == [second.name, third.name]  # no .tmp
     assert torch.load(third, weights_only=True)["step"] == 3
 
-    weights = checkpoint.save_weights({"w": torch.ones(700 * 256)}, small_disk / "model.pt",
-                                      folder)
+    weights = checkpoint_folder.save_weights({"w": torch.ones(700 * 256)},
+                                             small_disk / "model.pt", folder)
     assert weights.parent != small_disk and torch.equal(
         torch.load(weights, weights_only=True)["w"], torch.ones(700 * 256))
     assert third.exists()  # the newest checkpoint outlives the rescue
     shutil.rmtree(weights.parent)
+
+
+def _sharded_state(width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A Linear sharded by FSDP2 with AdamW's state after a step: ~12 x width^2 bytes."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = torch.nn.Linear(width, width, bias=False)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, width)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def test_a_sharded_checkpoint_makes_room_or_is_refused_before_any_shard_is_written(
+        small_disk: Path) -> None:
+    """As for single files: older checkpoints (directories) but the newest go when that makes
+    room; when even that is not enough, DiskFull before dcp writes anything (no .tmp), the
+    newest kept."""
+    import torch.distributed as dist
+
+    from train.engine import sharded
+
+    folder = small_disk / "checkpoints"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    try:
+        model, optimizer = _sharded_state(96)  # ~110 KB a checkpoint
+        saved = [sharded.save(folder, step, model, optimizer, {"step": step},
+                              checkpoint_folder.candidates(folder)[1:]) for step in range(1, 10)]
+        kept = checkpoint_folder.candidates(folder)
+        assert kept[0] == saved[-1] and saved[0] not in kept  # the oldest went, for room
+        big, big_optimizer = _sharded_state(320)  # ~1.2 MB: more than the whole disk
+        with pytest.raises(OSError, match="No space left on device: the checkpoint "
+                                          f"{folder}/step-000000010.dcp needs"):
+            sharded.save(folder, 10, big, big_optimizer, {"step": 10},
+                         checkpoint_folder.candidates(folder)[1:])
+    finally:
+        dist.destroy_process_group()
+    assert checkpoint_folder.candidates(folder) == kept  # nothing removed in vain
+    assert not list(folder.glob("*.tmp"))
+    assert checkpoint_folder.load_newest(kept).state["step"] == 9
 
 
 # -- case 10 and issue 12 item 4: the outbox refuses what its job could not have written -------

@@ -20,7 +20,7 @@ from train.config.groups import TrainConfig
 from train.distributed import env as distenv
 from train.distributed import process_group as distributed
 from train.distributed import stopping
-from train.engine import checkpoint
+from train.engine import checkpoint, checkpoint_folder
 from train.engine import state as train_state
 from train.models import build as models
 
@@ -65,7 +65,7 @@ def test_train_in_process_records_one_complete_run(tmp_path: Path, no_launcher_e
     assert summary["run_id"] == run_id
     assert summary["metrics"]["val/accuracy"] == objective
     assert (out / "model.pt").stat().st_size > 0 and (out / "confusion_matrix.svg").exists()
-    assert [p.name for p in checkpoint.candidates(checkpoint.directory(out))] == [
+    assert [p.name for p in checkpoint_folder.candidates(checkpoint_folder.directory(out))] == [
         "step-000000010.pt", "step-000000005.pt"]
     # The launcher's variables are gone again: the next job of a sweep starts afresh.
     assert "RANK" not in os.environ and not torch.distributed.is_initialized()
@@ -87,7 +87,8 @@ def test_max_steps_ends_training_mid_epoch_and_a_larger_one_continues_it(
     assert [s for s, _ in history(uri, run_id, "train/step_loss")] == [2, 4, 6]
     # The cosine schedule spans the 7 steps: after the last one the lr is at its floor.
     assert history(uri, run_id, "lr")[-1][1] == pytest.approx(0.05 * 0.1)
-    assert checkpoint.candidates(checkpoint.directory(out))[0].name == "step-000000007.pt"
+    newest = checkpoint_folder.candidates(checkpoint_folder.directory(out))[0]
+    assert newest.name == "step-000000007.pt"
     assert json.loads((out / "summary.json").read_text())["max_steps"] == 7
 
     run(cfg, str(out), "python -m train (test)")  # the same command: nothing to do
@@ -99,7 +100,8 @@ def test_max_steps_ends_training_mid_epoch_and_a_larger_one_continues_it(
     [mlflow_run] = runs_in(uri)
     assert mlflow_run.info.run_id == run_id and mlflow_run.info.status == "FINISHED"
     assert history(uri, run_id, "train/samples")[-1] == (3, 32.0)
-    assert checkpoint.candidates(checkpoint.directory(out))[0].name == "step-000000009.pt"
+    newest = checkpoint_folder.candidates(checkpoint_folder.directory(out))[0]
+    assert newest.name == "step-000000009.pt"
 
 
 @pytest.fixture
@@ -141,7 +143,7 @@ def test_checkpoint_round_trip_restores_everything(tmp_path: Path, one_rank: dis
     assert flushed == ["flush"]  # MLflow is flushed before the file exists
     expected_next = torch.rand(3)  # the RNG stream the restored job must continue
 
-    resumed = checkpoint.find(str(tmp_path), output_dir=tmp_path / "elsewhere")
+    resumed = checkpoint_folder.find(str(tmp_path), output_dir=tmp_path / "elsewhere")
     assert resumed is not None and resumed.state["run_id"] == "abc"
     fresh = _state(cfg)
     checkpoint.restore(fresh, resumed, rank=0, world_size=1)
@@ -163,9 +165,9 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path: Path,
     saver.save(state, None, 0)
     _one_step(state)
     saver.save(state, None, 0)
-    newest = checkpoint.candidates(tmp_path)[0]
+    newest = checkpoint_folder.candidates(tmp_path)[0]
     newest.write_bytes(newest.read_bytes()[:100])  # truncated, as by a crash mid-copy
-    resumed = checkpoint.load_newest(checkpoint.candidates(tmp_path))
+    resumed = checkpoint_folder.load_newest(checkpoint_folder.candidates(tmp_path))
     assert resumed is not None and resumed.state["step"] == 1
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from train.distributed.stopping import Preempted
-from train.engine import checkpoint
+from train.engine import checkpoint_folder
 from train.engine.monitor import Best
 from train.errors import ConfigError, JobStoppedError, StoppedBySignal
 from train.tracking import records, unsent
@@ -69,13 +69,13 @@ def test_a_checkpoint_cannot_name_a_class_of_the_project(tmp_path: Path) -> None
     loads can be broken by a module's move."""
     folder = tmp_path / "checkpoints"
     plain = {"step": 1, "model": {"w": torch.ones(2)}, "monitor": {"best": 0.5}}
-    checkpoint.save(folder, plain, keep=2)
-    [path] = checkpoint.candidates(folder)
-    loaded = checkpoint.load_newest([path])
+    checkpoint_folder.save(folder, plain, keep=2)
+    [path] = checkpoint_folder.candidates(folder)
+    loaded = checkpoint_folder.load_newest([path])
     assert loaded is not None and loaded.state["monitor"] == {"best": 0.5}
     with_class = {**plain, "step": 2, "monitor": Best(0, 1, "val/loss", "min", 0.5)}
     torch.save(with_class, folder / "step-000000002.pt")
-    assert checkpoint.load_newest([folder / "step-000000002.pt"]) is None
+    assert checkpoint_folder.load_newest([folder / "step-000000002.pt"]) is None
 
 
 def test_an_unsent_file_names_no_class(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ from tests.conftest import composed, history, runs_in, typed
 from tests.unit.test_job import SMALL
 from train.app import run
 from train.config.groups import ConfigError, TrainConfig
-from train.engine import checkpoint, optim
+from train.engine import checkpoint, checkpoint_folder, checkpoint_match, optim
 from train.engine.monitor import direction
 from train.engine.state import GradScaler, TrainState
 from train.launch import model_checks, preflight
@@ -186,7 +186,7 @@ SCHEDULERS = {
 @pytest.mark.parametrize("name", sorted(SCHEDULERS))
 def test_the_scheduler_state_comes_back_from_a_checkpoint_and_continues_the_schedule(
         name: str, tmp_path: Path) -> None:
-    """Saved as a checkpoint file (train/engine/checkpoint.py's `save`), read back with
+    """Saved as a checkpoint file (train/engine/checkpoint_folder.py's `save`), read back with
     weights_only, restored into a freshly built state: the rest of the schedule is the one the
     uninterrupted job follows."""
     overrides, every = SCHEDULERS[name]
@@ -198,11 +198,11 @@ def test_the_scheduler_state_comes_back_from_a_checkpoint_and_continues_the_sche
     uninterrupted = copy.deepcopy(state)
     later = _train_epochs(uninterrupted, epochs=4, steps=4, vals=vals[2:])
 
-    checkpoint.save(tmp_path, {"model": state.module.state_dict(),
+    checkpoint_folder.save(tmp_path, {"model": state.module.state_dict(),
                                "optimizer": state.optimizer.state_dict(),
                                "scheduler": state.scheduler.state_dict(), "scaler": {},
                                "epoch": 2, "step": 8, "batch_in_epoch": 0, "ranks": [None]}, 2)
-    resumed = checkpoint.find(str(tmp_path), tmp_path)
+    resumed = checkpoint_folder.find(str(tmp_path), tmp_path)
     assert resumed is not None
     fresh = _built(cfg)
     checkpoint.restore(fresh, resumed, rank=0, world_size=1)
@@ -219,17 +219,17 @@ def test_a_checkpoint_of_another_optimiser_or_scheduler_is_refused() -> None:
         return {"config": yaml.safe_dump(config)}
 
     ours = preflight.config_dict(typed())
-    assert checkpoint.mismatch(stored(*STEPLR), ours, 1) == (
+    assert checkpoint_match.mismatch(stored(*STEPLR), ours, 1) == (
         "optim.scheduler._target_='torch.optim.lr_scheduler.StepLR' there, None here")
     adadelta = preflight.config_dict(typed("optim._target_=torch.optim.Adadelta"))
-    assert checkpoint.mismatch(stored(), adadelta, 1) == (
+    assert checkpoint_match.mismatch(stored(), adadelta, 1) == (
         "optim._target_=None there, 'torch.optim.Adadelta' here")
     # The scheduler's arguments may change (its state holds those it was built with).
-    assert checkpoint.mismatch(stored(*STEPLR), preflight.config_dict(typed(
+    assert checkpoint_match.mismatch(stored(*STEPLR), preflight.config_dict(typed(
         *STEPLR, "optim.scheduler.step_size=5")), 1) is None
     # A checkpoint from before these keys continues with the built-in optimiser and schedule.
     old = stored(drop=("_target_", "args", "scheduler", "scheduler_interval"))
-    assert checkpoint.mismatch(old, ours, 1) is None
+    assert checkpoint_match.mismatch(old, ours, 1) is None
 
 
 # -- pre-flight ----------------------------------------------------------------------------------
@@ -323,7 +323,7 @@ def test_a_job_resumed_from_a_checkpoint_steps_the_per_epoch_scheduler_once_per_
     first = tmp_path / "first"
     run(composed(*common), str(first), "python -m train (test)")
     resumed_from = first / "checkpoints" / f"step-{step:09d}.pt"
-    saved = checkpoint.load_newest([resumed_from])
+    saved = checkpoint_folder.load_newest([resumed_from])
     assert saved is not None and saved.state["step"] == step
     assert (saved.state["epoch"], saved.state["batch_in_epoch"]) == (
         (2, 0) if step == 10 else (2, 2))
@@ -336,6 +336,7 @@ def test_a_job_resumed_from_a_checkpoint_steps_the_per_epoch_scheduler_once_per_
     lrs = history(uri, second.info.run_id, "lr")
     assert [s for s, _ in lrs] == [3, 4, 5], where
     assert [v for _, v in lrs] == pytest.approx([0.5, 0.5, 0.25]), where
-    final = checkpoint.load_newest(checkpoint.candidates(tmp_path / "second" / "checkpoints"))
+    folder = tmp_path / "second" / "checkpoints"
+    final = checkpoint_folder.load_newest(checkpoint_folder.candidates(folder))
     assert final is not None and final.state["scheduler"]["last_epoch"] == 5
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from train.engine import checkpoint, sharded
+from train.engine import checkpoint_folder, sharded
 
 
 def _dcp(folder: Path, step: int, whole: bool) -> Path:
@@ -28,10 +28,10 @@ def test_the_newest_whole_checkpoint_is_resumed_whatever_its_kind(tmp_path: Path
     whole = _dcp(folder, 2, whole=True)
     broken = _dcp(folder, 3, whole=False)
     (folder / "step-000000004.dcp.tmp").mkdir()  # a crash mid-save: never a candidate
-    assert checkpoint.candidates(folder) == [broken, whole, folder / "step-000000001.pt"]
-    found = checkpoint.load_newest(checkpoint.candidates(folder))
+    assert checkpoint_folder.candidates(folder) == [broken, whole, folder / "step-000000001.pt"]
+    found = checkpoint_folder.load_newest(checkpoint_folder.candidates(folder))
     assert found is not None and found.path == whole and found.state["step"] == 2
-    assert checkpoint.find(str(whole), tmp_path).path == whole  # trainer.resume=<the dir>
-    for old in checkpoint.candidates(folder)[1:]:
+    assert checkpoint_folder.find(str(whole), tmp_path).path == whole  # trainer.resume=<the dir>
+    for old in checkpoint_folder.candidates(folder)[1:]:
         sharded.remove(old)
-    assert checkpoint.candidates(folder) == [broken]
+    assert checkpoint_folder.candidates(folder) == [broken]

@@ -84,3 +84,43 @@ def test_cuda_only_options_on_nodes_without_gpus_are_refused_before_submitting()
         slurm.check_request(cfg)
     cfg.cluster = ClusterConfig(gpus_per_node=1, tasks_per_node=1)
     assert slurm.check_request(cfg) == 1
+
+
+def test_an_elastic_request_asks_for_a_node_range_and_lets_srun_start_the_tasks() -> None:
+    """cluster.min_nodes: sbatch --nodes=min-max and --mincpus, no sbatch --ntasks-per-node
+    (Slurm would then size the range at its minimum), srun's --ntasks-per-node instead."""
+    from omegaconf import OmegaConf
+
+    from tests.conftest import composed
+
+    cfg = composed("+cluster=slurm", "cluster.nodes=3", "cluster.min_nodes=2",
+                   "cluster.tasks_per_node=2", "cluster.cpus_per_task=3",
+                   "+cluster.sbatch_extra.mail-type=END", return_hydra_config=True)
+    launcher = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+    assert launcher["additional_parameters"] == {"mail-type": "END", "nodes": "2-3",
+                                                 "mincpus": 6}
+    assert launcher["srun_args"] == ["--ntasks-per-node=2"]
+    fixed = composed("+cluster=slurm", "cluster.nodes=3", "cluster.min_nodes=3",
+                     return_hydra_config=True)
+    assert dict(fixed.hydra.launcher.additional_parameters) == {}
+    cluster = ClusterConfig(nodes=3, min_nodes=2, tasks_per_node=2)
+    assert slurm.check_request(TrainConfig(cluster=cluster)) == 6
+    assert slurm.smallest_world_size(cluster) == 4 and slurm.rank_request(cluster) == "4-6"
+    assert slurm.node_request(cluster) == "2-3"
+    for wrong in (0, 4):
+        with pytest.raises(ConfigError, match=f"cluster.min_nodes={wrong} must be from 1 to "
+                                              "cluster.nodes=3"):
+            slurm.check_request(TrainConfig(cluster=ClusterConfig(nodes=3, min_nodes=wrong)))
+
+
+def test_an_elastic_job_is_checked_at_its_smallest_world_size_too() -> None:
+    """A global batch that divides over the most ranks but not the fewest is refused before
+    submission: the job may resume on cluster.min_nodes."""
+    from tests.conftest import typed
+    from train.launch.preflight import validate
+
+    cfg = typed("+cluster=slurm", "cluster.nodes=3", "cluster.min_nodes=2",
+                "data.batch_size=3")
+    validate(cfg, slurm.job_world_size(cfg.cluster))
+    with pytest.raises(ConfigError, match="data.batch_size"):
+        validate(cfg, slurm.smallest_world_size(cfg.cluster))

@@ -17,7 +17,12 @@ class ClusterConfig:
     launcher (conf/cluster/slurm.yaml)."""
 
     nodes: int = 1
-    """Nodes per job."""
+    """Nodes per job (the most it asks for, with cluster.min_nodes)."""
+    min_nodes: int | None = None
+    """The fewest nodes the job runs on (sbatch --nodes=min_nodes-nodes); null = cluster.nodes.
+    Below cluster.nodes, a job that Slurm requeues (a lost or drained node, a preemption, its
+    time limit) starts again on the nodes it gets, as few as this, and resumes its checkpoint
+    at that world size into the same run; the run records each attempt's world size."""
     gpus_per_node: int = 0
     """GPUs per node (one rank each by default)."""
     tasks_per_node: int | None = None
@@ -91,3 +96,28 @@ def slurm_cpus_per_task(cluster: ClusterConfig) -> int:
     CPUs of all the ranks it starts."""
     per_node = cluster.ranks == "per_node"
     return cluster.cpus_per_task * (ranks_per_node(cluster) if per_node else 1)
+
+
+def elastic(cluster: ClusterConfig) -> bool:
+    """The job may run on fewer nodes than it asks for (cluster.min_nodes below cluster.nodes)."""
+    return cluster.min_nodes is not None and cluster.min_nodes < cluster.nodes
+
+
+def slurm_sbatch_extra(cluster: ClusterConfig) -> dict[str, Any]:
+    """cluster.sbatch_extra, plus, for an elastic job, `--nodes=min-max` and the CPUs each node
+    needs (`--mincpus`). Slurm sizes a node range by the job's task count, so an elastic job
+    asks for no tasks per node (with it, sbatch fixes the tasks at min_nodes' and the range
+    always gets min_nodes): srun starts them instead (`slurm_srun_args`)."""
+    extra = dict(cluster.sbatch_extra)
+    if elastic(cluster):
+        extra["nodes"] = f"{cluster.min_nodes}-{cluster.nodes}"
+        extra["mincpus"] = slurm_cpus_per_task(cluster) * slurm_tasks_per_node(cluster)
+    return extra
+
+
+def slurm_srun_args(cluster: ClusterConfig) -> list[str]:
+    """cluster.srun_args, plus, for an elastic job, srun's --ntasks-per-node: the tasks of
+    however many nodes the job got (slurm_sbatch_extra)."""
+    extra = [f"--ntasks-per-node={slurm_tasks_per_node(cluster)}"] if elastic(cluster) else []
+    return [*cluster.srun_args, *extra]
+

@@ -222,6 +222,10 @@ class FsdpConfig:
     """meta: build the model without memory, shard it, then allocate each rank's shards and
     initialise them (the modules' reset_parameters, or the model's init_weights); cpu: build
     the whole model on every rank first (for a model that cannot, or model.weights)."""
+    async_checkpoint: bool = False
+    """Write the sharded checkpoints taken while training goes on in the background
+    (dcp.async_save): training waits only for the copy into host memory; each is completed
+    before the next one, and a stop's and the last are written before the job ends."""
 
 
 @dataclass

@@ -54,7 +54,8 @@ class OptimConfig:
     (after every optimiser step). ReduceLROnPlateau: epoch only. The built-in schedule always
     steps per optimiser step."""
     grad_clip: float | None = None
-    """Clip the global gradient norm to this value; null = no clipping."""
+    """Clip the global gradient norm to this value (the norm before clipping is logged as
+    train/grad_norm at each logging step); null = no clipping."""
     param_groups: list[dict[str, Any]] = field(default_factory=list)
     """Parameters trained with their own settings, e.g. [{prefix: layer4, lr_scale: 0.1}]: per
     group a module-name `prefix`, `lr_scale` (times optim.lr; the schedule scales every group

@@ -17,7 +17,13 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from train.config.cluster import ranks_per_node, slurm_cpus_per_task, slurm_tasks_per_node
+from train.config.cluster import (
+    ranks_per_node,
+    slurm_cpus_per_task,
+    slurm_sbatch_extra,
+    slurm_srun_args,
+    slurm_tasks_per_node,
+)
 from train.config.groups import CustomModelConfig, ModelConfig, TrainConfig
 from train.errors import ConfigError
 
@@ -35,6 +41,10 @@ def register_schema() -> None:
     # What Slurm is asked for per node and task (one task per rank, or per node).
     OmegaConf.register_new_resolver("slurm_tasks_per_node", slurm_tasks_per_node, replace=True)
     OmegaConf.register_new_resolver("slurm_cpus_per_task", slurm_cpus_per_task, replace=True)
+    # cluster.sbatch_extra and cluster.srun_args, with an elastic job's node range
+    # (cluster.min_nodes).
+    OmegaConf.register_new_resolver("slurm_sbatch_extra", slurm_sbatch_extra, replace=True)
+    OmegaConf.register_new_resolver("slurm_srun_args", slurm_srun_args, replace=True)
     # ${first_set:a,b}: a unless it is null.
     OmegaConf.register_new_resolver("first_set", lambda a, b: b if a is None else a,
                                     replace=True)

@@ -147,6 +147,9 @@ def _fsdp(cfg: TrainConfig, p: list[str]) -> None:
     d = cfg.distributed
     _require(d.strategy in ("ddp", "fsdp"),
              f"distributed.strategy={d.strategy!r}; choose ddp or fsdp.", p)
+    _require(not (d.fsdp.async_checkpoint and d.strategy != "fsdp"),
+             "distributed.fsdp.async_checkpoint=true needs distributed.strategy=fsdp (a DDP "
+             "job's checkpoint is one file rank 0 writes); drop it or use fsdp.", p)
     if d.strategy != "fsdp":
         return
     _require(d.fsdp.init_on in ("meta", "cpu"),

@@ -19,7 +19,7 @@ from train.distributed import process_group as distributed
 from train.distributed import slurm, watch
 from train.distributed.env import DistEnv
 from train.distributed.stopping import Preempted
-from train.engine import checkpoint
+from train.engine import checkpoint_folder
 from train.errors import FAILURE_REASON, SILENT_RANKS
 from train.report.runlog import RunLogger
 from train.tracking import records, sweep
@@ -40,7 +40,7 @@ class JobEnding:
                                                          self.logger.restarts, budget)
         main = self.env.is_main
         if main and budget is not None and stopped.signal_name == "SIGUSR2" and final:
-            newest = checkpoint.candidates(checkpoint.directory(self.out))
+            newest = checkpoint_folder.candidates(checkpoint_folder.directory(self.out))
             note = slurm.time_limit_note(newest[0] if newest else None, self.command)
             log.error("%s", note)
             self.logger.run.set_tags({"stop_reason": note})

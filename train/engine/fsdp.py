@@ -164,6 +164,13 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else tensor
 
 
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A value FSDP holds as a DTensor (clip_grad_norm_'s norm), whole on every rank: a
+    collective then, so every rank calls it at the same point; a plain tensor as it is."""
+    full_tensor = getattr(tensor, "full_tensor", None)
+    return full_tensor() if callable(full_tensor) else tensor
+
+
 def full_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer | None = None
                     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Collective (every rank, same point): the consolidated model state dict, and the

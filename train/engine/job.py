@@ -40,7 +40,7 @@ from train.distributed import process_group as distributed
 from train.distributed import slurm, watch
 from train.distributed.devices import device_name
 from train.distributed.stopping import Preempted, StopSignals
-from train.engine import checkpoint, drill, evaluation, fsdp, loop
+from train.engine import checkpoint, checkpoint_folder, checkpoint_match, drill, evaluation, fsdp, loop
 from train.engine import monitor as monitor_lib
 from train.engine import state as train_state
 from train.engine.ending import JobEnding
@@ -105,12 +105,12 @@ def _rank_info(device: torch.device) -> dict[str, str]:
 
 
 def _previous_run(cfg: TrainConfig, out: Path,
-                  resumed: checkpoint.Resumed | None) -> tuple[str, int] | None:
+                  resumed: checkpoint_folder.Resumed | None) -> tuple[str, int] | None:
     """(run id, restarts so far) of an earlier start of this job: a Slurm requeue, or the same
     output directory again. Its run continues instead of a new one being made. A checkpoint
     from another directory (trainer.resume=<path>) gives its weights, not its run: that job's
     run is not this job's to reopen."""
-    own = resumed is not None and checkpoint.is_own(resumed, out)
+    own = resumed is not None and checkpoint_folder.is_own(resumed, out)
     if own and resumed is not None and resumed.state.get("run_id"):
         return str(resumed.state["run_id"]), int(resumed.state.get("restarts") or 0)
     if cfg.trainer.resume != "never" and (run_id := tracking.recorded_run_id(out)):
@@ -124,10 +124,10 @@ def _final_model_and_test(cfg: TrainConfig, out: Path, state: train_state.TrainS
     """Every rank: the final model (best.pt's weights with trainer.test_on=best, else the
     last), then its one evaluation on the test split, where the data set has one."""
     distributed.barrier()  # rank 0's best.pt is complete before anyone reads it
-    best = checkpoint.directory(out) / checkpoint.BEST
+    best = checkpoint_folder.directory(out) / checkpoint_folder.BEST
     use_best = cfg.trainer.test_on == "best" and best.is_file()
     if use_best:
-        best_weights = checkpoint.load_best(checkpoint.directory(out))["model"]
+        best_weights = checkpoint_folder.load_best(checkpoint_folder.directory(out))["model"]
         if fsdp.is_sharded(state.module):
             fsdp.load_full(state.module, None, best_weights)
         else:
@@ -199,9 +199,9 @@ def _train(job: Job, logger: RunLogger, stop: StopSignals,
     cfg, env, out, device = job.cfg, job.env, job.out, job.device
     if (done := _final_metrics_if_done(cfg, out, logger)) is not None:
         return done
-    resumed = checkpoint.find(cfg.trainer.resume, out)
+    resumed = checkpoint_folder.find(cfg.trainer.resume, out)
     if resumed is not None:  # before the run: a checkpoint it cannot use touches no run
-        checkpoint.check_compatible(resumed, job.config, env.world_size)
+        checkpoint_match.check_compatible(resumed, job.config, env.world_size)
     # The run exists before anything that can fail on one node (data, model): such a failure
     # then shows in MLflow as a FAILED run with the failing rank's error.
     ranks = distributed.gather_to_all(_rank_info(device))
@@ -238,10 +238,11 @@ def _train(job: Job, logger: RunLogger, stop: StopSignals,
     if resumed is not None:
         monitor.load_state_dict(resumed.state.get("monitor"))
     checkpointer = checkpoint.Checkpointer(
-        checkpoint.directory(out), cfg.trainer, env.rank, env.world_size,
+        checkpoint_folder.directory(out), cfg.trainer, env.rank, env.world_size,
         before_write=lambda: logger.run.flush(
             cfg.tracking.checkpoint_flush_s, created_within_s=cfg.distributed.timeout_s / 2),
-        run_fields=lambda: {**logger.run_fields(), "monitor": monitor.state_dict()})
+        run_fields=lambda: {**logger.run_fields(), "monitor": monitor.state_dict()},
+        background=cfg.distributed.fsdp.async_checkpoint)
     stragglers = Stragglers(cfg.trainer.straggler_share, cfg.trainer.straggler_intervals,
                             slurm.node_of_rank, logger.run.set_tags, env.is_main)
     reporter = None
@@ -252,6 +253,10 @@ def _train(job: Job, logger: RunLogger, stop: StopSignals,
                          job.fail_at, stragglers if env.world_size > 1 else None, reporter)
     try:
         final_val = loop.fit(cfg, state, bundle, device, duties, task)
+        checkpointer.finish()  # a checkpoint written in the background is whole
+    except Preempted:
+        checkpointer.finish()  # the stop's checkpoint, before the job ends
+        raise
     finally:
         if reporter is not None:
             reporter.close()

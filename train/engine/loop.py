@@ -126,7 +126,7 @@ def _optimiser_step(cfg: TrainConfig, state: TrainState, items: torch.Tensor | N
                 grad.mul_(on_device[grad.device])
     if cfg.optim.grad_clip is not None:
         state.scaler.unscale_(state.optimizer)
-        nn.utils.clip_grad_norm_(state.model.parameters(), cfg.optim.grad_clip)
+        state.grad_norm = nn.utils.clip_grad_norm_(state.model.parameters(), cfg.optim.grad_clip)
     state.scaler.step(state.optimizer)
     state.scaler.update()
     if state.scheduler_interval == "step":
@@ -146,7 +146,10 @@ def _log_step(state: TrainState, duties: Duties, totals: metrics.Totals, step_lo
     if duties.stragglers is not None:
         duties.stragglers.judge(sync.extras, state.step)
     _check_finite(sync.mean_loss, duties.rank, state.step, "train/step_loss (mean over ranks)")
-    duties.logger.step(state.step, sync)
+    # The clipped step's norm, read only here (a host sync; under FSDP a collective, every
+    # rank logs at the same steps).
+    grad_norm = None if state.grad_norm is None else float(fsdp.whole(state.grad_norm))
+    duties.logger.step(state.step, sync, grad_norm)
     _report_scaler(state, duties)
     if (sync.stop_requested or sync.checkpoint_due) and batches_done < batches:
         duties.checkpointer.save(state, totals, batches_done)  # the epoch end does anyway

@@ -17,7 +17,7 @@ import torch
 from train.config.groups import TrainConfig
 from train.data.build import DataBundle
 from train.distributed.env import DistEnv
-from train.engine import checkpoint, fsdp
+from train.engine import checkpoint_folder, fsdp
 from train.engine import monitor as monitor_lib
 from train.engine.state import TrainState
 from train.report.metrics import Reduced
@@ -33,7 +33,7 @@ class JobOutputs:
         self.cfg, self.out, self.logger, self.task = cfg, out, logger, task
         self.writes = env.is_main
         """Rank 0 is the one writer; the other ranks' outputs are no-ops."""
-        self.checkpoints = checkpoint.directory(out)
+        self.checkpoints = checkpoint_folder.directory(out)
         self.spec: Any = None
         """The model's input spec (train/models/build.py InputSpec): what FSDP's plain copy of
         the final model is built from; set by the job once known."""
@@ -53,7 +53,7 @@ class JobOutputs:
                 return
             path = None
             if self.cfg.trainer.save_best:
-                path = checkpoint.save_best(
+                path = checkpoint_folder.save_best(
                     self.checkpoints, weights if sharded else state.module.state_dict(),
                     {"epoch": best.epoch + 1, "step": best.step, "monitor": best.monitor,
                      "mode": best.mode, "value": best.value})
@@ -64,7 +64,7 @@ class JobOutputs:
         """Before training, on the one writer: room for a checkpoint, or DiskFull now rather
         than after an epoch's work."""
         if self.writes:
-            checkpoint.check_room_for_one(self.checkpoints, state)
+            checkpoint_folder.check_room_for_one(self.checkpoints, state)
 
     def write_final(self, state: TrainState, bundle: DataBundle, final_val: Reduced | None,
                     peaks: list[float], tested: Reduced | None = None) -> None:
@@ -83,7 +83,7 @@ class JobOutputs:
                 self.logger.task_outputs(*self.task.write_outputs(reduced, self.out, prefix))
         device = next(module.parameters()).device
         self.logger.task_outputs(*self.task.final_outputs(module, self.out, device))
-        weights = checkpoint.save_weights(module.state_dict(), self.out / "model.pt",
+        weights = checkpoint_folder.save_weights(module.state_dict(), self.out / "model.pt",
                                           self.checkpoints)
         example = _example(bundle)
         self.logger.log_outputs({"weights": weights}, module, example)

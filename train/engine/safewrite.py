@@ -38,19 +38,28 @@ def serialised(state: dict[str, Any]) -> memoryview:
 
 
 def make_room(folder: Path, needed: int, expendable: list[Path], what: str) -> None:
-    """Free space for `needed` bytes in `folder`, deleting `expendable` files (oldest first)
-    only if that is what it takes; DiskFull if even that is not enough."""
+    """Free space for `needed` bytes in `folder`, deleting `expendable` files or directories
+    (oldest first) only if that is what it takes; DiskFull if even that is not enough."""
     free = shutil.disk_usage(folder).free
-    sizes = [(old, old.stat().st_size) for old in reversed(expendable) if old.exists()]
+    sizes = [(old, _size(old)) for old in reversed(expendable) if old.exists()]
     if free + sum(size for _, size in sizes) < needed + ROOM_MARGIN:  # delete nothing in vain
         raise DiskFull(f"No space left on device: the {what} needs {needed} bytes and {folder} "
                        f"has {free} free")
     for old, size in sizes:
         if free >= needed + ROOM_MARGIN:
             return
-        old.unlink(missing_ok=True)
+        if old.is_dir():  # a sharded checkpoint (train/engine/sharded.py)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
         log.warning("removed %s (%d bytes) to make room for the %s", old, size, what)
         free = shutil.disk_usage(folder).free
+
+
+def _size(path: Path) -> int:
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return path.stat().st_size
 
 
 def write_atomically(path: Path, payload: memoryview) -> None:

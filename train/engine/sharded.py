@@ -8,6 +8,10 @@ but the tensors) and renames the directory. A directory without `meta.pt` or DCP
 is not a checkpoint (`load_meta`), and a `.tmp` one is a crash's leftover, removed at the next
 save.
 
+With distributed.fsdp.async_checkpoint the shards are written in the background (`begin`
+with `background`); the checkpoint is completed (`finish`: meta.pt, the rename) before the next
+one starts and before the job ends (train/engine/checkpoint.py Checkpointer.finish).
+
 DCP reshards on load: the checkpoint loads at any world size, and into a DDP job as well
 (`load`: the state dict of the model and optimiser as this job holds them is the template).
 """
@@ -16,6 +20,8 @@ from __future__ import annotations
 
 import os
 import shutil
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,33 +36,125 @@ def path_for(folder: Path, step: int) -> Path:
     return folder / f"step-{step:09d}{SUFFIX}"
 
 
+@dataclass
+class Unfinished:
+    """A sharded checkpoint whose shards are being written (`begin`); `finish` completes it."""
+
+    final: Path
+    meta: dict[str, Any] | None
+    """Rank 0's fields (meta.pt); None on the other ranks."""
+    writing: Future | None = None
+    """This rank's shards still being written in the background (trainer.async_checkpoint);
+    None once they are on disk."""
+
+    @property
+    def tmp(self) -> Path:
+        return self.final.with_name(self.final.name + ".tmp")
+
+
 def save(folder: Path, step: int, module: nn.Module, optimizer: torch.optim.Optimizer,
-         meta: dict[str, Any] | None) -> Path:
+         meta: dict[str, Any] | None, expendable: list[Path] | None = None) -> Path:
     """Collective: every rank writes its shards; rank 0 (the one passing `meta`) completes
     the checkpoint. Returns its final path."""
+    return finish(begin(folder, step, module, optimizer, meta, expendable))
+
+
+def begin(folder: Path, step: int, module: nn.Module, optimizer: torch.optim.Optimizer,
+          meta: dict[str, Any] | None, expendable: list[Path] | None = None,
+          background: bool = False) -> Unfinished:
+    """Collective: every rank writes its shards into `step-<N>.dcp.tmp`, or with `background`
+    starts to (`dcp.async_save`: the state is copied to host memory, then written by a thread
+    while training goes on, its collectives on a group of their own). Room is made first
+    (`room`): `expendable`, rank 0's older checkpoints but the newest, go if that is what it
+    takes; DiskFull on every rank if even that is not enough, before anyone writes."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    final = path_for(folder, step)
-    tmp = final.with_name(final.name + ".tmp")
+    unfinished = Unfinished(path_for(folder, step), meta)
     if meta is not None:
         folder.mkdir(parents=True, exist_ok=True)
         for stale in folder.glob(f"step-*{SUFFIX}.tmp"):  # a crash's leftovers
             shutil.rmtree(stale, ignore_errors=True)
     dist.barrier()  # the folder is clean before anyone writes
     model_sd, optim_sd = get_state_dict(module, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    state = {"model": model_sd, "optim": optim_sd}
+    room(folder, unfinished.final, local_bytes(state), expendable if meta is not None else None)
+    if background:
+        unfinished.writing = dcp.async_save(state, checkpoint_id=unfinished.tmp,
+                                            process_group=_background_group())
+    else:
+        dcp.save(state, checkpoint_id=unfinished.tmp)
+    return unfinished
+
+
+def finish(unfinished: Unfinished) -> Path:
+    """Collective: once every rank's shards are on disk, rank 0 adds meta.pt and renames the
+    directory into place (whole or absent). Returns the final path."""
+    import torch.distributed as dist
+
+    if unfinished.writing is not None:
+        unfinished.writing.result()
+        unfinished.writing = None
     dist.barrier()  # every shard is on disk
-    if meta is not None:
+    final, tmp = unfinished.final, unfinished.tmp
+    if unfinished.meta is not None:
         with open(tmp / META, "wb") as f:
-            torch.save(meta, f)
+            torch.save(unfinished.meta, f)
             f.flush()
             os.fsync(f.fileno())
         shutil.rmtree(final, ignore_errors=True)  # the same step again (a resumed job)
         os.replace(tmp, final)
-        _fsync_dir(folder)
+        _fsync_dir(final.parent)
     return final
+
+
+_GROUPS: dict[int, Any] = {}
+
+
+def _background_group() -> Any:
+    """A gloo group of every rank for background saves (made by all ranks at their first),
+    so that their collectives never interleave with training's on the default group."""
+    import torch.distributed as dist
+
+    world = id(dist.group.WORLD)  # a new default group (in-process tests) gets its own
+    if world not in _GROUPS:
+        _GROUPS.clear()
+        _GROUPS[world] = dist.new_group(backend="gloo")
+    return _GROUPS[world]
+
+
+def local_bytes(state: Any) -> int:
+    """The bytes of this rank's part of a state dict's tensors (a DTensor's local shard)."""
+    if isinstance(state, dict):
+        return sum(local_bytes(v) for v in state.values())
+    if isinstance(state, list | tuple):
+        return sum(local_bytes(v) for v in state)
+    if isinstance(state, torch.Tensor):
+        to_local = getattr(state, "to_local", None)
+        mine = to_local() if callable(to_local) else state
+        return mine.numel() * mine.element_size()
+    return 0
+
+
+def room(folder: Path, final: Path, mine: int, expendable: list[Path] | None) -> None:
+    """Collective, before a sharded save: every rank's `mine` bytes summed; rank 0 (the one
+    with `expendable`) makes room for them or finds there is none, and every rank learns its
+    verdict: all raise DiskFull together rather than some waiting in dcp.save for the others.
+    (The ranks' shards are taken to share rank 0's filesystem, as the checkpoint does.)"""
+    from train.distributed import process_group as distributed
+    from train.engine import safewrite
+
+    needed = sum(distributed.gather_to_all(mine))
+    problem = None
+    if expendable is not None:
+        try:
+            safewrite.make_room(folder, needed, expendable, f"checkpoint {final}")
+        except safewrite.DiskFull as e:
+            problem = str(e)
+    verdict = distributed.gather_to_all(problem)[0]
+    if verdict is not None:
+        raise safewrite.DiskFull(verdict)
 
 
 def _fsync_dir(folder: Path) -> None:

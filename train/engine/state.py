@@ -82,6 +82,9 @@ class TrainState:
     filler: torch.Tensor | None = None
     """FSDP: one zero sample of the input's shape, for the forwards a rank runs without data so
     that every rank runs as many (train/engine/loop.py `evaluate`); None under DDP."""
+    grad_norm: torch.Tensor | None = None
+    """optim.grad_clip: the last step's total gradient norm before clipping, left on the
+    device (a DTensor under FSDP) until a logging step reads it (train/engine/loop.py)."""
     peak_lrs: list[float] | None = None
     """Each optimiser group's lr as built (optim.lr x its lr_scale), before any schedule: what
     the `lr` metric is read against. None = the scheduler's base_lrs (the built-in schedule's

@@ -38,7 +38,10 @@ def _log_paths(job: Any) -> tuple[Path, Path]:
     return task0.paths.stdout, task0.paths.stderr
 
 
-def announce(jobs: Sequence[Any], world_size: int, nodes: int, per_node: bool = False) -> None:
+def announce(jobs: Sequence[Any], world_size: int | str, nodes: int | str,
+             per_node: bool = False) -> None:
+    """The job ids and log paths; `world_size` and `nodes` are ranges ("2-4") for an elastic
+    job (cluster.min_nodes)."""
     first = jobs[0]
     ids = first.job_id.split("_")[0] + (f"_[0-{len(jobs) - 1}]" if len(jobs) > 1 else "")
     print(f"Submitted Slurm job {ids}: {len(jobs)} job(s), each {world_size} rank(s) on "
@@ -99,10 +102,12 @@ class Outcomes:
     failed: list[Any] = field(default_factory=list)
 
 
-def collect(jobs: Sequence[Any], states: Sequence[str]) -> Outcomes:
+def collect(jobs: Sequence[Any], states: Sequence[str],
+            tasks_per_node: int | None = None) -> Outcomes:
     """A job fails when Slurm says so, or when one of its ranks raised: Hydra (inside each
     task) turns most errors into a FAILED JobReturn, so Slurm can report COMPLETED for it. A
-    stop at the time limit that was not requeued is neither: it is told apart."""
+    stop at the time limit that was not requeued is neither: it is told apart.
+    `tasks_per_node`: an elastic job's (final_tasks); None reads every task's result."""
     from hydra.core.utils import JobStatus
 
     outcomes = Outcomes()
@@ -110,7 +115,7 @@ def collect(jobs: Sequence[Any], states: Sequence[str]) -> Outcomes:
         try:
             if state != "COMPLETED":
                 raise RuntimeError(state)
-            ranks = job.results()
+            ranks = [job.task(i).result() for i in range(final_tasks(job, tasks_per_node))]
         except Exception:  # noqa: BLE001 - also submitit's FailedJobError and friends
             outcomes.failed.append(job)
             continue
@@ -124,6 +129,23 @@ def collect(jobs: Sequence[Any], states: Sequence[str]) -> Outcomes:
         else:
             outcomes.returns.append(ranks[0])
     return outcomes
+
+
+def final_tasks(job: Any, tasks_per_node: int | None) -> int:
+    """The tasks of a job's last attempt: all of them, unless an elastic job (cluster.min_nodes:
+    `tasks_per_node` given) got fewer nodes than it asked for, as Slurm's accounting says. The
+    tasks of the nodes it no longer had left no result, or one of an earlier attempt: unread."""
+    import subprocess
+
+    if tasks_per_node is None:
+        return int(job.num_tasks)
+    try:
+        out = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "NNodes", "-j", job.job_id],
+                             capture_output=True, text=True, timeout=30).stdout.split()
+        nodes = int(out[0])
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return int(job.num_tasks)
+    return min(int(job.num_tasks), nodes * tasks_per_node)
 
 
 def output_dir(ret: Any) -> Path:

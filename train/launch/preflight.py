@@ -54,6 +54,8 @@ def preflight(cfgs: Sequence[TrainConfig], on_slurm: bool = False, dry_run: bool
         for cfg in cfgs:
             world_size = slurm.check_request(cfg) if on_slurm else cfg.distributed.nproc_per_node
             validate(cfg, world_size)
+            if on_slurm and (fewest := slurm.smallest_world_size(cfg.cluster)) != world_size:
+                validate(cfg, fewest)  # an elastic job may resume on cluster.min_nodes
             if dry_run:
                 continue
             resuming = check_resume(cfg, world_size, output_dir if len(cfgs) == 1 else None)
@@ -100,15 +102,15 @@ def check_resume(cfg: TrainConfig, world_size: int, output_dir: str | None) -> b
             raise ConfigError(f"trainer.resume={resume}: no checkpoint there (step-<N>.pt or "
                               "step-<N>.dcp).")
         return False
-    from train.engine import checkpoint, job
+    from train.engine import checkpoint_folder, checkpoint_match, job
 
     if output_dir and job.finished_already(cfg, Path(output_dir)) is not None:
         return True  # the job itself says so, and changes nothing
     try:
-        found = checkpoint.find(resume, Path(output_dir or "."))
+        found = checkpoint_folder.find(resume, Path(output_dir or "."))
         if found is not None:
-            checkpoint.check_compatible(found, config_dict(cfg), world_size)
-    except checkpoint.CheckpointMismatch as e:
+            checkpoint_match.check_compatible(found, config_dict(cfg), world_size)
+    except checkpoint_match.CheckpointMismatch as e:
         raise ConfigError(str(e)) from None
     return found is not None
 

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from train.config.cluster import ClusterConfig, ranks_per_node
+from train.config.cluster import ClusterConfig, elastic, ranks_per_node, slurm_tasks_per_node
 from train.config.groups import TrainConfig
 from train.errors import ConfigError
 from train.errors import SubmitError as SubmitError  # re-exported
@@ -47,8 +47,41 @@ def check_slurm(partitions: Iterable[str | None]) -> None:
 
 
 def job_world_size(cluster: ClusterConfig) -> int:
-    """Ranks of one Slurm job: nodes x ranks per node."""
+    """Ranks of one Slurm job: nodes x ranks per node (the most, for an elastic job)."""
     return cluster.nodes * ranks_per_node(cluster)
+
+
+def smallest_world_size(cluster: ClusterConfig) -> int:
+    """The fewest ranks the job may run on: cluster.min_nodes' (cluster.nodes' without it)."""
+    return (cluster.min_nodes or cluster.nodes) * ranks_per_node(cluster)
+
+
+def node_request(cluster: ClusterConfig) -> str:
+    """The nodes asked for, as told to the user: "2", or "1-2" for an elastic job."""
+    return f"{cluster.min_nodes}-{cluster.nodes}" if elastic(cluster) else str(cluster.nodes)
+
+
+def elastic_tasks_per_node(cluster: ClusterConfig) -> int | None:
+    """An elastic job's Slurm tasks per node (what its results are counted by); None else."""
+    return slurm_tasks_per_node(cluster) if elastic(cluster) else None
+
+
+def rank_request(cluster: ClusterConfig) -> str:
+    """The ranks of the job, as told to the user: "4", or "2-4" for an elastic job."""
+    most, fewest = job_world_size(cluster), smallest_world_size(cluster)
+    return f"{fewest}-{most}" if fewest != most else str(most)
+
+
+def with_all_tasks(executor: Any, jobs: list[Any], cluster: ClusterConfig) -> list[Any]:
+    """submitit counts a job's tasks from sbatch's --ntasks-per-node, which an elastic job does
+    not give (train/config/cluster.py slurm_sbatch_extra): the jobs again, with the tasks of
+    all the nodes asked for (their logs and results; follow.py reads those of the nodes the
+    job got)."""
+    if not elastic(cluster):
+        return jobs
+    tasks = list(range(cluster.nodes * slurm_tasks_per_node(cluster)))
+    folder = executor._executor.folder
+    return [type(job)(folder=folder, job_id=job.job_id, tasks=tasks) for job in jobs]
 
 
 def check_request(cfg: TrainConfig) -> int:
@@ -59,6 +92,9 @@ def check_request(cfg: TrainConfig) -> int:
     problems = []
     if c.nodes < 1:
         problems.append("cluster.nodes must be at least 1.")
+    if c.min_nodes is not None and not 1 <= c.min_nodes <= c.nodes:
+        problems.append(f"cluster.min_nodes={c.min_nodes} must be from 1 to cluster.nodes="
+                        f"{c.nodes} (the most the job asks for), or null.")
     if c.gpus_per_node < 0:
         problems.append("cluster.gpus_per_node cannot be negative.")
     per_node = ranks_per_node(c)

@@ -48,10 +48,14 @@ class TrainingLog:
         self.first_step_at = time.time()
         self.run.begin_sending()  # training is under way: MLflow may take its share now
 
-    def step(self, step: int, sync: StepSync) -> None:
-        self.run.log_metrics({"train/step_loss": sync.mean_loss,
-                              "train/step_time_max_s": sync.slowest_s,
-                              "train/step_time_min_s": sync.fastest_s}, step)
+    def step(self, step: int, sync: StepSync, grad_norm: float | None = None) -> None:
+        """A logging step; `grad_norm`: the total gradient norm before clipping
+        (optim.grad_clip), None without clipping."""
+        values = {"train/step_loss": sync.mean_loss, "train/step_time_max_s": sync.slowest_s,
+                  "train/step_time_min_s": sync.fastest_s}
+        if grad_norm is not None:
+            values["train/grad_norm"] = grad_norm
+        self.run.log_metrics(values, step)
         self.bar.show(loss=sync.mean_loss)
 
     def grad_scaler(self, step: int, skipped_steps: int, loss_scale: float) -> None:
