@@ -40,7 +40,15 @@ from train.distributed import process_group as distributed
 from train.distributed import slurm, watch
 from train.distributed.devices import device_name
 from train.distributed.stopping import Preempted, StopSignals
-from train.engine import checkpoint, checkpoint_folder, checkpoint_match, drill, evaluation, fsdp, loop
+from train.engine import (
+    checkpoint,
+    checkpoint_folder,
+    checkpoint_match,
+    drill,
+    evaluation,
+    fsdp,
+    loop,
+)
 from train.engine import monitor as monitor_lib
 from train.engine import state as train_state
 from train.engine.ending import JobEnding
