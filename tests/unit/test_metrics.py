@@ -154,6 +154,9 @@ def test_sync_step_carries_loss_step_time_and_both_requests(one_rank_group: None
     assert stop.stop_requested and not stop.checkpoint_due
     due = metrics.sync_step(torch.tensor(2.0), 0.5, stop_requested=False, checkpoint_due=True)
     assert due.checkpoint_due and not due.stop_requested
+    # The straggler check's times ride in the same all_gather, by rank.
+    shared = metrics.sync_step(torch.tensor(2.0), 0.5, False, False, [0.25, 1.5])
+    assert shared.shared == [[0.25, 1.5]] and shared.mean_loss == 2.0
 
 
 def test_reduce_weights_ranks_by_their_samples(monkeypatch: pytest.MonkeyPatch) -> None:

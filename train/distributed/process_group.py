@@ -144,15 +144,6 @@ def _silent_ranks(env: DistEnv, exc: BaseException, silent: list[int],
     return stacks.explain(own.out, silent, node_of, answered, waited)
 
 
-def gather_floats(values: list[float]) -> list[list[float]]:
-    """Every rank's few `values` on every rank (one small all_gather of a tensor)."""
-    mine = devices.collective_tensor(torch.tensor(values, dtype=torch.float64),
-                                     dist.get_backend())
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)
-    return [t.tolist() for t in everyone]
-
-
 def barrier() -> None:
     watch.enter("collective")
     dist.barrier()

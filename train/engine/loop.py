@@ -147,11 +147,12 @@ def _log_step(state: TrainState, duties: Duties, totals: metrics.Totals, step_lo
               step_time_s: float, batches_done: int, batches: int) -> None:
     """A logging step, the only one that waits for the device: the step loss, fp16's scaler,
     and a checkpoint (then a stop) if any rank asks for one."""
-    if duties.stragglers is not None:
-        duties.stragglers.observe(state.step)
+    shared = duties.stragglers.mine() if duties.stragglers is not None else []
     watch.enter("collective")
     sync = metrics.sync_step(step_loss, step_time_s, duties.stop.received is not None,
-                             duties.checkpointer.interval_due())
+                             duties.checkpointer.interval_due(), shared)
+    if duties.stragglers is not None:  # every rank judges alike; rank 0 speaks
+        duties.stragglers.judge(sync.shared, state.step)
     _check_finite(sync.mean_loss, duties.rank, state.step, "train/step_loss (mean over ranks)")
     duties.logger.step(state.step, sync)
     _report_scaler(state, duties)

@@ -2,7 +2,8 @@
 
 Each rank adds up its time waiting for data and computing (forward, backward) between logging
 steps (train/distributed/watch.py's phases: no sync of its own). At a logging step the ranks
-share these sums (one all_gather of two numbers); a rank whose wait for data is more than
+share these sums, two numbers each in the logging step's own all_gather (train/report/
+metrics.py sync_step: no collective of its own); a rank whose wait for data is more than
 trainer.straggler_share over the median rank's for trainer.straggler_intervals logging
 intervals in a row is named: a warning and the run's `straggler` tag.
 
@@ -18,7 +19,6 @@ import logging
 import statistics
 from collections.abc import Callable, Mapping
 
-from train.distributed import process_group as distributed
 from train.distributed import watch
 
 log = logging.getLogger("train")
@@ -35,11 +35,12 @@ class Stragglers:
         self.streaks: dict[int, int] = {}
         self.named: set[int] = set()
 
-    def observe(self, step: int) -> None:
-        """A logging step, on every rank: share this interval's sums, name a straggler."""
+    @staticmethod
+    def mine() -> list[float]:
+        """This rank's sums since the last logging step, to share: waiting for data, and
+        computing."""
         spent = watch.take_spent()
-        mine = [spent.get("data", 0.0), sum(spent.get(p, 0.0) for p in OWN_WORK[1:])]
-        self.judge(distributed.gather_floats(mine), step)
+        return [spent.get("data", 0.0), sum(spent.get(p, 0.0) for p in OWN_WORK[1:])]
 
     def judge(self, ranks: list[list[float]], step: int) -> None:
         totals = [data for data, _ in ranks]
