@@ -60,7 +60,7 @@ mlflow-server: setup
 # `make bench`: the service against a plain DDP loop, on in-memory data, for task=regression and
 # task=segmentation (bench/task_data.py), and on an ImageFolder of JPEGs the bench writes itself
 # (docs/benchmarks.md); model=gpt against a nanoGPT-style loop (bench/lm.py); and FSDP against
-# DDP on a 57 M-parameter GPT (bench/fsdp.py).
+# DDP on a 57 M-parameter GPT (bench/fsdp.py); the straggler check's own work (bench/stragglers.py).
 bench: setup
 	$(PY) -m bench.run $(BENCH_ARGS)
 	$(PY) -m bench.tasks
@@ -68,6 +68,7 @@ bench: setup
 	$(PY) -m bench.imagefolder
 	$(PY) -m bench.new_store --dirty-mb 1000
 	$(PY) -m bench.fsdp --out .bench/fsdp.json
+	$(PY) -m bench.stragglers
 
 cluster-up:
 	bash slurm/cluster-up.sh
