@@ -60,8 +60,9 @@ mlflow-server: setup
 # `make bench`: the service against a plain DDP loop, on in-memory data, for task=regression and
 # task=segmentation (bench/task_data.py), and on an ImageFolder of JPEGs the bench writes itself
 # (docs/benchmarks.md); model=gpt against a nanoGPT-style loop (bench/lm.py); FSDP against
-# DDP on a 57 M-parameter GPT (bench/fsdp.py); and Optuna sweeps with each pruner against the
-# same sweep without (bench/sweep_pruning.py: four sweeps of 16 trials, minutes on an idle CPU).
+# DDP on a 57 M-parameter GPT (bench/fsdp.py); the straggler check's own work
+# (bench/stragglers.py); and Optuna sweeps with each pruner against the same sweep without
+# (bench/sweep_pruning.py: four sweeps of 16 trials, minutes on an idle CPU).
 bench: setup
 	$(PY) -m bench.run $(BENCH_ARGS)
 	$(PY) -m bench.tasks
@@ -70,6 +71,7 @@ bench: setup
 	$(PY) -m bench.new_store --dirty-mb 1000
 	$(PY) -m bench.fsdp --out .bench/fsdp.json
 	$(PY) -m bench.sweep_pruning --out .bench/sweep_pruning.json
+	$(PY) -m bench.stragglers
 
 cluster-up:
 	bash slurm/cluster-up.sh

@@ -1,6 +1,6 @@
 """`make bench`: the training service side by side with a plain DDP loop, in one invocation.
 
-Six variants train the same model on the same synthetic data, global batch and ranks:
+Seven variants train the same model on the same synthetic data, global batch and ranks:
 
   a  plain           bench/plain_ddp.py under torchrun (the tutorials' loop, fp32)
   b  service         python -m train data=synthetic ... tracking.enabled=false (eager, fp32)
@@ -8,10 +8,12 @@ Six variants train the same model on the same synthetic data, global batch and r
   d  +compile        b with trainer.compile=true
   e  +channels_last  b with trainer.channels_last=true
   f  +bf16           b with trainer.precision=bf16-mixed
+  g  -stragglers     b with trainer.straggler_intervals=0: no straggler check
 
 d, e and f are measured against b (and a) in the same invocation; for d the start-up cost of
 compiling is reported apart from its steady-state samples/s (`compile_startup_s`: its first
-epoch's extra time over its steady rate, less b's).
+epoch's extra time over its steady rate, less b's). b/g is the straggler check's cost: the
+ranks' times shared at every logging step (every step here: its worst case).
 
 b and c log every step (trainer.log_every_n_steps=1 unless --log-every says otherwise), so c/b
 is the price of MLflow alone and both sync with the host every step, as a's `loss.item()` does.
@@ -19,8 +21,8 @@ Each variant runs --repeats times, interleaved (a b c a b c ...) so a burst of l
 the machine spreads over all of them; the table shows medians. Every command gets a fresh output
 directory; nothing is written into the repository except the results file.
 
-    python -m bench.run                      # CPU defaults: 2 gloo ranks, ~8 minutes
-    python -m bench.run --variants abc       # without d, e, f: ~4 minutes
+    python -m bench.run                      # CPU defaults: 2 gloo ranks, ~9 minutes
+    python -m bench.run --variants abc       # without d, e, f, g: ~4 minutes
     python -m bench.run --device cuda        # GPU: resnet18, bf16 + channels_last for the service
 """
 
@@ -47,7 +49,7 @@ from bench.report import VARIANTS, machine_info, print_table, ratios, run_varian
 REPO = Path(__file__).resolve().parent.parent
 # What d, e and f add to b's command (on CUDA, b already runs bf16 + channels_last).
 OPTION_VARIANTS = {"d": ["trainer.compile=true"], "e": ["trainer.channels_last=true"],
-                   "f": ["trainer.precision=bf16-mixed"]}
+                   "f": ["trainer.precision=bf16-mixed"], "g": ["trainer.straggler_intervals=0"]}
 
 # Per device: what gives a stable figure in a couple of minutes on the project's 2-core CI
 # machine (a small CNN: resnet18 runs at a few samples/s there), and a realistic GPU workload.
@@ -86,7 +88,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="runs per variant; medians are shown")
     p.add_argument("--log-every", type=int, default=1, help="trainer.log_every_n_steps (b, c)")
     p.add_argument("--compile", action="store_true", help="cuda: trainer.compile=true (b, c)")
-    p.add_argument("--variants", default="abcdef", help="subset to run, e.g. 'bd'")
+    p.add_argument("--variants", default="abcdefg", help="subset to run, e.g. 'bd'")
     p.add_argument("--timeout", type=float, default=900, help="seconds per command")
     p.add_argument("--keep", action="store_true", help="keep the temporary run directories")
     p.add_argument("--out", type=Path, default=REPO / ".bench" / "results.json")

@@ -19,6 +19,9 @@ train/engine/ending.py sets it), for the local launcher to show instead of the t
 SILENT_RANKS = "train_silent_ranks"
 """The attribute that carries the ranks that stopped answering (stuck, frozen or dead): the
 local launcher stops them as soon as every other rank has ended."""
+USER_TRACE = "train_user_traceback"
+"""The attribute that carries an error raised in the user's code as its traceback trimmed to
+the user's frames (train/distributed/stacks.py user_traceback), for the terminal's block."""
 
 
 class TrainError(Exception):

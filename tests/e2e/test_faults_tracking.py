@@ -253,6 +253,11 @@ def test_an_output_disk_filling_at_a_checkpoint_fails_the_run(store: dict[str, s
     expected = (f"No space left on device: the checkpoint {out}/checkpoints/step-000000046.pt "
                 f"needs \\d+ bytes and {out}/checkpoints has \\d+ free")
     assert re.search(expected, result.stderr), result.stderr
+    # One rank, in the launching process: the same block as from several ranks (test_hang.py).
+    assert "Traceback" not in result.stderr and "tracebacks: " in result.stderr
+    assert (f"  kept: {out}/checkpoints/step-000000023.pt (step 23), the newest checkpoint\n"
+            f"  resume: python -m train trainer.epochs=2 tracking.log_model=false "
+            f"hydra.run.dir={out}\n") in result.stderr, result.stderr
     assert listing == ["step-000000023.pt"]  # the first epoch's, no .tmp
     [run] = runs_in(store["MLFLOW_TRACKING_URI"])
     assert run.info.status == "FAILED"

@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from tests.conftest import REPO, USER_PATH, run_train, runs_in, skip_or_fail, wait_until
+from tests.conftest import REPO, USER_PATH, history, run_train, runs_in, skip_or_fail, wait_until
 
 TIMEOUT_S = 10
 ENDS_WITHIN_S = TIMEOUT_S + 30
@@ -187,13 +188,17 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_in_the_terminal(
     out.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(out)], check=True)
     request.addfinalizer(lambda: subprocess.run(["umount", "-l", str(out)], check=False))
-    result = run_train("trainer.epochs=3", "tracking.log_model=false",
-                       "distributed.nproc_per_node=2", f"hydra.run.dir={out}", env=store)
+    overrides = ("trainer.epochs=3", "tracking.log_model=false", "distributed.nproc_per_node=2")
+    result = run_train(*overrides, f"hydra.run.dir={out}", env=store)
     assert result.returncode == 1
-    [line] = [x for x in result.stderr.splitlines() if x.startswith("error:")]
+    block = _failure_block(result.stderr)
     assert re.fullmatch(r"error: the training job failed; rank 0 on \S+: DiskFull: No space "
                         r"left on device: the checkpoint .* needs \d+ bytes and .* has \d+ "
-                        r"free \(tracebacks: train\.log\)", line), line
+                        r"free", block[0]), block
+    assert block[1:] == [
+        f"  kept: {out}/checkpoints/step-000000023.pt (step 23), the newest checkpoint",
+        f"  resume: python -m train {' '.join(overrides)} hydra.run.dir={out}",
+        f"  tracebacks: {out}/train.log"]
     assert not re.search(r"Traceback|c10d|Broken pipe|frame #", result.stderr), result.stderr
     assert "Traceback" in (out / "train.log").read_text()
     [run] = runs_in(store["MLFLOW_TRACKING_URI"])
@@ -217,3 +222,51 @@ def test_a_straggler_is_named_in_a_warning_and_a_tag(store: dict[str, str],
     [run] = runs_in(store["MLFLOW_TRACKING_URI"])
     assert run.data.tags["straggler"] == named.group(0)
     assert result.stderr.count("is a straggler") == 1  # named once, by rank 0
+
+
+def _failure_block(stderr: str) -> list[str]:
+    """The terminal's block for a failed job: its error line and the indented lines under it;
+    nothing of it may come twice."""
+    lines = stderr.splitlines()
+    [start] = [i for i, line in enumerate(lines) if line.startswith("error:")]
+    end = next((i for i in range(start + 1, len(lines)) if not lines[i].startswith("  ")),
+               len(lines))
+    return lines[start:end]
+
+
+def test_a_user_exception_shows_its_own_frames_and_the_printed_command_resumes(
+        store: dict[str, str], tmp_path: Path) -> None:
+    """Rank 1's Dataset raises in the second epoch (a corrupt sample, once: a later read of it
+    works): the terminal's block has the user's frames and the DataLoader's frame that called
+    them, no frame of the service, the first epoch's checkpoint, and a command that, run as
+    printed, continues the same MLflow run to FINISHED."""
+    out = tmp_path / "job"
+    overrides = [*STUCK, "data.train._target_=userpkg.data.BrokenSampleOnRank",
+                 "+data.train.after=30", "trainer.epochs=2"]  # 24 reads per rank and epoch
+    result = run_train(*overrides, f"hydra.run.dir={out}", env={**store, **USERPKG},
+                       timeout=ENDS_WITHIN_S + 60)
+    assert result.returncode == 1, result.stderr
+    block = _failure_block(result.stderr)
+    assert re.fullmatch(r"error: the training job failed; rank 1 on \S+: ValueError: sample \d+: "
+                        r"corrupt header", block[0]), block
+    decode, raised = _line_of("data.py", "return _decode(index)"), _line_of("data.py", "raise V")
+    frames = [line.strip() for line in block if line.startswith("    File")]
+    assert frames[0].startswith('File "') and "torch/utils/data/_utils/fetch.py" in frames[0]
+    assert frames[1:] == [f'File "{REPO}/tests/userpkg/data.py", line {decode}, in __getitem__',
+                          f'File "{REPO}/tests/userpkg/data.py", line {raised}, in _decode']
+    assert block[-4].startswith("  ValueError: sample ") and "Traceback" not in block[0]
+    assert block[-3] == (f"  kept: {out}/checkpoints/step-000000006.pt (step 6), the newest "
+                         "checkpoint")
+    assert block[-1] == f"  tracebacks: {out}/train.log"
+    assert "in _rank_entry" in (out / "train.log").read_text()  # the whole traceback
+    [failed] = runs_in(store["MLFLOW_TRACKING_URI"])
+    assert failed.info.status == "FAILED" and failed.data.tags["error"] == block[0].split("; ")[1]
+    command = shlex.split(block[-2].removeprefix("  resume: "))
+    assert command[:3] == ["python", "-m", "train"]
+    resumed = run_train(*command[3:], env={**store, **USERPKG}, timeout=ENDS_WITHIN_S + 60)
+    assert resumed.returncode == 0, resumed.stderr
+    [run] = runs_in(store["MLFLOW_TRACKING_URI"])
+    assert run.info.run_id == failed.info.run_id and run.info.status == "FINISHED"
+    assert run.data.tags["restarts"] == "1"
+    assert [step for step, _ in history(store["MLFLOW_TRACKING_URI"], run.info.run_id,
+                                        "val/accuracy")] == [1, 2]

@@ -100,6 +100,11 @@ def test_a_diverging_loss_stops_with_rank_and_step(store: dict[str, str],
     assert result.returncode == 1
     assert "NonFiniteLossError" in result.stderr
     assert "on rank" in result.stderr and "at step" in result.stderr
+    # Before the first checkpoint: the block says so and how to start again; no traceback.
+    assert (f"  kept: nothing: no checkpoint yet\n  start again: python -m train "
+            "distributed.nproc_per_node=2 optim.lr=1e12 trainer.epochs=3 "
+            f"trainer.log_every_n_steps=1 hydra.run.dir={tmp_path}/job\n") in result.stderr
+    assert "Traceback" not in result.stderr
     [run] = runs_in(store["MLFLOW_TRACKING_URI"])
     assert run.info.status == "FAILED" and "diverged" in run.data.tags["error"]
 

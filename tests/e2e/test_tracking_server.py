@@ -242,6 +242,9 @@ def test_what_the_server_never_took_is_kept_and_uploaded_later(tmp_path: Path) -
         unsent = job_dir / "mlflow_unsent.jsonl"
         assert unsent.exists() and f"python -m train.outbox upload {unsent}" in stderr
         assert "training finished, but the MLflow store" in stderr
+        # Nothing to resume: the block says the training is kept, and no command re-runs it.
+        assert f"  kept: the finished training: {job_dir}/summary.json" in stderr
+        assert "  resume: " not in stderr and "Traceback" not in stderr
 
         server.start()
         # The file names its store: a stray MLFLOW_TRACKING_URI does not divert the upload.

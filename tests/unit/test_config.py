@@ -78,6 +78,8 @@ def test_misspelt_key_is_refused() -> None:
     (("trainer.max_steps=0",), 1,
      "trainer.max_steps must be a positive number of optimiser steps, or null (got 0)"),
     (("data.batch_size=0",), 1, "data.batch_size must be positive"),
+    (("trainer.straggler_intervals=-1",), 2,
+     "trainer.straggler_intervals cannot be negative (0 turns the check off)"),
     (("data.batch_size=64",), 3, "must split evenly over the 3 ranks"),
     (("trainer.precision=fp8",), 1, "trainer.precision='fp8'"),
 ])

@@ -16,6 +16,7 @@ import pytest
 
 from train.distributed import stacks, watch
 from train.launch.local import RankOutcome, root_cause
+from train.launch.outcomes import failure_block, root_trace
 
 
 def test_a_thread_stuck_in_user_code_is_named_with_its_line_and_call(
@@ -79,7 +80,58 @@ def test_the_launcher_shows_a_ranks_one_line_reason_not_its_traceback() -> None:
     outcomes = [RankOutcome(0, "error", "Traceback (most recent call last):\n...", 100.0,
                             "rank 1 on vm stuck 12 s in mypkg/data.py:6 read (time.sleep)")]
     assert root_cause({0: 1, 1: -15}, outcomes, stopped={1}) == (
-        "rank 1 on vm stuck 12 s in mypkg/data.py:6 read (time.sleep) (tracebacks: train.log)")
+        "rank 1 on vm stuck 12 s in mypkg/data.py:6 read (time.sleep)")
+
+
+def test_a_user_exception_keeps_its_frames_and_the_one_that_called_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user's module called through the service (train/) and a library (json): the trimmed
+    traceback holds the user's frames and json's frame that called the first of them."""
+    (tmp_path / "hookpkg").mkdir()
+    (tmp_path / "hookpkg" / "__init__.py").write_text("")
+    (tmp_path / "hookpkg" / "hook.py").write_text(
+        "def hook(pairs):\n    return check(pairs)\n\n\ndef check(pairs):\n"
+        "    raise KeyError('label')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    hook = importlib.import_module("hookpkg.hook").hook
+    try:
+        json.loads('{"a": 1}', object_pairs_hook=hook)  # json's frames call the user's
+    except KeyError as e:
+        trace = stacks.user_traceback(e)
+    assert trace is not None
+    files = [line.split('"')[1] for line in trace.splitlines() if line.startswith("  File")]
+    assert [Path(f).name for f in files] == ["decoder.py", "hook.py", "hook.py"], trace
+    assert trace.splitlines()[-1] == "KeyError: 'label'"
+    try:
+        json.loads("{")
+    except ValueError as e:
+        assert stacks.user_traceback(e) is None  # no user frame: the one line is enough
+
+
+def test_the_failure_block_says_what_was_kept_and_how_to_resume(tmp_path: Path) -> None:
+    out = tmp_path / "my job"
+    command = "python -m train trainer.resume=never optim.betas=[0.9,0.99] hydra.run.dir=x"
+    block = failure_block("rank 1 on vm: ValueError: bad", out, command, "Traceback ...\nV")
+    assert block.splitlines() == [
+        "the training job failed; rank 1 on vm: ValueError: bad", "  Traceback ...", "  V",
+        "  kept: nothing: no checkpoint yet",
+        "  start again: python -m train trainer.resume=never 'optim.betas=[0.9,0.99]' "
+        f"'hydra.run.dir={out}'", f"  tracebacks: {out}/train.log"]
+    (out / "checkpoints").mkdir(parents=True)
+    for name in ("step-000000007.pt", "step-000000012.pt", "step-000000013.pt.tmp"):
+        (out / "checkpoints" / name).write_bytes(b"")
+    block = failure_block("rank 0 on vm: DiskFull: ...", out, command)
+    assert block.splitlines()[1:3] == [  # its own checkpoint, not trainer.resume=never's start
+        f"  kept: {out}/checkpoints/step-000000012.pt (step 12), the newest checkpoint",
+        f"  resume: python -m train 'optim.betas=[0.9,0.99]' 'hydra.run.dir={out}'"]
+
+
+def test_the_trace_shown_is_the_failing_ranks() -> None:
+    cause = "rank 1 on vm: ValueError: bad"
+    outcomes = [RankOutcome(0, "error", "...", 1.0, cause),
+                RankOutcome(1, "error", "...", 2.0, cause, trace="its trace"),
+                RankOutcome(2, "error", "...", 0.5, "rank 2 on vm: other", trace="other")]
+    assert root_trace(outcomes, cause) == "its trace"
 
 
 def test_a_rank_slow_to_get_its_data_is_named_after_intervals_in_a_row(

@@ -145,19 +145,22 @@ def test_reduce_of_nothing_is_zero_not_an_error(one_rank_group: None) -> None:
         ({"loss": 0.0, "accuracy": 0.0}, 0, None)
 
 
-def test_sync_step_carries_loss_step_time_both_requests_and_extras(one_rank_group: None) -> None:
+def test_sync_step_carries_loss_step_time_both_requests_and_shared(one_rank_group: None) -> None:
     quiet = metrics.sync_step(torch.tensor(0.75), 0.125, stop_requested=False,
                               checkpoint_due=False)
     assert quiet == metrics.StepSync(mean_loss=0.75, slowest_s=0.125, fastest_s=0.125,
-                                     stop_requested=False, checkpoint_due=False, extras=[[]])
-    # The stragglers' sums ride in the same all_gather, exact (float64).
+                                     stop_requested=False, checkpoint_due=False)
+    # The straggler check's numbers ride in the same all_gather.
     timed = metrics.sync_step(torch.tensor(0.75), 0.125, stop_requested=False,
-                              checkpoint_due=False, extra=[0.1, 2.7])
-    assert timed.extras == [[0.1, 2.7]] and timed.mean_loss == 0.75
+                              checkpoint_due=False, shared=[0.5, 2.25])
+    assert timed.shared == [[0.5, 2.25]] and timed.mean_loss == 0.75
     stop = metrics.sync_step(torch.tensor(2.0), 0.5, stop_requested=True, checkpoint_due=False)
     assert stop.stop_requested and not stop.checkpoint_due
     due = metrics.sync_step(torch.tensor(2.0), 0.5, stop_requested=False, checkpoint_due=True)
     assert due.checkpoint_due and not due.stop_requested
+    # The straggler check's times ride in the same all_gather, by rank.
+    shared = metrics.sync_step(torch.tensor(2.0), 0.5, False, False, [0.25, 1.5])
+    assert shared.shared == [[0.25, 1.5]] and shared.mean_loss == 2.0
 
 
 def test_reduce_weights_ranks_by_their_samples(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -108,3 +108,24 @@ class SlowOnRank(Lines):
         if int(os.environ.get("RANK", "0")) == self.rank:
             time.sleep(self.delay)
         return super().__getitem__(index)
+
+
+class BrokenSampleOnRank(Lines):
+    """Lines with one sample the user's code cannot read (a corrupt file): reading it on one
+    rank raises, as a user's bug in __getitem__ does."""
+
+    def __init__(self, length: int = 240, size: int = 16, seed: int = 0, rank: int = 1,
+                 after: int = 0) -> None:
+        super().__init__(length, size, seed)
+        self.rank, self.after, self.reads = rank, after, 0
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        if int(os.environ.get("RANK", "0")) == self.rank:
+            self.reads += 1
+            if self.reads > self.after:
+                return _decode(index)
+        return super().__getitem__(index)
+
+
+def _decode(index: int) -> tuple[torch.Tensor, int]:
+    raise ValueError(f"sample {index}: corrupt header")  # the user's own error

@@ -176,7 +176,8 @@ class TrainerConfig:
     the median rank's for straggler_intervals logging intervals in a row is named in a warning
     and the run's `straggler` tag (train/engine/stragglers.py)."""
     straggler_intervals: int = 3
-    """How many logging intervals in a row a straggler must be slow before it is named."""
+    """How many logging intervals in a row a straggler must be slow before it is named; 0 =
+    never: no check, and no sharing of the ranks' times at logging steps."""
     channels_last: bool = False
     """Use channels_last memory format (faster convolutions on recent GPUs)."""
     compile: bool = False

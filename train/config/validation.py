@@ -131,6 +131,8 @@ def _training(cfg: TrainConfig, p: list[str]) -> None:
     _require(cfg.trainer.keep_checkpoints > 0, "trainer.keep_checkpoints must be positive.", p)
     _require(cfg.trainer.checkpoint_every >= 0, "trainer.checkpoint_every cannot be negative.",
              p)
+    _require(cfg.trainer.straggler_intervals >= 0,
+             "trainer.straggler_intervals cannot be negative (0 turns the check off).", p)
     _require(cfg.data.batch_size > 0,
              f"data.batch_size must be positive (got {cfg.data.batch_size}).", p)
     _require(cfg.data.num_workers is None or cfg.data.num_workers >= 0,

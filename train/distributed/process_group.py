@@ -73,7 +73,7 @@ def publish_failure(env: DistEnv, exc: BaseException) -> None:
     """
     if not dist.is_initialized():
         return
-    text = f"rank {env.rank} on {socket.gethostname()}: {type(exc).__name__}: {exc}"
+    text = f"rank {env.rank} on {socket.gethostname()}: {stacks.error_line(exc)}"
     try:
         store = dist.distributed_c10d._get_default_store()
         store.compare_set(_FAILURE_KEY, "", text)
@@ -106,7 +106,7 @@ def failure_reason(env: DistEnv, exc: BaseException, node_of: Callable[[int], st
     or the real error a living peer published. When rank 0 (hosting the store) is gone, it is
     the one that stopped answering.
     """
-    own = f"rank {env.rank} on {socket.gethostname()}: {type(exc).__name__}: {exc}"
+    own = f"rank {env.rank} on {socket.gethostname()}: {stacks.error_line(exc)}"
     if not dist.is_initialized() or not any(p in str(exc).lower() for p in _PEER_LOST):
         publish_failure(env, exc)
         return first_failure() or own, []

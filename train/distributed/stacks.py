@@ -151,6 +151,57 @@ def waited_in(exc: BaseException) -> str:
     return f"{tb[-1].name}{line}"
 
 
+_WORKER_ERROR = re.compile(r"Caught \w+ in (DataLoader worker process \d+)\.\n"
+                           r"Original Traceback \(most recent call last\):\n(.*)", re.S)
+"""How torch re-raises a DataLoader worker's error in its rank: the worker's traceback as the
+message (torch/utils/data/_utils/__init__.py ExceptionWrapper)."""
+
+
+def error_line(exc: BaseException) -> str:
+    """`Type: message` of a rank's error; a DataLoader worker's as its own last line and the
+    worker, not the worker's whole traceback."""
+    if m := _WORKER_ERROR.match(str(exc)):
+        return f"{m.group(2).rstrip().splitlines()[-1]} (in its {m.group(1)})"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def user_traceback(exc: BaseException) -> str | None:
+    """An exception raised in the user's code (a model's forward, a Dataset's __getitem__, also
+    in a DataLoader worker) as its traceback trimmed to the user's frames and the one frame
+    that called the first of them (the service's or a library's, e.g. the DataLoader's fetch);
+    None when no frame is the user's. The whole traceback stays in train.log."""
+    if m := _WORKER_ERROR.match(str(exc)):
+        frames, last = _text_frames(m.group(2))
+    else:
+        tb = traceback.extract_tb(exc.__traceback__)
+        frames = list(zip((f.filename for f in tb), traceback.format_list(tb), strict=True))
+        last = "".join(traceback.format_exception_only(exc))
+    mine = [not is_service(path) for path, _ in frames]
+    # The user's code as the service (or a library) called it; frames of whoever called the
+    # service (a test, a script around `run_rank`) are not the failing code.
+    start = next((i for i in range(1, len(frames)) if mine[i] and not mine[i - 1]), None)
+    if start is None:
+        return None
+    kept = [frames[start - 1][1], *(text for (_, text), user in
+                                     zip(frames[start:], mine[start:], strict=True) if user)]
+    return ("Traceback (most recent call last), your code's frames:\n" + "".join(kept)
+            + last).rstrip("\n")
+
+
+def _text_frames(text: str) -> tuple[list[tuple[str, str]], str]:
+    """A formatted traceback's frames (path, its lines) and the exception's lines after them."""
+    frames: list[tuple[str, str]] = []
+    tail: list[str] = []
+    for line in text.splitlines(keepends=True):
+        if (m := re.match(r'  File "(.*)", line \d+', line)) and not tail:
+            frames.append((m.group(1), line))
+        elif line.startswith("    ") and frames and not tail:
+            frames[-1] = (frames[-1][0], frames[-1][1] + line)
+        else:
+            tail.append(line)
+    return frames, "".join(tail)
+
+
 def ranks_text(ranks: Iterable[int]) -> str:
     """"rank 3" or "ranks 0, 2-63"."""
     ordered = sorted(set(ranks))

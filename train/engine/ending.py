@@ -16,11 +16,11 @@ from pathlib import Path
 
 from train.config.groups import TrainConfig
 from train.distributed import process_group as distributed
-from train.distributed import slurm, watch
+from train.distributed import slurm, stacks, watch
 from train.distributed.env import DistEnv
 from train.distributed.stopping import Preempted
 from train.engine import checkpoint_folder
-from train.errors import FAILURE_REASON, SILENT_RANKS
+from train.errors import FAILURE_REASON, SILENT_RANKS, USER_TRACE
 from train.report.runlog import RunLogger
 from train.tracking import records, sweep
 
@@ -57,6 +57,7 @@ class JobEnding:
         with contextlib.suppress(AttributeError, TypeError):  # a built-in without __dict__
             setattr(exc, FAILURE_REASON, reason)
             setattr(exc, SILENT_RANKS, tuple(silent))
+            setattr(exc, USER_TRACE, None if silent else stacks.user_traceback(exc))
         main = self.env.is_main
         if main:
             self._log_stacks()

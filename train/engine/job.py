@@ -251,14 +251,16 @@ def _train(job: Job, logger: RunLogger, stop: StopSignals,
             cfg.tracking.checkpoint_flush_s, created_within_s=cfg.distributed.timeout_s / 2),
         run_fields=lambda: {**logger.run_fields(), "monitor": monitor.state_dict()},
         background=cfg.distributed.fsdp.async_checkpoint)
-    stragglers = Stragglers(cfg.trainer.straggler_share, cfg.trainer.straggler_intervals,
-                            slurm.node_of_rank, logger.run.set_tags, env.is_main)
+    stragglers = None
+    if env.world_size > 1 and cfg.trainer.straggler_intervals > 0:  # 0: the check is off
+        stragglers = Stragglers(cfg.trainer.straggler_share, cfg.trainer.straggler_intervals,
+                                slurm.node_of_rank, logger.run.set_tags, env.is_main)
     reporter = None
     if cfg.trainer.trial is not None and cfg.trainer.study:
         reporter = TrialReporter(cfg, env.rank)
         reporter.check_params(job.config)
     duties = loop.Duties(logger.training, checkpointer, stop, env.rank, env.local_rank, monitor,
-                         job.fail_at, stragglers if env.world_size > 1 else None, reporter)
+                         job.fail_at, stragglers, reporter)
     try:
         final_val = loop.fit(cfg, state, bundle, device, duties, task)
         checkpointer.finish()  # a checkpoint written in the background is whole

@@ -139,12 +139,12 @@ def _log_step(state: TrainState, duties: Duties, totals: metrics.Totals, step_lo
               step_time_s: float, batches_done: int, batches: int) -> None:
     """A logging step, the only one that waits for the device: the step loss, fp16's scaler,
     and a checkpoint (then a stop) if any rank asks for one."""
-    spent = duties.stragglers.measure() if duties.stragglers is not None else []
+    shared = duties.stragglers.mine() if duties.stragglers is not None else []
     watch.enter("collective")
     sync = metrics.sync_step(step_loss, step_time_s, duties.stop.received is not None,
-                             duties.checkpointer.interval_due(), extra=spent)
-    if duties.stragglers is not None:
-        duties.stragglers.judge(sync.extras, state.step)
+                             duties.checkpointer.interval_due(), shared)
+    if duties.stragglers is not None:  # every rank judges alike; rank 0 speaks
+        duties.stragglers.judge(sync.shared, state.step)
     _check_finite(sync.mean_loss, duties.rank, state.step, "train/step_loss (mean over ranks)")
     # The clipped step's norm, read only here (a host sync; under FSDP a collective, every
     # rank logs at the same steps).

@@ -2,8 +2,8 @@
 
 Each rank adds up its time waiting for data and computing (forward, backward) between logging
 steps (train/distributed/watch.py's phases: no sync of its own). At a logging step the ranks
-share these sums (two numbers more in the logging step's one all_gather: train/report/
-metrics.py, sync_step); a rank whose wait for data is more than
+share these sums, two numbers each in the logging step's own all_gather (train/report/
+metrics.py sync_step: no collective of its own); a rank whose wait for data is more than
 trainer.straggler_share over the median rank's for trainer.straggler_intervals logging
 intervals in a row is named: a warning and the run's `straggler` tag.
 
@@ -36,9 +36,9 @@ class Stragglers:
         self.named: set[int] = set()
 
     @staticmethod
-    def measure() -> list[float]:
-        """This rank's time waiting for data and computing since the last logging step, to
-        share at this one; every rank then `judge`s every rank's."""
+    def mine() -> list[float]:
+        """This rank's sums since the last logging step, to share: waiting for data, and
+        computing."""
         spent = watch.take_spent()
         return [spent.get("data", 0.0), sum(spent.get(p, 0.0) for p in OWN_WORK[1:])]
 

@@ -31,13 +31,13 @@ from typing import TYPE_CHECKING, Any
 from train.distributed import env as distenv
 from train.distributed import stopping, watch
 from train.distributed.stopping import Preempted
-from train.errors import FAILURE_REASON, SILENT_RANKS
+from train.errors import FAILURE_REASON, SILENT_RANKS, USER_TRACE
 from train.errors import JobFailedError as JobFailedError
 from train.errors import JobStoppedError as JobStoppedError
 from train.errors import LaunchError as LaunchError  # re-exported
 from train.launch import joblock
 from train.launch.outcomes import RankOutcome as RankOutcome  # re-exported
-from train.launch.outcomes import log_tracebacks, root_cause, signal_name
+from train.launch.outcomes import failure_block, log_tracebacks, root_cause, root_trace, signal_name
 
 if TYPE_CHECKING:
     from multiprocessing.synchronize import Event
@@ -71,8 +71,12 @@ def run_in_process(config: dict[str, Any], output_dir: str, command: str) -> dic
         raise JobStoppedError(e.signal_name, output_dir) from None
     except Exception as e:
         # As from several ranks: the job failed, with the error and where it happened.
-        raise JobFailedError("the training job failed; rank 0 failed:\n"
-                             + "".join(traceback.format_exception(e))) from None
+        trace = "".join(traceback.format_exception(e))
+        if (reason := getattr(e, FAILURE_REASON, None)) is None:  # before its run could end
+            raise JobFailedError(f"the training job failed; rank 0 failed:\n{trace}") from None
+        log_tracebacks(Path(output_dir), [RankOutcome(0, "error", trace, time.time(), reason)])
+        raise JobFailedError(failure_block(reason, Path(output_dir), command,
+                                           getattr(e, USER_TRACE, None))) from None
     finally:
         for key, value in saved.items():
             if value is None:
@@ -132,7 +136,9 @@ def start_local_ranks(config: dict[str, Any], output_dir: str, command: str, npr
     log_tracebacks(Path(output_dir), results)
     _end_abandoned_run(output_dir, started, exits, results, stopped,
                        {ranks[local]: p.pid for local, p in enumerate(procs)})
-    raise JobFailedError(f"the training job failed; {root_cause(exits, results, stopped)}")
+    cause = root_cause(exits, results, stopped)
+    raise JobFailedError(failure_block(cause, Path(output_dir), command,
+                                       root_trace(results, cause)))
 
 
 def _only_silent_left(procs: list[mp.Process], ranks: list[int], outcomes: mp.Queue,
@@ -197,7 +203,8 @@ def _rank_entry(config: dict[str, Any], output_dir: str, command: str, launcher:
         outcome = RankOutcome(rank, "stopped", e.signal_name, time.time())
     except BaseException as e:
         outcome = RankOutcome(rank, "error", "".join(traceback.format_exception(e)), time.time(),
-                              getattr(e, FAILURE_REASON, None), getattr(e, SILENT_RANKS, ()))
+                              getattr(e, FAILURE_REASON, None), getattr(e, SILENT_RANKS, ()),
+                              getattr(e, USER_TRACE, None))
     outcomes.put(outcome)
     # The rank's work is done: spare the interpreter's final garbage collection over every
     # object torch, mlflow and pyarrow made (~2 s on rank 0 here); memory goes back to the OS

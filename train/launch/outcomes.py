@@ -1,9 +1,13 @@
 """What the local launcher's ranks send back and what it makes of it: the root cause of a
-failed job (one line where the rank gave one; the tracebacks then go to train.log)."""
+failed job (one line where the rank gave one; the tracebacks then go to train.log), and the
+block the terminal shows for it: the cause, the user's trimmed traceback where the user's code
+raised, what was kept and the command that resumes."""
 
 from __future__ import annotations
 
 import contextlib
+import re
+import shlex
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +29,9 @@ class RankOutcome:
     terminal shows it; the traceback goes to train.log."""
     silent: tuple[int, ...] = ()
     """The ranks it found not answering (stuck, frozen or dead)."""
+    trace: str | None = None
+    """Where the user's code raised: its traceback trimmed to the user's frames (errors.
+    USER_TRACE), shown under the one line."""
 
 
 def log_tracebacks(out: Path, results: list[RankOutcome]) -> None:
@@ -52,8 +59,8 @@ def root_cause(exits: dict[int, int | None], outcomes: list[RankOutcome],
         if errors:
             cause += f"; then rank {errors[0].rank} stopped: {last_line(errors[0].payload)}"
         return cause
-    if errors and errors[0].reason:  # its traceback is in train.log (_log_tracebacks)
-        return f"{errors[0].reason} (tracebacks: train.log)"
+    if errors and errors[0].reason:  # its traceback is in train.log (log_tracebacks)
+        return errors[0].reason
     if errors:
         return f"rank {errors[0].rank} failed first:\n{errors[0].payload}"
     return ", ".join(f"rank {rank} exited with code {code}" for rank, code in sorted(exits.items())
@@ -70,3 +77,62 @@ def signal_name(number: int) -> str:
 def last_line(text: str) -> str:
     lines = text.strip().splitlines()
     return lines[-1] if lines else ""
+
+
+def root_trace(outcomes: list[RankOutcome], cause: str) -> str | None:
+    """The user's trimmed traceback behind `cause`: the failing rank's own (the ranks that only
+    saw it fail report the same cause, without one)."""
+    return next((o.trace for o in outcomes if o.kind == "error" and o.trace
+                 and o.reason == cause), None)
+
+
+_CHECKPOINT = re.compile(r"step-(\d+)\.(pt|dcp)$")
+"""A whole checkpoint as train/engine/checkpoint.py names it (written to a .tmp, then renamed:
+a name that matches is complete); read here without importing torch."""
+
+
+def newest_checkpoint(out: Path) -> tuple[Path, int] | None:
+    """The job's newest checkpoint and its global step; None before the first."""
+    found = [(int(m.group(1)), p) for p in (out / "checkpoints").glob("step-*")
+             if (m := _CHECKPOINT.search(p.name))]
+    if not found:
+        return None
+    step, path = max(found)
+    return path, step
+
+
+def failure_block(cause: str, out: Path, command: str, trace: str | None = None) -> str:
+    """What the terminal shows of a failed job: the cause (rank, host, error) in one line, the
+    user's trimmed traceback where the user's code raised, what was kept and the command that
+    continues the job (trainer.resume=auto, the default, in the same output directory: the
+    same MLflow run)."""
+    lines = [f"the training job failed; {cause}"]
+    if trace:
+        lines += ["  " + line for line in trace.splitlines()]
+    kept = newest_checkpoint(out)
+    if _finished_training(out, kept):  # only its run's end did not reach the store
+        lines += [f"  kept: the finished training: {out / 'summary.json'}, the weights and "
+                  f"checkpoints beside it", f"  tracebacks: {out / 'train.log'}"]
+        return "\n".join(lines)
+    words = [w for w in command.split()[3:] if not w.startswith("hydra.run.dir=")]
+    if kept is not None:  # it resumes from its own checkpoint, not from where it began
+        words = [w for w in words if not w.startswith("trainer.resume=")]
+    again = " ".join(["python -m train", *map(shlex.quote, words),
+                      shlex.quote(f"hydra.run.dir={out}")])
+    if kept is None:
+        lines += ["  kept: nothing: no checkpoint yet", f"  start again: {again}"]
+    else:
+        lines += [f"  kept: {kept[0]} (step {kept[1]}), the newest checkpoint",
+                  f"  resume: {again}"]
+    lines.append(f"  tracebacks: {out / 'train.log'}")
+    return "\n".join(lines)
+
+
+def _finished_training(out: Path, kept: tuple[Path, int] | None) -> bool:
+    """Whether the job trained to its end (its summary.json is written after its final
+    checkpoint; one older than the newest checkpoint is an earlier start's)."""
+    try:
+        summary = (out / "summary.json").stat().st_mtime
+        return kept is None or summary >= kept[0].stat().st_mtime
+    except OSError:
+        return False

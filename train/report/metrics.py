@@ -145,17 +145,18 @@ class StepSync:
     """Some rank received a stop signal: every rank checkpoints and stops."""
     checkpoint_due: bool
     """Some rank's checkpoint interval ran out: every rank checkpoints."""
-    extras: list[list[float]] = field(default_factory=list)
-    """Each rank's `extra` numbers, by rank (the stragglers' time sums)."""
+    shared: list[list[float]] = field(default_factory=list)
+    """Every rank's `shared` numbers, by rank (the straggler check's times)."""
 
 
 def sync_step(loss: torch.Tensor, step_time_s: float, stop_requested: bool,
-              checkpoint_due: bool, extra: Sequence[float] = ()) -> StepSync:
-    """One small all_gather on a logging step: loss, step time, each rank's requests and its
-    `extra` numbers (the same count on every rank): one collective, however many asked."""
-    flags = torch.tensor([step_time_s, float(stop_requested), float(checkpoint_due), *extra],
-                         dtype=torch.float64, device=loss.device)
-    mine = torch.cat([loss.detach().double().reshape(1), flags])
+              checkpoint_due: bool, shared: Sequence[float] = ()) -> StepSync:
+    """One small all_gather on a logging step: loss, step time, each rank's requests and the
+    few numbers it `shares` (the same count on every rank) - in this one collective rather than
+    one more of their own."""
+    flags = torch.tensor([step_time_s, float(stop_requested), float(checkpoint_due), *shared],
+                         dtype=torch.float32, device=loss.device)
+    mine = torch.cat([loss.detach().float().reshape(1), flags])
     everyone = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
     torch.distributed.all_gather(everyone, mine)
     table = torch.stack(everyone).tolist()
@@ -164,4 +165,4 @@ def sync_step(loss: torch.Tensor, step_time_s: float, stop_requested: bool,
                     fastest_s=min(row[1] for row in table),
                     stop_requested=any(row[2] for row in table),
                     checkpoint_due=any(row[3] for row in table),
-                    extras=[row[4:] for row in table])
+                    shared=[row[4:] for row in table] if shared else [])

@@ -1,0 +1,47 @@
+"""The straggler check's own work at a logging step, timed in one process (docs/benchmarks.md,
+"The straggler check"): a step's phase marks with and without `Stragglers.mine` and `judge`
+over `--ranks` ranks' numbers. The best of --rounds rounds: a busy machine's noise is not the
+check's cost.
+
+    python -m bench.stragglers
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+from train.distributed import watch
+from train.engine.stragglers import Stragglers
+
+
+def per_step(check: Stragglers | None, ranks: int, steps: int) -> float:
+    started = time.perf_counter()
+    for step in range(steps):
+        watch.enter("data")
+        watch.enter("forward")
+        watch.enter("optimizer", step)
+        if check is not None:
+            mine = check.mine()
+            check.judge([mine] * ranks, step)
+    return (time.perf_counter() - started) / steps
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--steps", type=int, default=20_000)
+    p.add_argument("--rounds", type=int, default=7)
+    args = p.parse_args()
+    check = Stragglers(0.5, 3, lambda rank: f"node{rank}", lambda tags: None, speaks=True)
+    marks = min(per_step(None, args.ranks, args.steps) for _ in range(args.rounds))
+    both = min(per_step(check, args.ranks, args.steps) for _ in range(args.rounds))
+    print(json.dumps({"ranks": args.ranks, "marks_us": round(marks * 1e6, 2),
+                      "check_us_per_logging_step": round((both - marks) * 1e6, 2),
+                      "load_average_1min": os.getloadavg()[0]}))
+
+
+if __name__ == "__main__":
+    main()
