@@ -99,10 +99,10 @@ def with_ids(launcher: Any, job_overrides: Sequence[Sequence[str]],
 
 def report_failed_jobs(results: Sequence[Any], job_overrides: Sequence[Sequence[str]],
                        initial_job_idx: int) -> None:
-    """A local sweep whose jobs failed or were stopped (Ctrl-C, `kill`) ends here, with one
-    line per such job - its own terminal line, the job named by its number and the user's
-    overrides - and the exit code of the first, instead of Hydra's "Error executing job"
-    report and its traceback (a rank's is cut to its exception's line). An error that is not
+    """A local sweep whose jobs failed or were stopped (Ctrl-C, `kill`) ends here, with a line
+    per such job - its cause, the job named by its number and the user's overrides - and what
+    it kept and how to resume it, then the exit code of the first, instead of Hydra's "Error
+    executing job" report and its traceback (in the job's train.log). An error that is not
     the service's own is left to Hydra's report."""
     from hydra.core.utils import JobStatus
 
@@ -115,8 +115,11 @@ def report_failed_jobs(results: Sequence[Any], job_overrides: Sequence[Sequence[
         return
     stopped = next((e for _, _, e in failed if isinstance(e, StoppedBySignal)), None)
     unstarted = [n for n, _, e in failed if stopped is not None and isinstance(e, LaunchError)]
-    lines = [f"job #{n} ({' '.join(overrides)}): {_one_line(e)}" for n, overrides, e in failed
-             if n not in unstarted]
+    lines = []
+    for n, overrides, e in failed:
+        if n not in unstarted:
+            head, *kept = _job_lines(e)
+            lines += [f"job #{n} ({' '.join(overrides)}): {head}", *kept]
     if unstarted:
         lines.append(f"jobs #{', #'.join(map(str, unstarted))} not started: the sweep was "
                      f"stopped by {stopped.signal_name}")  # type: ignore[union-attr]
@@ -124,9 +127,15 @@ def report_failed_jobs(results: Sequence[Any], job_overrides: Sequence[Sequence[
     raise SystemExit((stopped or failed[0][2]).exit_code)
 
 
-def _one_line(error: TrainError) -> str:
-    """A job's terminal line, its traceback (a rank's failure) cut to the exception's line."""
+def _job_lines(error: TrainError) -> list[str]:
+    """A job's terminal block for the sweep's end: its cause line, and what was kept and how to
+    resume it (train/launch/outcomes.py); the user's frames stay in the job's train.log."""
     lines = [line for line in error.terminal_line().splitlines() if line.strip()]
-    if len(lines) > 1 and lines[1].startswith("Traceback"):
-        return f"{lines[0]} {lines[-1].strip()}"
-    return " ".join(line.strip() for line in lines)
+    head, kept = lines[0], [line.strip() for line in lines[1:]
+                            if line.strip().startswith(_KEPT_LINES)]
+    if not kept and len(lines) > 1:  # a traceback without the block: its exception's line
+        head = f"{head} {lines[-1].strip()}"
+    return [head, *("  " + line for line in kept)]
+
+
+_KEPT_LINES = ("kept:", "resume:", "start again:", "tracebacks:")

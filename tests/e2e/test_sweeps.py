@@ -80,9 +80,13 @@ def test_a_failing_job_does_not_stop_the_sweep(store: dict[str, str], tmp_path: 
                        env={**store, "TRAIN_FAIL_DRILL": "0/0:0,1/0:1"}, timeout=600)
     assert result.returncode == 1  # the sweep reports its failure...
     # ...in one line per failed job, by number and overrides; no Hydra report, no traceback.
-    said = result.stderr.strip().splitlines()
-    assert said[-2].startswith("job #0 (optim.lr=0.1 ") and "failing on purpose" in said[-2]
-    assert said[-1].startswith("job #1 (optim.lr=0.05 ") and "FailureDrill" in said[-1]
+    said = result.stderr[result.stderr.index("\njob #0 "):].strip().splitlines()
+    assert said[0].startswith("job #0 (optim.lr=0.1 ") and "failing on purpose" in said[0]
+    assert said[1:3] == ["  kept: nothing: no checkpoint yet",
+                         f"  start again: python -m train optim.lr=0.1 trainer.epochs=1 "
+                         f"tracking.log_model=False hydra.run.dir={tmp_path}/sweep/0"], said
+    [job1] = [line for line in said if line.startswith("job #1 ")]
+    assert job1.startswith("job #1 (optim.lr=0.05 ") and "FailureDrill" in job1
     assert "Traceback" not in result.stderr and "Error executing job" not in result.stderr
     parent, children = parent_and_children(store["MLFLOW_TRACKING_URI"])
     statuses = sorted(c.info.status for c in children)
