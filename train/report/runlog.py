@@ -93,11 +93,12 @@ class RunLogger:
             self.run.log(records.Text(text=config_yaml, artifact_file="config.yaml"))
             for artifact_file, text in (code_record.files if code_record else {}).items():
                 self.run.log(records.Text(text=text, artifact_file=artifact_file))
-        # Each start of the job (step = restarts: 0 the first): a requeued job may run on other
-        # nodes and another number of them (cluster.min_nodes), while its tags say the last.
-        self.run.log_metrics({"attempt/world_size": float(env.world_size),
-                              "attempt/nodes": float(len({r["host"] for r in ranks}))},
-                             step=self.restarts)
+        # Each start of the job (restarts: 0 the first): a requeued job may run on other nodes
+        # and another number of them (cluster.min_nodes), while world_size and hostnames say
+        # the last. Tags, not metrics: a chart section of its own would push train/ and val/
+        # down every run's page in the UI.
+        self.run.set_tags({f"attempt.{self.restarts}.world_size": str(env.world_size),
+                           f"attempt.{self.restarts}.nodes": str(len({r["host"] for r in ranks}))})
         log.info("training on %d rank(s) (%s, %s) over %s", env.world_size, backend, devices,
                  hosts)
 
