@@ -256,6 +256,22 @@ def no_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
+def one_rank_group() -> Iterator[None]:
+    """A real gloo process group of one rank, in this process; destroyed afterwards."""
+    import torch.distributed as dist
+
+    from train.distributed.env import free_port
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
 def user_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """This process sees the user's package, as `PYTHONPATH=tests` gives the CLI."""
     monkeypatch.syspath_prepend(USER_PATH)

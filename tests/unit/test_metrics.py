@@ -6,13 +6,9 @@ by the end-to-end tests (exact val/samples over 2 and 3 ranks)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
-import torch.distributed as dist
 
-from train.distributed import env as distenv
 from train.report import metrics
 from train.tasks.base import summed
 from train.tasks.classification import Classification
@@ -109,18 +105,6 @@ def test_a_checkpoint_from_before_tasks_restores_its_classification_sums() -> No
     host = totals.as_host()
     assert (host["loss"], host["correct"], host["samples"], host["items"],
             host["correct_top5"]) == (12.5, 3, 8, 8, 5)
-
-
-@pytest.fixture
-def one_rank_group() -> Iterator[None]:
-    """A real gloo process group of one rank, in this process; destroyed afterwards."""
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{distenv.free_port()}",
-                            rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_reduce_gives_sample_weighted_means(one_rank_group: None) -> None:

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from train.config.groups import OptimConfig
-from train.distributed import env as distenv
 from train.engine import optim
 
 
@@ -139,18 +136,6 @@ def test_an_sgd_step_moves_the_weights_by_lr_times_gradient() -> None:
     model(torch.tensor([[3.0, 1.0]])).sum().backward()  # grad = input
     optimizer.step()
     assert model.weight.detach()[0].tolist() == pytest.approx([1.0 - 0.125 * 3, -2.0 - 0.125])
-
-
-@pytest.fixture
-def one_rank_group() -> Iterator[None]:
-    """A real gloo process group of one rank, in this process; destroyed afterwards."""
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{distenv.free_port()}",
-                            rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(("name", "preset"), [("sgd", torch.optim.SGD),

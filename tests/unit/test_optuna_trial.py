@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
 import optuna
 import pytest
-import torch.distributed as dist
 
 from tests.conftest import typed
-from train.distributed import env as distenv
 from train.engine import trial as trial_lib
 from train.errors import ConfigError
 from train.launch import study as study_lib
@@ -69,18 +66,6 @@ def test_a_storage_path_that_cannot_be_written_is_refused(tmp_path: Path) -> Non
         with pytest.raises(ConfigError, match="cannot be written"):
             study_lib.check(settings(tmp_path, storage=str(locked / "deep" / "optuna.journal")))
         assert list(locked.iterdir()) == []
-
-
-@pytest.fixture
-def one_rank_group() -> Iterator[None]:
-    """A real gloo process group of one rank, in this process; destroyed afterwards."""
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{distenv.free_port()}",
-                            rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _reporter(s: study_lib.StudySettings, number: int) -> trial_lib.TrialReporter:

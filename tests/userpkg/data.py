@@ -79,20 +79,28 @@ class DictSamples(Lines):
         return {"image": image, "label": label}
 
 
-class StuckOnRank(Lines):
-    """Lines whose reads block forever on one rank once it has read `after` samples, as a
-    stuck NFS read or a deadlocked library does (the rank's process stays alive)."""
+class _OnOneRank(Lines):
+    """Lines whose reads on one rank go wrong once that rank has read `after` samples."""
 
     def __init__(self, length: int = 240, size: int = 16, seed: int = 0, rank: int = 1,
                  after: int = 0) -> None:
         super().__init__(length, size, seed)
         self.rank, self.after, self.reads = rank, after, 0
 
+    def _gone_wrong(self) -> bool:
+        if int(os.environ.get("RANK", "0")) != self.rank:
+            return False
+        self.reads += 1
+        return self.reads > self.after
+
+
+class StuckOnRank(_OnOneRank):
+    """Lines whose reads block forever on one rank once it has read `after` samples, as a
+    stuck NFS read or a deadlocked library does (the rank's process stays alive)."""
+
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        if int(os.environ.get("RANK", "0")) == self.rank:
-            self.reads += 1
-            if self.reads > self.after:
-                time.sleep(3600)  # the stuck read
+        if self._gone_wrong():
+            time.sleep(3600)  # the stuck read
         return super().__getitem__(index)
 
 
@@ -110,20 +118,13 @@ class SlowOnRank(Lines):
         return super().__getitem__(index)
 
 
-class BrokenSampleOnRank(Lines):
+class BrokenSampleOnRank(_OnOneRank):
     """Lines with one sample the user's code cannot read (a corrupt file): reading it on one
     rank raises, as a user's bug in __getitem__ does."""
 
-    def __init__(self, length: int = 240, size: int = 16, seed: int = 0, rank: int = 1,
-                 after: int = 0) -> None:
-        super().__init__(length, size, seed)
-        self.rank, self.after, self.reads = rank, after, 0
-
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        if int(os.environ.get("RANK", "0")) == self.rank:
-            self.reads += 1
-            if self.reads > self.after:
-                return _decode(index)
+        if self._gone_wrong():
+            return _decode(index)
         return super().__getitem__(index)
 
 
