@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,15 +20,21 @@ from train.launch.local import RankOutcome, root_cause
 from train.launch.outcomes import failure_block, root_trace
 
 
+def _user_module(root: Path, monkeypatch: pytest.MonkeyPatch, name: str, source: str) -> Any:
+    """A user's module `package.module` written under `root` with `source`, imported from there."""
+    package, module = name.split(".")
+    (root / package).mkdir()
+    (root / package / "__init__.py").write_text("")
+    (root / package / f"{module}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(root))
+    return importlib.import_module(name)
+
+
 def test_a_thread_stuck_in_user_code_is_named_with_its_line_and_call(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    (tmp_path / "mypkg").mkdir()
-    (tmp_path / "mypkg" / "__init__.py").write_text("")
-    (tmp_path / "mypkg" / "data.py").write_text(
-        "import time\n\n\ndef read(done):\n    while not done.is_set():\n"
-        "        time.sleep(0.01)\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    read = importlib.import_module("mypkg.data").read
+    read = _user_module(tmp_path, monkeypatch, "mypkg.data",
+                        "import time\n\n\ndef read(done):\n    while not done.is_set():\n"
+                        "        time.sleep(0.01)\n").read
     done = threading.Event()
     thread = threading.Thread(target=read, args=(done,))
     thread.start()
@@ -87,13 +94,9 @@ def test_a_user_exception_keeps_its_frames_and_the_one_that_called_them(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A user's module called through the service (train/) and a library (json): the trimmed
     traceback holds the user's frames and json's frame that called the first of them."""
-    (tmp_path / "hookpkg").mkdir()
-    (tmp_path / "hookpkg" / "__init__.py").write_text("")
-    (tmp_path / "hookpkg" / "hook.py").write_text(
-        "def hook(pairs):\n    return check(pairs)\n\n\ndef check(pairs):\n"
-        "    raise KeyError('label')\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    hook = importlib.import_module("hookpkg.hook").hook
+    hook = _user_module(tmp_path, monkeypatch, "hookpkg.hook",
+                        "def hook(pairs):\n    return check(pairs)\n\n\ndef check(pairs):\n"
+                        "    raise KeyError('label')\n").hook
     try:
         json.loads('{"a": 1}', object_pairs_hook=hook)  # json's frames call the user's
     except KeyError as e:
