@@ -19,6 +19,10 @@ train/engine/ending.py sets it), for the local launcher to show instead of the t
 SILENT_RANKS = "train_silent_ranks"
 """The attribute that carries the ranks that stopped answering (stuck, frozen or dead): the
 local launcher stops them as soon as every other rank has ended."""
+FAILURE_FILE = "failure.json"
+"""Rank 0's account of a failed job in its output directory (train/engine/ending.py): the cause
+(the run's error), the user's trimmed traceback and when. The Slurm follower on the login node
+shows it as the local launcher shows what its ranks send back (train/launch/follow.py)."""
 USER_TRACE = "train_user_traceback"
 """The attribute that carries an error raised in the user's code as its traceback trimmed to
 the user's frames (train/distributed/stacks.py user_traceback), for the terminal's block."""

@@ -5,17 +5,19 @@ every job before anything is submitted (train/launch/preflight.py), creates the 
 once
 and hands its id (and a sweep's parent run id) to every job as overrides
 (checked_jobs.py), can print the sbatch script instead of submitting (dry run), prints the job
-id and log paths, follows the jobs' states, and on failure shows the failing rank's log and
-exits non-zero. Submission, arrays and the sbatch script itself stay submitit's.
+id and log paths, follows the jobs' states, and on failure shows the block a local job shows
+(train/launch/follow.py) and exits non-zero. Submission, arrays and the sbatch script itself stay submitit's.
 """
 # No `from __future__ import annotations`: Hydra's plugin scan executes this module outside
 # sys.modules, where dataclasses cannot resolve string annotations.
 
 
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -69,6 +71,7 @@ class TrainSlurmLauncher(SlurmLauncher):
                 print(slurm.show_script(executor, len(job_overrides)))
                 raise SystemExit(0)
         job_overrides, parent = checked_jobs.with_ids(self, job_overrides, experiment_id)
+        submitted_at = time.time()
         job_params = [(o, "hydra.sweep.dir", initial_job_idx + i, f"job_id_for_{i}",
                        self._singleton_state()) for i, o in enumerate(job_overrides)]
         jobs = slurm.with_all_tasks(executor, executor.map_array(
@@ -89,7 +92,9 @@ class TrainSlurmLauncher(SlurmLauncher):
             print(f"\n{slurm_follow.still_running(jobs)}", file=sys.stderr, flush=True)
             raise SystemExit(130) from None
         slurm_follow.report_finished(outcomes.returns)
-        slurm_follow.report_failures(jobs, outcomes.failed)
+        slurm_follow.report_failures(
+            jobs, outcomes.failed, lambda i: self._place(job_overrides[i], initial_job_idx + i,
+                                                         jobs[i].job_id), submitted_at)
         if outcomes.failed or outcomes.stopped:
             raise SystemExit(1)
         return outcomes.returns
@@ -127,6 +132,26 @@ class TrainSlurmLauncher(SlurmLauncher):
             raise error
         return ret
 
+    def _place(self, overrides: Sequence[str], num: int, job_id: str) -> Any:
+        """Where job `num` wrote, resolved as the job itself resolves it (submitit_launcher's
+        __call__: Hydra's sweep directory and subdirectory, with its number and id), and the
+        command that runs it there again; None where it cannot be resolved."""
+        from train.config.groups import typed_by_user
+        from train.launch.follow import JobPlace
+
+        assert self.hydra_context is not None and self.config is not None
+        try:
+            cfg = self.hydra_context.config_loader.load_sweep_config(self.config,
+                                                                     list(overrides))
+            with open_dict(cfg.hydra.job) as job:
+                job.id, job.num = job_id, num
+            sweep, subdir = str(cfg.hydra.sweep.dir), str(cfg.hydra.sweep.subdir)
+        except Exception:  # noqa: BLE001 - the follower then shows the rank's log instead
+            return None
+        return JobPlace(Path(sweep) / subdir,
+                        " ".join(["python -m train", *typed_by_user(overrides)]),
+                        [f"hydra.sweep.dir={sweep}", f"hydra.sweep.subdir={subdir}"])
+
     def _leave_unwaited(self, jobs: Sequence[Any], parent: str | None) -> None:
         if parent is not None:  # a sweep: its last job will end the parent run
             from train.tracking.sweep import find_callback
@@ -142,8 +167,6 @@ class TrainSlurmLauncher(SlurmLauncher):
         """The executor the stock launcher would build, from the same parameters (with
         cluster.setup's lines checked: train/launch/submit.py checked_setup); with the jobs'
         `configs` (none for a dry run), their code snapshot taken first (cluster.snapshot_code)."""
-        from pathlib import Path
-
         from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 
         from train.launch import submit as slurm
@@ -183,7 +206,6 @@ class TrainSlurmLauncher(SlurmLauncher):
         path at the snapshot's configs, which each job composes its config from again; the
         sbatch lines that make the job import it."""
         import shutil
-        from pathlib import Path
 
         from hydra._internal.config_repository import ConfigRepository
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from mlflow import MlflowClient
 
 from tests.cluster.conftest import listed_by_squeue, slurm_job, wait_for_job
 from tests.conftest import REPO, history, run_train, runs_in, wait_until
@@ -184,10 +185,21 @@ def test_a_failing_rank_ends_the_job_promptly(cluster: None, store: dict[str, st
                        timeout=300)  # well under the job's 10-minute limit
     assert result.returncode == 1, result.stdout + result.stderr
     assert ": FAILED" in result.stdout
-    assert "FailureDrill" in result.stderr  # the failing rank's log tail
     [run] = runs_in(store["MLFLOW_TRACKING_URI"])
     assert run.info.status == "FAILED"
-    assert run.data.tags["error"].startswith("rank 3 on node2")
+    error = run.data.tags["error"]
+    assert error.startswith("rank 3 on node2") and "FailureDrill" in error
+    # One block, as a local job's: the cause, what was kept, the command that resumes it in
+    # the same directory (the same run); the tracebacks in train.log and in the run.
+    out = tmp_path / "sweep" / "0"
+    assert f": the training job failed; {error}" in result.stderr
+    assert (f"hydra.sweep.dir={tmp_path / 'sweep'} hydra.sweep.subdir=0" in result.stderr
+            and "+cluster=slurm" in result.stderr.split("  resume: ")[-1])
+    assert "Traceback" not in result.stderr and "last 40 lines" not in result.stderr
+    log = (out / "train.log").read_text()
+    assert "[rank 3] traceback of its error:" in log and "FailureDrill" in log
+    logged = MlflowClient(store["MLFLOW_TRACKING_URI"]).list_artifacts(run.info.run_id)
+    assert "train.log" in [a.path for a in logged]
 
 
 def test_a_sweep_is_one_job_array_under_a_parent_run(cluster: None, store: dict[str, str],

@@ -258,8 +258,13 @@ def test_a_user_exception_shows_its_own_frames_and_the_printed_command_resumes(
     assert block[-3] == (f"  kept: {out}/checkpoints/step-000000006.pt (step 6), the newest "
                          "checkpoint")
     assert block[-1] == f"  tracebacks: {out}/train.log"
-    assert "in _rank_entry" in (out / "train.log").read_text()  # the whole traceback
+    log = (out / "train.log").read_text()
+    whole = log.split("[rank 1] traceback of its error:\n")[1].split("\n[")[0]
+    assert "in run_rank" in whole and "in _decode" in whole  # the whole traceback
     [failed] = runs_in(store["MLFLOW_TRACKING_URI"])
+    logged = MlflowClient(store["MLFLOW_TRACKING_URI"]).download_artifacts(
+        failed.info.run_id, "train.log", str(tmp_path))
+    assert whole in Path(logged).read_text()  # and in the run
     assert failed.info.status == "FAILED" and failed.data.tags["error"] == block[0].split("; ")[1]
     command = shlex.split(block[-2].removeprefix("  resume: "))
     assert command[:3] == ["python", "-m", "train"]

@@ -127,6 +127,14 @@ def test_the_failure_block_says_what_was_kept_and_how_to_resume(tmp_path: Path) 
     assert block.splitlines()[1:3] == [  # its own checkpoint, not trainer.resume=never's start
         f"  kept: {out}/checkpoints/step-000000012.pt (step 12), the newest checkpoint",
         f"  resume: python -m train 'optim.betas=[0.9,0.99]' 'hydra.run.dir={out}'"]
+    # A Slurm job (train/launch/follow.py): placed again by its sweep directory and subdirectory.
+    placed = [f"hydra.sweep.dir={tmp_path}", "hydra.sweep.subdir=3"]
+    block = failure_block("rank 0 on node1: DiskFull: ...", out,
+                          "python -m train +cluster=slurm hydra.sweep.dir=old", placed=placed,
+                          logs="/s/.submitit/7/")
+    assert block.splitlines()[-2:] == [
+        f"  resume: python -m train +cluster=slurm hydra.sweep.dir={tmp_path} "
+        "hydra.sweep.subdir=3", f"  tracebacks: {out}/train.log; each rank's log: /s/.submitit/7/"]
 
 
 def test_the_trace_shown_is_the_failing_ranks() -> None:

@@ -10,7 +10,10 @@ that decide what happens next live here, each deciding its own rank-0 part:
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,7 +23,7 @@ from train.distributed import slurm, stacks, watch
 from train.distributed.env import DistEnv
 from train.distributed.stopping import Preempted
 from train.engine import checkpoint_folder
-from train.errors import FAILURE_REASON, SILENT_RANKS, USER_TRACE
+from train.errors import FAILURE_FILE, FAILURE_REASON, SILENT_RANKS, USER_TRACE
 from train.report.runlog import RunLogger
 from train.tracking import records, sweep
 
@@ -52,15 +55,20 @@ class JobEnding:
 
     def failed(self, exc: BaseException, ending_run: Callable[[], None] | None) -> None:
         """Any other way out: the run FAILED with the first failing rank's error, which the
-        exception carries on (errors.FAILURE_REASON) for the launcher's one line."""
+        exception carries on (errors.FAILURE_REASON) for the launcher's one line. Its whole
+        traceback goes to train.log first: the root cause's is there before any peer reads
+        the cause it publishes, and so in the run, which rank 0 gives the log."""
+        self._log_traceback(exc)
         reason, silent = distributed.failure_reason(self.env, exc, slurm.node_of_rank)
+        trace = None if silent else stacks.user_traceback(exc)
         with contextlib.suppress(AttributeError, TypeError):  # a built-in without __dict__
             setattr(exc, FAILURE_REASON, reason)
             setattr(exc, SILENT_RANKS, tuple(silent))
-            setattr(exc, USER_TRACE, None if silent else stacks.user_traceback(exc))
+            setattr(exc, USER_TRACE, trace)
         main = self.env.is_main
         if main:
             self._log_stacks()
+            self._keep_failure(reason, trace)
         if main and ending_run is not None:
             ending_run()
         self.logger.finish(error=reason)
@@ -68,6 +76,22 @@ class JobEnding:
             self._end_sweep_if_last(reason)
         if main and silent and self.cfg.cluster is not None:
             slurm.end_job_after_lost_peer(reason)
+
+    def _log_traceback(self, exc: BaseException) -> None:
+        """This rank's traceback into the job's train.log, not the terminal (which shows the
+        cause in one line)."""
+        text = "".join(traceback.format_exception(exc)).rstrip("\n")
+        with contextlib.suppress(OSError), (self.out / "train.log").open("a") as f:
+            f.write(f"[rank {self.env.rank}] traceback of its error:\n{text}\n")
+
+    def _keep_failure(self, reason: str, trace: str | None) -> None:
+        """The cause in the output directory (FAILURE_FILE) and train.log, the tracebacks of
+        the ranks that failed first, in the run."""
+        record = {"cause": reason, "trace": trace, "at": time.time()}
+        with contextlib.suppress(OSError):
+            (self.out / FAILURE_FILE).write_text(json.dumps(record) + "\n")
+        if (self.out / "train.log").exists():
+            self.logger.run.log(records.ArtifactFile(str(self.out / "train.log")))
 
     def _log_stacks(self) -> None:
         """The ranks' stacks (dumped after a collective timed out) as the run's artifacts."""

@@ -4,7 +4,9 @@ Used by the Hydra launcher (hydra_plugins/train_launcher/slurm_launcher.py). A j
 of three ways, each told the way a local job tells it: finished (its run id, final metrics and
 how to view it, read from the files its rank 0 wrote: summary.json and mlflow_run.json), stopped
 at its time limit without a requeue (where its checkpoint is and the command that resumes it),
-or failed (the end of the failing rank's log). Light: no torch or mlflow.
+or failed (the block a local job shows: the cause, what was kept and the command that resumes,
+from the failure.json its rank 0 wrote; the end of the failing rank's log where no rank could
+write one). Light: no torch or mlflow.
 """
 
 from __future__ import annotations
@@ -12,14 +14,15 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from train.config.groups import typed_by_user
 from train.distributed.slurm import time_limit_note
-from train.errors import StoppedBySignal
+from train.errors import FAILURE_FILE, StoppedBySignal
+from train.launch.outcomes import failure_block
 
 TERMINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                    "PREEMPTED", "BOOT_FAIL", "DEADLINE")
@@ -199,10 +202,43 @@ def run_error(job: Any) -> str | None:
     return found[-1].split("] ", 1)[-1].strip() if found else None
 
 
-def report_failures(jobs: Sequence[Any], failed: Sequence[Any]) -> None:
+@dataclass(frozen=True)
+class JobPlace:
+    """Where a job wrote (its output directory) and how to run it again in the same place."""
+
+    out: Path
+    command: str
+    """`python -m train` and the user's overrides for this job."""
+    placed: list[str]
+    """The overrides that put it in `out` again: its sweep directory and subdirectory."""
+
+
+def report_failures(jobs: Sequence[Any], failed: Sequence[Any],
+                    place: Callable[[int], JobPlace | None], since: float) -> None:
+    """Each failed job as one block (what a local job shows: outcomes.failure_block) where its
+    rank 0 recorded the cause; else the end of the failing rank's log. `place`: job index ->
+    where it wrote; `since`: the submission's time (an older failure.json is an earlier run's)."""
     for job in failed:
+        block = _failure_block(job, place(list(jobs).index(job)), since)
+        if block is not None:
+            print(f"\njob {job.job_id}: {block}", file=sys.stderr)
+            continue
         print(f"\njob {job.job_id} failed.\n{failing_log_tail(job)}", file=sys.stderr)
         if (error := run_error(job)) is not None:
             print(f"\njob {job.job_id}: {error}", file=sys.stderr)
     if failed:
         print(f"\nerror: {len(failed)} of {len(jobs)} Slurm job(s) failed.", file=sys.stderr)
+
+
+def _failure_block(job: Any, where: JobPlace | None, since: float) -> str | None:
+    if where is None:
+        return None
+    try:
+        record = json.loads((where.out / FAILURE_FILE).read_text())
+        cause, at = str(record["cause"]), float(record["at"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if at < since:
+        return None
+    return failure_block(cause, where.out, where.command, record.get("trace"), where.placed,
+                         logs=f"{_log_paths(job)[0].parent}/")

@@ -37,7 +37,7 @@ from train.errors import JobStoppedError as JobStoppedError
 from train.errors import LaunchError as LaunchError  # re-exported
 from train.launch import joblock
 from train.launch.outcomes import RankOutcome as RankOutcome  # re-exported
-from train.launch.outcomes import failure_block, log_tracebacks, root_cause, root_trace, signal_name
+from train.launch.outcomes import failure_block, root_cause, root_trace, signal_name
 
 if TYPE_CHECKING:
     from multiprocessing.synchronize import Event
@@ -74,7 +74,6 @@ def run_in_process(config: dict[str, Any], output_dir: str, command: str) -> dic
         trace = "".join(traceback.format_exception(e))
         if (reason := getattr(e, FAILURE_REASON, None)) is None:  # before its run could end
             raise JobFailedError(f"the training job failed; rank 0 failed:\n{trace}") from None
-        log_tracebacks(Path(output_dir), [RankOutcome(0, "error", trace, time.time(), reason)])
         raise JobFailedError(failure_block(reason, Path(output_dir), command,
                                            getattr(e, USER_TRACE, None))) from None
     finally:
@@ -133,7 +132,6 @@ def start_local_ranks(config: dict[str, Any], output_dir: str, command: str, npr
         return next((o.payload for o in sorted(results, key=lambda o: o.rank)
                      if o.kind == "result"), {})
     stopped |= forwarding.signalled_ranks(exits)
-    log_tracebacks(Path(output_dir), results)
     _end_abandoned_run(output_dir, started, exits, results, stopped,
                        {ranks[local]: p.pid for local, p in enumerate(procs)})
     cause = root_cause(exits, results, stopped)

@@ -5,7 +5,6 @@ raised, what was kept and the command that resumes."""
 
 from __future__ import annotations
 
-import contextlib
 import re
 import shlex
 import signal
@@ -34,16 +33,6 @@ class RankOutcome:
     USER_TRACE), shown under the one line."""
 
 
-def log_tracebacks(out: Path, results: list[RankOutcome]) -> None:
-    """The failed ranks' tracebacks into the job's train.log: the terminal gets one line."""
-    errors = [o for o in results if o.kind == "error" and o.reason is not None]
-    if not errors:
-        return
-    with contextlib.suppress(OSError), (out / "train.log").open("a") as f:
-        for o in sorted(errors, key=lambda o: (o.at, o.rank)):
-            f.write(f"[rank {o.rank}] its error: {o.reason}\n{o.payload}\n")
-
-
 def root_cause(exits: dict[int, int | None], outcomes: list[RankOutcome],
                stopped: set[int]) -> str:
     """Why the job failed, from every rank's exit code and what the ranks sent back.
@@ -59,7 +48,7 @@ def root_cause(exits: dict[int, int | None], outcomes: list[RankOutcome],
         if errors:
             cause += f"; then rank {errors[0].rank} stopped: {last_line(errors[0].payload)}"
         return cause
-    if errors and errors[0].reason:  # its traceback is in train.log (log_tracebacks)
+    if errors and errors[0].reason:  # its traceback is in train.log (engine/ending.py)
         return errors[0].reason
     if errors:
         return f"rank {errors[0].rank} failed first:\n{errors[0].payload}"
@@ -101,30 +90,37 @@ def newest_checkpoint(out: Path) -> tuple[Path, int] | None:
     return path, step
 
 
-def failure_block(cause: str, out: Path, command: str, trace: str | None = None) -> str:
+_PLACING = ("hydra.run.dir=", "hydra.sweep.dir=", "hydra.sweep.subdir=")
+
+
+def failure_block(cause: str, out: Path, command: str, trace: str | None = None,
+                  placed: list[str] | None = None, logs: str | None = None) -> str:
     """What the terminal shows of a failed job: the cause (rank, host, error) in one line, the
     user's trimmed traceback where the user's code raised, what was kept and the command that
     continues the job (trainer.resume=auto, the default, in the same output directory: the
-    same MLflow run)."""
+    same MLflow run). `placed`: the overrides that put a job in `out` (a Slurm job's sweep
+    directory and subdirectory; hydra.run.dir for a local one); `logs`: where its ranks'
+    own logs are, besides train.log."""
     lines = [f"the training job failed; {cause}"]
     if trace:
         lines += ["  " + line for line in trace.splitlines()]
+    where = f"  tracebacks: {out / 'train.log'}" + (f"; each rank's log: {logs}" if logs else "")
     kept = newest_checkpoint(out)
     if _finished_training(out, kept):  # only its run's end did not reach the store
         lines += [f"  kept: the finished training: {out / 'summary.json'}, the weights and "
-                  f"checkpoints beside it", f"  tracebacks: {out / 'train.log'}"]
+                  f"checkpoints beside it", where]
         return "\n".join(lines)
-    words = [w for w in command.split()[3:] if not w.startswith("hydra.run.dir=")]
+    words = [w for w in command.split()[3:] if not w.startswith(_PLACING)]
     if kept is not None:  # it resumes from its own checkpoint, not from where it began
         words = [w for w in words if not w.startswith("trainer.resume=")]
     again = " ".join(["python -m train", *map(shlex.quote, words),
-                      shlex.quote(f"hydra.run.dir={out}")])
+                      *map(shlex.quote, placed or [f"hydra.run.dir={out}"])])
     if kept is None:
         lines += ["  kept: nothing: no checkpoint yet", f"  start again: {again}"]
     else:
         lines += [f"  kept: {kept[0]} (step {kept[1]}), the newest checkpoint",
                   f"  resume: {again}"]
-    lines.append(f"  tracebacks: {out / 'train.log'}")
+    lines.append(where)
     return "\n".join(lines)
 
 
