@@ -164,8 +164,10 @@ def _what_user_sees(scenario: str, stderr: str) -> dict[str, Any]:
     message = stderr.rsplit("\nerror: ", 1)[1].strip() if "\nerror: " in stderr else ""
     found: dict[str, Any] = {"stderr_lines": len(stderr.splitlines()), "message": message}
     if scenario == "fail":
-        found["message_ok"] = ("rank 1 failed first" in message and "Traceback" in message
-                               and "FailureDrill" in message)
+        # One block: the cause in its first line, the tracebacks in train.log (issue 29).
+        found["message_ok"] = (message.startswith("the training job failed; rank 1 on ")
+                               and "FailureDrill" in message.splitlines()[0]
+                               and "Traceback" not in message)
     elif scenario == "kill-rank":
         found["message_ok"] = "rank 1 was killed by SIGKILL" in message
     return found

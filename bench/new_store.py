@@ -3,7 +3,8 @@
 Interleaved, each in a fresh process: MLflow's own first opening of a new store
 (`MlflowClient(uri).search_experiments()`) against train/tracking/new_store.py's `initialise`.
 Reports each one's wall time (median), and its fdatasync/fsync calls when strace is installed
-(`--no-strace`: times only, without strace's cost on every system call).
+(`--no-strace`: times only, without strace's cost on every system call). The machine, the
+load and every round go to `--out` (default .bench/new_store.json).
 `--dirty-mb` keeps a writer busy meanwhile (a file of that size written over and over, never
 synced), as other jobs' checkpoints and a pip install are on a shared disk.
 """
@@ -11,13 +12,20 @@ synced), as other jobs' checkpoints and a pip install are on a shared disk.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
+
+from bench.report import machine_info
+
+REPO = Path(__file__).resolve().parents[1]
 
 WAYS = {
     "mlflow": "from mlflow import MlflowClient; "
@@ -63,7 +71,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dirty-mb", type=int, default=0)
     parser.add_argument("--no-strace", action="store_true", help="time only; count no syncs")
+    parser.add_argument("--out", type=Path, default=REPO / ".bench" / "new_store.json")
     args = parser.parse_args()
+    load_before, started = os.getloadavg(), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     results: dict[str, list[tuple[float, int | None]]] = {way: [] for way in WAYS}
     with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:
         stop = threading.Event()
@@ -82,6 +92,16 @@ def main() -> None:
         print(f"{way:>10}: median {statistics.median(s for s, _ in runs):.2f} s over "
               f"{len(runs)} (each: {', '.join(f'{s:.2f}' for s, _ in runs)}); "
               f"sync calls {sorted(syncs) if None not in syncs else 'not counted (no strace)'}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "command": " ".join(["python -m bench.new_store", *sys.argv[1:]]), "started": started,
+        "machine": machine_info("cpu"),
+        "load_average_1_5_15": {"before": load_before, "after": os.getloadavg()},
+        "rounds": {way: [{"seconds": s, "sync_calls": c} for s, c in runs]
+                   for way, runs in results.items()},
+        "median_s": {way: statistics.median(s for s, _ in runs)
+                     for way, runs in results.items()}}, indent=1) + "\n")
+    print(f"results: {args.out}")
 
 
 if __name__ == "__main__":

@@ -119,6 +119,8 @@ def failure_reason(env: DistEnv, exc: BaseException, node_of: Callable[[int], st
         while not store.check(keys) and time.monotonic() < deadline:
             if store.check([_FAILURE_KEY]):  # a living peer's real error
                 return store.get(_FAILURE_KEY).decode(), []
+            if watch.all_gone(r for r, key in enumerate(keys) if not store.check([key])):
+                break  # the dead (their processes gone from this host) will not answer
             time.sleep(0.1)
         silent = [r for r, key in enumerate(keys) if not store.check([key])]
     except Exception:  # noqa: BLE001 - the store lives in rank 0's process

@@ -123,6 +123,27 @@ def read_beat(path: Path) -> dict[str, Any] | None:
     return beat if isinstance(beat, dict) else None
 
 
+def gone(out: Path, rank: int) -> bool:
+    """Whether rank `rank` ran on this host and its process no longer exists: it will never
+    answer, so waiting for it only delays the job's end (a rank on another node: unknown)."""
+    beat = read_beat(beat_path(out, rank))
+    if not beat or beat.get("host") != socket.gethostname():
+        return False
+    try:
+        stat = Path(f"/proc/{int(beat['pid'])}/stat").read_text()
+    except OSError:
+        return True
+    except (KeyError, TypeError, ValueError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[:1] in (["Z"], ["X"])  # dead, not yet reaped
+
+
+def all_gone(ranks: Iterable[int]) -> bool:
+    """Whether every one of `ranks` is gone (see `gone`); False without a watch."""
+    watch = _watch
+    return watch is not None and all(gone(watch.out, r) for r in ranks)
+
+
 def header(beat: dict[str, Any]) -> str:
     """The first line of a stacks file: who and where, machine-readable (train/distributed/
     stacks.py reads it back)."""
@@ -147,6 +168,8 @@ class Watch:
         self._client: Any = None
         with contextlib.suppress(Exception):  # no process group (a test): no requests
             self.store()
+        self._answered = False
+        self._answering = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="train-watchdog", daemon=True)
         self._thread.start()
@@ -192,7 +215,6 @@ class Watch:
     def _run(self) -> None:
         written: tuple[int, str, float] | None = None
         last = 0.0
-        answered = False
         while not self._stop.wait(POLL_S):
             b = _beat
             now_state = (b.step, b.phase, b.since)
@@ -202,8 +224,8 @@ class Watch:
                 written, last = now_state, time.monotonic()
             # Only a rank that has not moved on for a while can be the one asked for: a
             # polling rank whose store's host (rank 0) died prints c10d's warnings.
-            if not answered and time.time() - b.since > QUIET_S:
-                answered = self._answer_request()
+            if not self._answered and time.time() - b.since > QUIET_S:
+                self.answer_request()
 
     def _write_beat(self) -> None:
         path = beat_path(self.out, self.rank)
@@ -211,17 +233,21 @@ class Watch:
         tmp.write_text(json.dumps(self.beat()))
         os.replace(tmp, path)
 
-    def _answer_request(self) -> bool:
-        """Dump the stacks once a rank asked for them; True once done (one request per job)."""
-        try:
-            store = self.store()
-            if not store.check([_REQUEST_KEY]):
-                return False
-            self.dump_stacks()
-            store.set(f"{_DONE_KEY}{self.rank}", "1")
-        except Exception:  # noqa: BLE001 - the store's host (rank 0) may be gone: nobody asks
-            return True
-        return True
+    def answer_request(self) -> None:
+        """Dump the stacks once a rank asked for them, once per job: from the watchdog, or
+        from the asking rank itself (request_stacks), whichever comes first."""
+        with self._answering:
+            if self._answered:
+                return
+            try:
+                store = self.store()
+                if not store.check([_REQUEST_KEY]):
+                    return
+                self.dump_stacks()
+                store.set(f"{_DONE_KEY}{self.rank}", "1")
+            except Exception:  # noqa: BLE001 - the store's host (rank 0) may be gone
+                pass
+            self._answered = True
 
 
 def start(out: Path, rank: int, world_size: int) -> Watch:
@@ -274,9 +300,12 @@ def request_stacks(wait_s: float) -> tuple[set[int], dict[int, str]]:
     with contextlib.suppress(Exception):
         store = _group_store()
         store.compare_set(_REQUEST_KEY, "", "1")
+        watch.answer_request()  # its own, now: its watchdog would wait for QUIET_S first
         keys = [f"{_DONE_KEY}{r}" for r in range(watch.world_size)]
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline and not store.check(keys):
+            if all_gone(r for r, key in enumerate(keys) if not store.check([key])):
+                break
             time.sleep(0.1)
         answered = {r for r, key in enumerate(keys) if store.check([key])}
         for r in range(watch.world_size):
