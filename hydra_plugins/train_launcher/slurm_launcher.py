@@ -1,12 +1,12 @@
 """`+cluster=slurm`: hydra-submitit-launcher's Slurm launcher, plus what users need around it.
 
 The stock launcher submits and then blocks on the results in silence. This one pre-flights
-every job before anything is submitted (train/launch/preflight.py), creates the MLflow experiment
-once
-and hands its id (and a sweep's parent run id) to every job as overrides
+every job before anything is submitted (train/launch/preflight.py), creates the MLflow
+experiment once and hands its id (and a sweep's parent run id) to every job as overrides
 (checked_jobs.py), can print the sbatch script instead of submitting (dry run), prints the job
 id and log paths, follows the jobs' states, and on failure shows the block a local job shows
-(train/launch/follow.py) and exits non-zero. Submission, arrays and the sbatch script itself stay submitit's.
+(train/launch/follow.py) and exits non-zero. Submission, arrays and the sbatch script itself
+stay submitit's.
 """
 # No `from __future__ import annotations`: Hydra's plugin scan executes this module outside
 # sys.modules, where dataclasses cannot resolve string annotations.
