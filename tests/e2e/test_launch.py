@@ -31,10 +31,10 @@ def test_the_launcher_imports_no_torch() -> None:
 ORPHAN = """
 import multiprocessing, os, sys, time
 from train.distributed import stopping
-from train.launch import local as launch
+from train.launch import rank_process
 
 def rank(launcher, report):
-    launch._end_with(launcher)
+    rank_process.end_with(launcher)
     with stopping.StopSignals() as stop:
         print(os.getpid(), flush=True)
         deadline = time.monotonic() + 120

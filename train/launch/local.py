@@ -8,20 +8,19 @@ reports only the first rank it sees exit (docs/benchmarks.md, "Local launcher").
 well is done here too: ranks end with their launcher, and the first failing rank's traceback
 is the error. A Slurm node's one task (cluster.ranks=per_node) starts its node's ranks here as
 well, for the same reasons and so that a per-node job stops, fails and reports as a local one.
+What runs in each rank's own process (its death signal, its outcome sent back) is
+train/launch/rank_process.py's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import gc
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
 import queue
 import signal
-import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -31,11 +30,11 @@ from typing import TYPE_CHECKING, Any
 from train.distributed import env as distenv
 from train.distributed import stopping, watch
 from train.distributed.stopping import Preempted
-from train.errors import FAILURE_REASON, SILENT_RANKS, USER_TRACE
+from train.errors import FAILURE_REASON, USER_TRACE
 from train.errors import JobFailedError as JobFailedError
 from train.errors import JobStoppedError as JobStoppedError
 from train.errors import LaunchError as LaunchError  # re-exported
-from train.launch import joblock
+from train.launch import joblock, rank_process
 from train.launch.outcomes import RankOutcome as RankOutcome  # re-exported
 from train.launch.outcomes import failure_block, root_cause, root_trace, signal_name
 
@@ -49,7 +48,6 @@ GRACE_S = 15.0
 FAILED and exit, before they are stopped. Rank 0, once it has begun ending its run, gets up to
 tracking.flush_timeout_s more: on a busy machine the run may not even exist yet (its sender
 starts at the first step), and stopping rank 0 then would leave no run at all."""
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 STACKS_S = 0.5
 """How long ranks that are to be stopped get to dump their stacks (faulthandler, in C)."""
 
@@ -99,7 +97,7 @@ def start_local_ranks(config: dict[str, Any], output_dir: str, command: str, npr
     outcomes: mp.Queue = ctx.Queue()
     ranks = [node.rank(local) for local in range(nproc)]
     ending = [ctx.Event() for _ in range(nproc)]  # set by rank 0 as it begins to end its run
-    procs = [ctx.Process(target=_rank_entry, name=f"rank {ranks[local]}", args=(
+    procs = [ctx.Process(target=rank_process.rank_entry, name=f"rank {ranks[local]}", args=(
         config, output_dir, command, os.getpid(), node.env(local), outcomes, ending[local]))
         for local in range(nproc)]
     started = time.time()
@@ -184,65 +182,6 @@ def _end_abandoned_run(output_dir: str, started: float, exits: dict[int, int | N
     from train.tracking import abandoned
 
     abandoned.end_with_cause(Path(output_dir), started, cause)
-
-
-def _rank_entry(config: dict[str, Any], output_dir: str, command: str, launcher: int,
-                env: dict[str, str], outcomes: mp.Queue, ending: Event) -> None:
-    _end_with(launcher)
-    os.environ.update(env)
-    rank = int(env["RANK"])
-    _native_noise_to_log(Path(output_dir) / "train.log")
-    try:
-        from train.engine.job import run_rank
-
-        metrics = run_rank(config, output_dir, command, ending_run=ending.set)
-        outcome = RankOutcome(rank, "result", metrics, time.time())
-    except Preempted as e:
-        outcome = RankOutcome(rank, "stopped", e.signal_name, time.time())
-    except BaseException as e:
-        outcome = RankOutcome(rank, "error", "".join(traceback.format_exception(e)), time.time(),
-                              getattr(e, FAILURE_REASON, None), getattr(e, SILENT_RANKS, ()),
-                              getattr(e, USER_TRACE, None))
-    outcomes.put(outcome)
-    # The rank's work is done: spare the interpreter's final garbage collection over every
-    # object torch, mlflow and pyarrow made (~2 s on rank 0 here); memory goes back to the OS
-    # anyway, and atexit handlers and plain deallocation still run.
-    gc.freeze()
-    if outcome.kind == "error":
-        raise SystemExit(1)
-
-
-def _native_noise_to_log(log_file: Path) -> None:
-    """What C++ writes to this rank's stderr (c10d's warnings with their frames, once a peer
-    is gone) goes to the job's train.log; Python's stderr (the log's terminal lines, warnings)
-    stays on the terminal, through a copy of the original descriptor."""
-    try:
-        log_file.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        terminal = os.fdopen(os.dup(2), "w", buffering=1, errors="backslashreplace")
-    except OSError:
-        return
-    sys.stderr.flush()
-    os.dup2(fd, 2)
-    os.close(fd)
-    sys.stderr = terminal
-
-
-def _end_with(launcher: int) -> None:
-    """This rank gets TERM when the launching process dies, even by SIGKILL: the coordinated
-    stop (a checkpoint, the run KILLED) instead of training on unsupervised.
-
-    TERM, not INT as before: Python may not heed an INT (a launcher started in the background
-    by a non-interactive shell passes INT on as ignored), and an INT made the run FAILED with
-    a bare KeyboardInterrupt and no checkpoint. Stop signals that come while the rank starts
-    are kept (stopping.note_early) rather than killing it unannounced."""
-    stopping.note_early()
-    # Until its watch registers faulthandler for it, a stack request must not kill the rank.
-    signal.signal(watch.STACKS_SIGNAL, signal.SIG_IGN)
-    with contextlib.suppress(AttributeError, OSError):  # Linux only; elsewhere: best effort
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != launcher:  # it died before the line above
-        raise SystemExit(1)
 
 
 def _supervise(procs: list[mp.Process], ending: list[Event] | None = None,

@@ -1,6 +1,6 @@
 """Tracking: the only package that imports mlflow (lazily: `import train.tracking` imports
 neither mlflow nor torch). One-way imports: errors <- auth <- store; records <- registry <-
-client <- parent_run; client <- unsent <- backend <- run.
+client <- parent_run; client <- unsent <- backend <- run; errors <- retry <- run.
 
 - store.py    where runs are recorded (URIs, the embedded store, reachability)
 - records.py  typed records and the rows waiting to be batched
@@ -10,6 +10,7 @@ client <- parent_run; client <- unsent <- backend <- run.
 - parent_run.py a sweep's parent run: single requests through client.py's one-try client
 - unsent.py   the file for what MLflow never accepted, and its upload
 - backend.py  NullRun, the one do-nothing backend; the job's run file
+- retry.py    one request of the sender, tried until the store takes it
 - run.py      rank 0's MlflowRun (a background sender thread)
 """
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from train.config.groups import TrackingConfig
-from train.tracking import client, errors, unsent
+from train.tracking import client, errors, retry, unsent
 from train.tracking.attribution import run_tags
 from train.tracking.backend import RUN_FILE, NullRun
 from train.tracking.records import (
@@ -35,9 +35,6 @@ from train.tracking.records import (
 from train.tracking.store import resolve_uri
 
 log = logging.getLogger(__name__)
-
-class _GivenUp(Exception):
-    """The run ended without MLflow; what was left went to the unsent file."""
 
 
 class MlflowRun(NullRun):
@@ -207,7 +204,7 @@ class MlflowRun(NullRun):
     # -- the sender thread ----------------------------------------------------------------------
     def _loop(self) -> None:
         self._go.wait(self.START_DELAY_S)
-        with contextlib.suppress(_GivenUp):
+        with contextlib.suppress(retry.GivenUp):
             self._serve()
 
     def _serve(self) -> None:
@@ -265,30 +262,17 @@ class MlflowRun(NullRun):
             self.cpu_seconds = time.thread_time()
 
     def _retry(self, request: Callable[[], None], what: str) -> None:
-        """Until the request succeeds; a permanent failure (client.is_permanent) or finish()
+        """Until the request succeeds (retry.until_taken), with what the sender waits on kept
+        for flush's and finish's messages; a permanent failure, kept as `failure`, or finish()
         giving up ends the sender instead."""
-        delay, self._request = 0.5, (what, time.monotonic())
-        while True:
-            try:
-                request()
-                self._request = None
-                return
-            except Exception as e:  # noqa: BLE001 - a tracking outage must not stop training
-                if errors.is_permanent(e):
-                    self.failure = errors.describe(e)
-                    log.error("MLflow refused a request and will refuse it again (%s): no "
-                              "more requests for this run; the rest goes to the unsent file "
-                              "at its end", self.failure)
-                    raise _GivenUp from None
-                if self._given_up.is_set():
-                    raise _GivenUp from None
-                log.warning("MLflow request failed (%s); retrying in %.0f s",
-                            errors.describe(e), delay)
-                if self._given_up.wait(delay):
-                    raise _GivenUp from None
-                # At most a few seconds apart: a server back from an outage is reached within
-                # seconds of its return (a failing try to a server that is down costs nothing).
-                delay = min(delay * 2, 4.0)
+        self._request = (what, time.monotonic())
+        try:
+            retry.until_taken(request, self._given_up)
+        except retry.GivenUp as e:
+            if e.why is not None:
+                self.failure = e.why
+            raise
+        self._request = None
 
     def _waiting_on(self) -> str:
         request = self._request  # the sender may clear it meanwhile
