@@ -1,9 +1,9 @@
 """Inside a Slurm job: a rank's requeue after USR2, the run's Slurm tags, the time-limit note,
 which node a rank is on, and cancelling the job once a peer is lost.
 
-Called by the training engine (train/engine/job.py) on rank 0; also under a plain `srun` in a
-batch script of one's own (slurm/train.sbatch). The login node's side (checks, submission) is
-train/launch/submit.py's. No torch or mlflow.
+Called by the training engine (train/engine/prepare.py, ending.py) on rank 0; also under a
+plain `srun` in a batch script of one's own (slurm/train.sbatch). The login node's side
+(checks, submission) is train/launch/submit.py's. No torch or mlflow.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Whether a job may continue a checkpoint: the config keys its tensors depend on must match,
 and a mid-epoch position must count batches of the same size. Refused before any run is
-touched (train/engine/job.py, and the pre-flight for a local job's own checkpoint).
+touched (train/engine/prepare.py, and the pre-flight for a local job's own checkpoint).
 
 Light: no torch.
 """

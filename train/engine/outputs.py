@@ -1,8 +1,8 @@
 """The job's files beside its outputs and in its run, written by rank 0 alone: best.pt at each
 new best evaluation (trainer.save_best), and at the end model.pt, the task's pictures and tables
 (train/tasks/: the confusion matrices of a classifier) and summary.json. Every rank holds a
-`JobOutputs`; on the others each method does nothing, so the job script (train/engine/job.py)
-never asks which rank it is on.
+`JobOutputs`; on the others each method does nothing, so the job script (train/engine/job.py,
+prepare.py) never asks which rank it is on.
 """
 
 from __future__ import annotations

@@ -61,10 +61,10 @@ def run_in_process(config: dict[str, Any], output_dir: str, command: str) -> dic
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
     try:
-        from train.engine.job import rank_log_format, run_rank
+        from train.engine import job, ranklog
 
-        with rank_log_format(0):
-            return run_rank(config, output_dir, command, own_process=False)
+        with ranklog.rank_log_format(0):
+            return job.run_rank(config, output_dir, command, own_process=False)
     except Preempted as e:
         raise JobStoppedError(e.signal_name, output_dir) from None
     except Exception as e:

@@ -4,7 +4,7 @@ artifacts, and the lines on the console.
 Every rank holds a RunLogger and calls it at the same points; only its backend differs. Rank 0's
 is `tracking.MlflowRun` (a background thread: training never waits on MLflow), every other
 rank's is `tracking.NullRun`, which does nothing, and their console lines are dropped by the
-logging level (train/engine/job.py, setup_logging). The metrics themselves are the same on every
+logging level (train/engine/ranklog.py, setup_logging). The metrics themselves are the same on every
 rank (train/report/metrics.py reduces them to all ranks).
 """
 

@@ -36,7 +36,7 @@ class TrainingLog:
     def __init__(self, cfg: TrainConfig, run: NullRun, progress: Progress) -> None:
         self.cfg, self.run, self.bar = cfg, run, progress
         self.throughput: flops.Throughput | None = None
-        """Set once the model exists (train/engine/job.py); train/tflops_per_sec and train/mfu."""
+        """Set once the model exists (train/engine/prepare.py): train/tflops_per_sec, train/mfu."""
         self.final_metrics: dict[str, float] = {}
         self.by_epoch: list[dict[str, float]] = []  # each epoch this start trained
         self.first_step_at: float | None = None
