@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from train.distributed import stacks, watch
+from train.distributed import rankfiles, stacks, watch
 from train.launch.local import RankOutcome, root_cause
 from train.launch.outcomes import failure_block, root_trace
 
@@ -41,7 +41,7 @@ def test_a_thread_stuck_in_user_code_is_named_with_its_line_and_call(
     try:
         dump = tmp_path / "dump.txt"
         with dump.open("w") as f:
-            f.write(watch.header({"main_thread": f"0x{thread.ident:016x}"}))
+            f.write(rankfiles.header({"main_thread": f"0x{thread.ident:016x}"}))
             f.flush()
             faulthandler.dump_traceback(f, all_threads=True)
     finally:
@@ -60,7 +60,7 @@ def test_ranks_are_grouped_into_spans() -> None:
 
 def test_a_rank_that_did_not_answer_is_named_with_its_process_state(tmp_path: Path) -> None:
     (tmp_path / "ranks").mkdir()
-    watch.beat_path(tmp_path, 1).write_text(
+    rankfiles.beat_path(tmp_path, 1).write_text(
         json.dumps({"host": socket.gethostname(), "pid": 999999999}))
     line = stacks.explain(tmp_path, [1], lambda r: "node2", set(), {0: "all_reduce (x.py:1)"})
     assert line == ("rank 1 on node2 stopped answering (its process or node died, or it is "

@@ -72,6 +72,7 @@ LIGHT = {
     "train.launch.inspect": "train.status and train.stacks on a login node",
     "train.distributed.watch": "the local launcher and train.status read its files",
     "train.distributed.stacks": "train.stacks reads dumps with the standard library",
+    "train.distributed.rankfiles": "train.status and train.stacks read the ranks' files with it",
     "hydra_plugins.train_launcher.local_launcher": "Hydra imports every plugin at its start",
     "hydra_plugins.train_launcher.slurm_launcher": "Hydra imports every plugin at its start",
     "hydra_plugins.train_launcher.checked_jobs": "Hydra imports every plugin at its start",

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from train.distributed import watch
+from train.distributed import rankfiles
 
 _THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+) .*\(most recent call first\):")
 _FRAME = re.compile(r'^  File "(.*)", line (\d+) in (.*)$')
@@ -28,8 +28,6 @@ _CALL = re.compile(r"([A-Za-z_][\w.]*)\s*\(")
 _TRAIN = str(Path(__file__).resolve().parents[1]) + os.sep
 _LIBRARIES = tuple(sorted({sysconfig.get_paths()[k] + os.sep for k in
                            ("stdlib", "platstdlib", "purelib", "platlib")}))
-WORKER_SECTION = "\nDataLoader worker "
-"""What starts a worker's stacks in a rank's stacks file (train/distributed/watch.py)."""
 _STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible sleep (disk or NFS)",
            "T": "stopped (SIGSTOP)", "t": "stopped by a debugger", "Z": "a zombie"}
 
@@ -129,7 +127,7 @@ def where(frames: list[Frame]) -> str:
 def stuck_in(text: str) -> str:
     """Where a rank's stacks file says it is stuck: its main thread's user frame, else the
     user frame of a DataLoader worker it waits for (its section of the file)."""
-    own, *workers = text.split(WORKER_SECTION)
+    own, *workers = text.split(rankfiles.WORKER_SECTION)
     frames = main_frames(own)
     if any(not is_service(f.path) for f in frames):
         return where(frames)
@@ -236,13 +234,13 @@ def explain(out: Path, silent: list[int], node_of: Callable[[int], str], answere
     parts: list[str] = []
     for rank in silent:
         if rank in answered:
-            text = watch.stacks_path(out, rank).read_text(errors="replace")
+            text = rankfiles.stacks_path(out, rank).read_text(errors="replace")
             beat = read_header(text)
             age = time.time() - float(beat.get("since", time.time()))
             parts.append(f"rank {rank} on {node_of(rank)} stuck {age:.0f} s in "
                          f"{stuck_in(text)}")
         else:
-            beat = watch.read_beat(watch.beat_path(out, rank))
+            beat = rankfiles.read_beat(rankfiles.beat_path(out, rank))
             parts.append(f"rank {rank} on {node_of(rank)} stopped answering (its process or "
                          "node died, or it is frozen): it did not answer the stack request"
                          + process_state(beat))

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
-from train.distributed import workers
+from train.distributed import watch, workers
 from train.errors import StoppedBySignal
 
 log = logging.getLogger("train")
@@ -70,7 +70,7 @@ def ignore_in_worker(_worker_id: int) -> None:
     for number in STOP_SIGNALS:
         if number != signal.SIGTERM:
             signal.signal(number, signal.SIG_IGN)
-    workers.in_worker(_worker_id)  # its stacks on request, in a file of its own
+    workers.in_worker(_worker_id, watch.current())  # its stacks on request, in its own file
     # A worker stuck in a user's __getitem__ never checks that its rank lives: it dies with
     # it, or it would outlive the job (and hold the terminal's pipes open).
     with contextlib.suppress(AttributeError, OSError):  # Linux only

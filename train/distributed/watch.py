@@ -11,7 +11,8 @@
   itself, even when the rank holds the GIL. USR1: USR2, TERM, INT and HUP stop the job.
 
 The watchdog has its own store client: the main thread may hold the default one for as long as
-distributed.timeout_s in a store wait. No torch at import: `train.status` reads files only.
+distributed.timeout_s in a store wait. Where the files lie and how they are read back:
+rankfiles.py. No torch at import: the local launcher imports it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import contextlib
 import faulthandler
 import json
 import os
-import signal
 import socket
 import threading
 import time
@@ -30,14 +30,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-RANKS_DIR = "ranks"
-STACKS_DIR = "stacks"
-STACKS_SIGNAL = signal.SIGUSR1
-"""Asks a rank for its stacks (faulthandler answers in C); not a stop or requeue signal."""
-POLL_S = 0.5
-REFRESH_S = 10.0
-"""An unchanged heartbeat is rewritten this often, so that its file's `written` tells a live
-watchdog from a frozen process."""
+from train.distributed import stacks, workers
+from train.distributed.rankfiles import (
+    POLL_S,
+    RANKS_DIR,
+    REFRESH_S,
+    STACKS_DIR,
+    STACKS_SIGNAL,
+    beat_path,
+    dump_path,
+    gone,
+    header,
+    stacks_path,
+)
+
 QUIET_S = 2.0
 """A rank looks for a stack request only once it has been in one phase this long: a stuck rank
 has (the others waited distributed.timeout_s for it)."""
@@ -93,61 +99,10 @@ def take_spent() -> dict[str, float]:
     return spent
 
 
-def stacks_path(out: Path, rank: int) -> Path:
-    return out / STACKS_DIR / f"rank-{rank}.txt"
-
-
-def dump_path(out: Path, rank: int) -> Path:
-    return out / STACKS_DIR / f".rank-{rank}.dump"
-
-
-def beat_path(out: Path, rank: int) -> Path:
-    return out / RANKS_DIR / f"rank-{rank}.json"
-
-
-def answers_stacks(out: Path, rank: int, pid: int | None) -> bool:
-    """Whether process `pid` (rank `rank`) registered its stack dump: SIGUSR1 before that
-    would kill it. Its dump file's header names it."""
-    try:
-        return f'"pid": {pid},' in dump_path(out, rank).read_text(errors="replace")
-    except OSError:
-        return False
-
-
-def read_beat(path: Path) -> dict[str, Any] | None:
-    """A rank's last written heartbeat; None if it has none (yet) or it is unreadable."""
-    try:
-        beat = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return beat if isinstance(beat, dict) else None
-
-
-def gone(out: Path, rank: int) -> bool:
-    """Whether rank `rank` ran on this host and its process no longer exists: it will never
-    answer, so waiting for it only delays the job's end (a rank on another node: unknown)."""
-    beat = read_beat(beat_path(out, rank))
-    if not beat or beat.get("host") != socket.gethostname():
-        return False
-    try:
-        stat = Path(f"/proc/{int(beat['pid'])}/stat").read_text()
-    except OSError:
-        return True
-    except (KeyError, TypeError, ValueError):
-        return False
-    return stat.rsplit(")", 1)[1].split()[:1] in (["Z"], ["X"])  # dead, not yet reaped
-
-
 def all_gone(ranks: Iterable[int]) -> bool:
     """Whether every one of `ranks` is gone (see `gone`); False without a watch."""
     watch = _watch
     return watch is not None and all(gone(watch.out, r) for r in ranks)
-
-
-def header(beat: dict[str, Any]) -> str:
-    """The first line of a stacks file: who and where, machine-readable (train/distributed/
-    stacks.py reads it back)."""
-    return "# " + json.dumps(beat, sort_keys=True) + "\n"
 
 
 class Watch:
@@ -197,9 +152,6 @@ class Watch:
     def dump_stacks(self) -> None:
         """Every thread's stack into stacks/rank-<N>.txt: the heartbeat, the collective this
         rank waited in (if it did), faulthandler's dump, then its DataLoader workers'."""
-        # They read this module's files (and import it): imported here, when used.
-        from train.distributed import stacks, workers
-
         path = stacks_path(self.out, self.rank)
         tmp = path.with_name(path.name + ".tmp")
         with tmp.open("w") as f:
@@ -208,8 +160,7 @@ class Watch:
                 f.write(f"Waited in a collective until it timed out:\n{self.waited}\n")
             f.flush()
             faulthandler.dump_traceback(f, all_threads=True)
-            for worker, text in workers.stacks_of_workers(self.out, self.rank).items():
-                f.write(f"{stacks.WORKER_SECTION}{worker.stem.rsplit('-', 1)[1]}:\n{text}")
+            workers.write_stacks(f, self.out, self.rank)
         os.replace(tmp, path)
 
     def _run(self) -> None:
@@ -276,8 +227,6 @@ def note_waited(exc: BaseException) -> None:
     if watch is None:
         return
     watch.waited = "".join(traceback.format_exception(exc))
-    from train.distributed import stacks
-
     with contextlib.suppress(Exception):
         _group_store().set(f"{_WAITED_KEY}{watch.rank}", stacks.waited_in(exc))
 

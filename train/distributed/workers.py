@@ -1,7 +1,8 @@
 """DataLoader workers' stacks: a worker stuck in a user's `__getitem__` is where its rank is
 stuck. Each worker (forked from its rank, the rank's watch inherited) answers SIGUSR1 into a
 dump file of its own; the rank's watchdog asks its live workers when it dumps its own stacks
-(train/distributed/watch.py)."""
+(train/distributed/watch.py). Not importing watch.py (which imports this): the worker's rank
+is passed in (`in_worker`), the files' layout is rankfiles.py's."""
 
 from __future__ import annotations
 
@@ -11,25 +12,39 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import Protocol, TextIO
 
-from train.distributed import watch
+from train.distributed.rankfiles import (
+    POLL_S,
+    STACKS_SIGNAL,
+    WORKER_SECTION,
+    header,
+    worker_dump_path,
+)
 
 
-def in_worker(worker_id: int) -> None:
-    """In a DataLoader worker (forked from its rank, the rank's watch inherited): SIGUSR1
+class Owner(Protocol):
+    """What a worker needs of its rank's watch (watch.Watch, inherited through the fork)."""
+
+    out: Path
+    rank: int
+    host: str
+    main: int
+
+
+def in_worker(worker_id: int, own: Owner | None) -> None:
+    """In a DataLoader worker (forked from its rank, the rank's watch `own` inherited): SIGUSR1
     dumps into the worker's own file, whose header names its process for the rank to ask."""
     global _worker_dump
-    own = watch.current()
     if own is None:
         return
-    path = own.out / watch.STACKS_DIR / f".rank-{own.rank}-worker-{worker_id}.dump"
+    path = worker_dump_path(own.out, own.rank, worker_id)
     _worker_dump = path.open("a")
-    _worker_dump.write(watch.header({"rank": own.rank, "worker": worker_id,
-                                     "pid": os.getpid(), "host": own.host,
-                                     "main_thread": f"0x{own.main:016x}"}))
+    _worker_dump.write(header({"rank": own.rank, "worker": worker_id,
+                               "pid": os.getpid(), "host": own.host,
+                               "main_thread": f"0x{own.main:016x}"}))
     _worker_dump.flush()
-    faulthandler.register(watch.STACKS_SIGNAL, file=_worker_dump, all_threads=True)
+    faulthandler.register(STACKS_SIGNAL, file=_worker_dump, all_threads=True)
 
 
 _worker_dump: TextIO | None = None
@@ -43,15 +58,23 @@ def stacks_of_workers(out: Path, rank: int) -> dict[Path, str]:
         with contextlib.suppress(OSError, ValueError):
             children |= {int(p) for p in task.read_text().split()}
     asked: dict[Path, int] = {}
-    for path in (out / watch.STACKS_DIR).glob(f".rank-{rank}-worker-*.dump"):
+    pattern = worker_dump_path(out, rank, "*")
+    for path in pattern.parent.glob(pattern.name):
         heads = [line for line in path.read_text(errors="replace").splitlines()
                  if line.startswith("# ")]
         pid = json.loads(heads[-1][2:]).get("pid") if heads else None
         if pid in children:
             asked[path] = path.stat().st_size
             with contextlib.suppress(OSError):
-                os.kill(pid, watch.STACKS_SIGNAL)
+                os.kill(pid, STACKS_SIGNAL)
     if asked:
-        time.sleep(watch.POLL_S)  # faulthandler answers in C at once
+        time.sleep(POLL_S)  # faulthandler answers in C at once
     return {path: path.read_bytes()[size:].decode(errors="replace")
             for path, size in asked.items()}
+
+
+def write_stacks(f: TextIO, out: Path, rank: int) -> None:
+    """Each live worker's stacks appended to its rank's stacks file `f`, each after
+    WORKER_SECTION and its number (stacks.stuck_in splits the file there)."""
+    for worker, text in stacks_of_workers(out, rank).items():
+        f.write(f"{WORKER_SECTION}{worker.stem.rsplit('-', 1)[1]}:\n{text}")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from train.config.groups import TrainConfig
 from train.distributed import process_group as distributed
-from train.distributed import slurm, stacks, watch
+from train.distributed import rankfiles, slurm, stacks
 from train.distributed.env import DistEnv
 from train.distributed.stopping import Preempted
 from train.engine import checkpoint_folder
@@ -95,8 +95,8 @@ class JobEnding:
 
     def _log_stacks(self) -> None:
         """The ranks' stacks (dumped after a collective timed out) as the run's artifacts."""
-        for path in sorted((self.out / watch.STACKS_DIR).glob("rank-*.txt")):
-            self.logger.run.log(records.ArtifactFile(str(path), artifact_path=watch.STACKS_DIR))
+        for path in sorted((self.out / rankfiles.STACKS_DIR).glob("rank-*.txt")):
+            self.logger.run.log(records.ArtifactFile(str(path), artifact_path=rankfiles.STACKS_DIR))
 
     def finished(self) -> None:
         """After the run ended FINISHED: the last job of an unwaited sweep ends its parent."""

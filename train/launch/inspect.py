@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from train.distributed import stacks, watch
+from train.distributed import rankfiles, stacks
 from train.errors import LaunchError, TrainError
 
 ANSWER_S = 10.0
@@ -46,12 +46,12 @@ def resolve(target: str) -> tuple[Path, str | None]:
     """The output directory of `target` (that directory, or a Slurm job id's), and the Slurm
     job id if one was given."""
     path = Path(target)
-    if (path / watch.RANKS_DIR).is_dir():
+    if (path / rankfiles.RANKS_DIR).is_dir():
         return path, None
     if re.fullmatch(r"\d+(_\d+)?", target):
         return _slurm_output_dir(target), target
     raise LaunchError(f"{target} is neither a running job's output directory (it has no "
-                      f"{watch.RANKS_DIR}/ with the ranks' heartbeats) nor a Slurm job id")
+                      f"{rankfiles.RANKS_DIR}/ with the ranks' heartbeats) nor a Slurm job id")
 
 
 def _slurm_output_dir(job: str) -> Path:
@@ -66,7 +66,7 @@ def _slurm_output_dir(job: str) -> Path:
     if shown.returncode != 0 or out is None:
         raise LaunchError(f"Slurm job {job} is not known to Slurm: {shown.stderr.strip()}")
     sweep = next((p.parent for p in Path(out[1]).parents if p.name == ".submitit"), None)
-    found = sorted(p.parent for p in sweep.glob(f"*/{watch.RANKS_DIR}")) if sweep else []
+    found = sorted(p.parent for p in sweep.glob(f"*/{rankfiles.RANKS_DIR}")) if sweep else []
     task = re.search(r"\bArrayTaskId=(\d+)", shown.stdout)
     chosen = [p for p in found if task and p.name == task[1]] or found
     if len(chosen) != 1:
@@ -78,8 +78,8 @@ def _slurm_output_dir(job: str) -> Path:
 def beats(out: Path) -> dict[int, dict[str, Any]]:
     """Every rank's last heartbeat, by rank."""
     found = {}
-    for path in (out / watch.RANKS_DIR).glob("rank-*.json"):
-        if (beat := watch.read_beat(path)) is not None and isinstance(beat.get("rank"), int):
+    for path in (out / rankfiles.RANKS_DIR).glob("rank-*.json"):
+        if (beat := rankfiles.read_beat(path)) is not None and isinstance(beat.get("rank"), int):
             found[beat["rank"]] = beat
     return dict(sorted(found.items()))
 
@@ -90,7 +90,7 @@ def status(out: Path) -> str:
     for rank, b in beats(out).items():
         written = now - float(b["written"])
         silent = " - its watchdog is silent (frozen or dead?)" \
-            if written > 3 * watch.REFRESH_S else ""
+            if written > 3 * rankfiles.REFRESH_S else ""
         lines.append(f"rank {rank} on {b['host']} (pid {b['pid']}): step {b['step']}, "
                      f"{b['phase']} for {now - float(b['since']):.1f} s, heartbeat written "
                      f"{written:.1f} s ago{silent}{stacks.process_state(b)}")
@@ -102,14 +102,14 @@ def dump(out: Path, slurm_job: str | None) -> str:
     ranks = beats(out)
     if not ranks:
         raise LaunchError(f"no rank of {out} has written a heartbeat yet: nothing to ask")
-    sizes = {r: _size(watch.dump_path(out, r)) for r in ranks}
+    sizes = {r: _size(rankfiles.dump_path(out, r)) for r in ranks}
     here = socket.gethostname()
     for b in ranks.values():
         if b["host"] == here:
             with contextlib.suppress(OSError):
-                os.kill(int(b["pid"]), watch.STACKS_SIGNAL)
+                os.kill(int(b["pid"]), rankfiles.STACKS_SIGNAL)
     if slurm_job is not None:  # the ranks on other nodes
-        subprocess.run(["scancel", f"--signal={signal.Signals(watch.STACKS_SIGNAL).name[3:]}",
+        subprocess.run(["scancel", f"--signal={signal.Signals(rankfiles.STACKS_SIGNAL).name[3:]}",
                         slurm_job], capture_output=True, timeout=30)
     deadline = time.monotonic() + ANSWER_S
     answered: dict[int, list[stacks.Frame]] = {}
@@ -117,9 +117,9 @@ def dump(out: Path, slurm_job: str | None) -> str:
     while len(answered) < len(ranks) and time.monotonic() < deadline:
         time.sleep(0.3)
         for r in set(ranks) - set(answered):
-            size = _size(watch.dump_path(out, r))
+            size = _size(rankfiles.dump_path(out, r))
             if sizes[r] < size == seen[r]:  # it grew, and has stopped growing: dumped
-                text = _new_text(watch.dump_path(out, r), sizes[r])
+                text = _new_text(rankfiles.dump_path(out, r), sizes[r])
                 answered[r] = stacks.main_frames(text, ranks[r].get("main_thread"))
             seen[r] = size
     missing = [f"rank {r} on {ranks[r]['host']} did not answer the stack request"

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from train.distributed import env as distenv
-from train.distributed import stopping, watch
+from train.distributed import rankfiles, stopping
 from train.distributed.stopping import Preempted
 from train.errors import FAILURE_REASON, USER_TRACE
 from train.errors import JobFailedError as JobFailedError
@@ -113,7 +113,7 @@ def start_local_ranks(config: dict[str, Any], output_dir: str, command: str, npr
             silent = {r for o in got if o.kind == "error" for r in o.silent}
             stopped = {ranks[local] for local in _stop(
                 procs, {local for local, rank in enumerate(ranks) if rank in silent},
-                lambda local: watch.answers_stacks(Path(output_dir), ranks[local],
+                lambda local: rankfiles.answers_stacks(Path(output_dir), ranks[local],
                                                    procs[local].pid))}
     results = got + _drain(outcomes)
     exits = {ranks[local]: p.exitcode for local, p in enumerate(procs)}
@@ -216,7 +216,7 @@ def _stop(procs: list[mp.Process], hopeless: set[int] | frozenset[int] = frozens
     asked = {rank for rank in stopped if answers_stacks(rank)}
     for rank in asked:
         with contextlib.suppress(OSError, TypeError):
-            os.kill(procs[rank].pid, watch.STACKS_SIGNAL)  # type: ignore[arg-type]
+            os.kill(procs[rank].pid, rankfiles.STACKS_SIGNAL)  # type: ignore[arg-type]
     if asked:
         time.sleep(STACKS_S)
     for rank in stopped:

@@ -18,7 +18,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from train.distributed import stopping, watch
+from train.distributed import rankfiles, stopping
 from train.distributed.stopping import Preempted
 from train.errors import FAILURE_REASON, SILENT_RANKS, USER_TRACE
 from train.launch.outcomes import RankOutcome
@@ -82,7 +82,7 @@ def end_with(launcher: int) -> None:
     are kept (stopping.note_early) rather than killing it unannounced."""
     stopping.note_early()
     # Until its watch registers faulthandler for it, a stack request must not kill the rank.
-    signal.signal(watch.STACKS_SIGNAL, signal.SIG_IGN)
+    signal.signal(rankfiles.STACKS_SIGNAL, signal.SIG_IGN)
     with contextlib.suppress(AttributeError, OSError):  # Linux only; elsewhere: best effort
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != launcher:  # it died before the line above
