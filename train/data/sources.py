@@ -190,7 +190,32 @@ def _source(cfg: DataConfig, workers: int, classes: bool) -> Source:
     if cfg.name == "imagefolder":
         return imagefolder_source(cfg)
     if cfg.name == "tokens":
-        from train.data import tokens
-
-        return tokens.source(cfg)
+        return tokens_source(cfg)
     return custom_source(cfg, workers, classes)
+
+
+def tokens_source(cfg: DataConfig) -> Source:
+    """data=tokens (train/data/tokens.py) as a streamed data set: windows of data.seq_len
+    tokens, the vocabulary and tokenizer from meta.json."""
+    from train.data import tokens
+
+    meta = tokens.read_meta(cfg.root)
+    seq_len = cfg.seq_len
+    if meta.tokens["train"] < seq_len + 1:
+        raise tokens.TokenDataError(f"data=tokens data.root={cfg.root}: train.bin has "
+                                    f"{meta.tokens['train']} tokens, fewer than one window of "
+                                    f"data.seq_len={seq_len} + 1.")
+    train = tokens.windows(cfg.root, meta, "train", seq_len)
+    val = tokens.windows(cfg.root, meta, "val", seq_len)
+    test = tokens.windows(cfg.root, meta, "test", seq_len) if "test" in meta.tokens else None
+
+    def describe() -> DataDescription:
+        return DataDescription(digest=tokens.digest(cfg.root, meta), num_rows=len(train),
+                               features_shape=[len(train), seq_len], features_dtype="int64")
+
+    return Source(train, val, [], (seq_len,), describe, test=test, target_shape=(seq_len,),
+                  summary=f"tokens {cfg.root}: {meta.tokens['train']:,} training tokens in "
+                          f"{len(train):,} windows of {seq_len}, {meta.tokens['val']:,} "
+                          f"validation tokens, vocabulary {meta.vocab_size} ({meta.tokenizer})",
+                  vocab_size=meta.vocab_size, tokenizer=meta.tokenizer,
+                  sampler=tokens.WindowSampler)

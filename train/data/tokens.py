@@ -193,29 +193,3 @@ def digest(root: str | Path, meta: TokenMeta) -> str:
         f.seek(max(0, meta.tokens["train"] * np.dtype(DTYPES[meta.dtype]).itemsize - (1 << 20)))
         h.update(f.read(1 << 20))
     return h.hexdigest()[:8]
-
-
-def source(cfg: Any) -> Any:
-    """data=tokens as a streamed data set (train/data/sources.py `Source`): windows of
-    data.seq_len tokens, the vocabulary and tokenizer from meta.json."""
-    from train.data.batches import DataDescription
-    from train.data.sources import Source
-
-    meta = read_meta(cfg.root)
-    seq_len = cfg.seq_len
-    if meta.tokens["train"] < seq_len + 1:
-        raise TokenDataError(f"data=tokens data.root={cfg.root}: train.bin has "
-                             f"{meta.tokens['train']} tokens, fewer than one window of "
-                             f"data.seq_len={seq_len} + 1.")
-    train, val = windows(cfg.root, meta, "train", seq_len), windows(cfg.root, meta, "val", seq_len)
-    test = windows(cfg.root, meta, "test", seq_len) if "test" in meta.tokens else None
-
-    def describe() -> DataDescription:
-        return DataDescription(digest=digest(cfg.root, meta), num_rows=len(train),
-                               features_shape=[len(train), seq_len], features_dtype="int64")
-
-    return Source(train, val, [], (seq_len,), describe, test=test, target_shape=(seq_len,),
-                  summary=f"tokens {cfg.root}: {meta.tokens['train']:,} training tokens in "
-                          f"{len(train):,} windows of {seq_len}, {meta.tokens['val']:,} "
-                          f"validation tokens, vocabulary {meta.vocab_size} ({meta.tokenizer})",
-                  vocab_size=meta.vocab_size, tokenizer=meta.tokenizer, sampler=WindowSampler)

@@ -18,28 +18,19 @@ from __future__ import annotations
 import logging
 import re
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from train.engine import fsdp, safewrite, sharded
-from train.engine.checkpoint_match import CheckpointMismatch
+from train.engine.checkpoint_match import CheckpointMismatch, Resumed
 from train.engine.state import TrainState
 
 log = logging.getLogger("train")
 
 NAME = re.compile(r"step-(\d+)\.(pt|dcp)$")
 """A checkpoint: a file (step-<N>.pt) or a sharded directory (step-<N>.dcp: engine/sharded.py)."""
-
-
-@dataclass
-class Resumed:
-    """A loaded checkpoint, as every rank needs it."""
-
-    state: dict[str, Any]
-    path: Path
 
 
 def directory(output_dir: Path) -> Path:

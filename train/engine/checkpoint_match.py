@@ -7,12 +7,20 @@ Light: no torch.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from train.errors import TrainError
 
-if TYPE_CHECKING:  # its module imports this one
-    from train.engine.checkpoint_folder import Resumed
+
+@dataclass
+class Resumed:
+    """A loaded checkpoint, as every rank needs it (train/engine/checkpoint_folder.py loads
+    it; here because this module checks it and imports nothing of the engine)."""
+
+    state: dict[str, Any]
+    path: Path
 
 
 class CheckpointMismatch(TrainError, ValueError):
