@@ -62,9 +62,15 @@ class JobLockedError(TrainError, RuntimeError):
 
 
 class JobFailedError(TrainError, RuntimeError):
-    """A rank failed; the message names the root cause (the first failing rank's error)."""
+    """A rank failed; the message names the root cause (the first failing rank's error).
+    `failure`: the same as fields (train/launch/outcomes.py Failure) where the launcher made
+    the block, for a sweep's end to show without parsing the message."""
 
     exit_code = 1
+
+    def __init__(self, message: str, failure: object | None = None) -> None:
+        super().__init__(message)
+        self.failure = failure
 
 
 class StoppedBySignal(TrainError):

@@ -129,13 +129,12 @@ def report_failed_jobs(results: Sequence[Any], job_overrides: Sequence[Sequence[
 
 def _job_lines(error: TrainError) -> list[str]:
     """A job's terminal block for the sweep's end: its cause line, and what was kept and how to
-    resume it (train/launch/outcomes.py); the user's frames stay in the job's train.log."""
+    resume it (the launcher's train/launch/outcomes.py Failure, which the error carries); the
+    user's frames stay in the job's train.log."""
     lines = [line for line in error.terminal_line().splitlines() if line.strip()]
-    head, kept = lines[0], [line.strip() for line in lines[1:]
-                            if line.strip().startswith(_KEPT_LINES)]
-    if not kept and len(lines) > 1:  # a traceback without the block: its exception's line
-        head = f"{head} {lines[-1].strip()}"
-    return [head, *("  " + line for line in kept)]
-
-
-_KEPT_LINES = ("kept:", "resume:", "start again:", "tracebacks:")
+    failure = getattr(error, "failure", None)
+    if failure is not None:
+        return [lines[0], *("  " + line for line in failure.after)]
+    if len(lines) > 1:  # a traceback without the block: its exception's line
+        return [f"{lines[0]} {lines[-1].strip()}"]
+    return lines

@@ -36,7 +36,7 @@ from train.errors import JobStoppedError as JobStoppedError
 from train.errors import LaunchError as LaunchError  # re-exported
 from train.launch import joblock, rank_process
 from train.launch.outcomes import RankOutcome as RankOutcome  # re-exported
-from train.launch.outcomes import failure_block, root_cause, root_trace, signal_name
+from train.launch.outcomes import failure, root_cause, root_trace, signal_name
 
 if TYPE_CHECKING:
     from multiprocessing.synchronize import Event
@@ -72,8 +72,8 @@ def run_in_process(config: dict[str, Any], output_dir: str, command: str) -> dic
         trace = "".join(traceback.format_exception(e))
         if (reason := getattr(e, FAILURE_REASON, None)) is None:  # before its run could end
             raise JobFailedError(f"the training job failed; rank 0 failed:\n{trace}") from None
-        raise JobFailedError(failure_block(reason, Path(output_dir), command,
-                                           getattr(e, USER_TRACE, None))) from None
+        failed = failure(reason, Path(output_dir), command, getattr(e, USER_TRACE, None))
+        raise JobFailedError(failed.block(), failed) from None
     finally:
         for key, value in saved.items():
             if value is None:
@@ -133,8 +133,8 @@ def start_local_ranks(config: dict[str, Any], output_dir: str, command: str, npr
     _end_abandoned_run(output_dir, started, exits, results, stopped,
                        {ranks[local]: p.pid for local, p in enumerate(procs)})
     cause = root_cause(exits, results, stopped)
-    raise JobFailedError(failure_block(cause, Path(output_dir), command,
-                                       root_trace(results, cause)))
+    failed = failure(cause, Path(output_dir), command, root_trace(results, cause))
+    raise JobFailedError(failed.block(), failed)
 
 
 def _only_silent_left(procs: list[mp.Process], ranks: list[int], outcomes: mp.Queue,

@@ -93,35 +93,51 @@ def newest_checkpoint(out: Path) -> tuple[Path, int] | None:
 _PLACING = ("hydra.run.dir=", "hydra.sweep.dir=", "hydra.sweep.subdir=")
 
 
+@dataclass(frozen=True)
+class Failure:
+    """A failed job as the terminal tells it: the cause (rank, host, error), the user's trimmed
+    traceback where the user's code raised, and the lines after it (what was kept, the command
+    that continues the job, where the tracebacks are). The local launcher's JobFailedError
+    carries it, so that a sweep's end can show its lines without parsing the text."""
+
+    cause: str
+    trace: str | None
+    after: tuple[str, ...]
+
+    def block(self) -> str:
+        lines = [f"the training job failed; {self.cause}"]
+        lines += ["  " + line for line in (self.trace or "").splitlines()]
+        return "\n".join([*lines, *("  " + line for line in self.after)])
+
+
 def failure_block(cause: str, out: Path, command: str, trace: str | None = None,
                   placed: list[str] | None = None, logs: str | None = None) -> str:
-    """What the terminal shows of a failed job: the cause (rank, host, error) in one line, the
-    user's trimmed traceback where the user's code raised, what was kept and the command that
+    """`failure(...)`'s block, as the terminal shows it."""
+    return failure(cause, out, command, trace, placed, logs).block()
+
+
+def failure(cause: str, out: Path, command: str, trace: str | None = None,
+            placed: list[str] | None = None, logs: str | None = None) -> Failure:
+    """A failed job: the cause, the user's traceback, what was kept and the command that
     continues the job (trainer.resume=auto, the default, in the same output directory: the
     same MLflow run). `placed`: the overrides that put a job in `out` (a Slurm job's sweep
     directory and subdirectory; hydra.run.dir for a local one); `logs`: where its ranks'
     own logs are, besides train.log."""
-    lines = [f"the training job failed; {cause}"]
-    if trace:
-        lines += ["  " + line for line in trace.splitlines()]
-    where = f"  tracebacks: {out / 'train.log'}" + (f"; each rank's log: {logs}" if logs else "")
+    where = f"tracebacks: {out / 'train.log'}" + (f"; each rank's log: {logs}" if logs else "")
     kept = newest_checkpoint(out)
     if _finished_training(out, kept):  # only its run's end did not reach the store
-        lines += [f"  kept: the finished training: {out / 'summary.json'}, the weights and "
-                  f"checkpoints beside it", where]
-        return "\n".join(lines)
+        return Failure(cause, trace, (f"kept: the finished training: {out / 'summary.json'}, "
+                                      "the weights and checkpoints beside it", where))
     words = [w for w in command.split()[3:] if not w.startswith(_PLACING)]
     if kept is not None:  # it resumes from its own checkpoint, not from where it began
         words = [w for w in words if not w.startswith("trainer.resume=")]
     again = " ".join(["python -m train", *map(shlex.quote, words),
                       *map(shlex.quote, placed or [f"hydra.run.dir={out}"])])
     if kept is None:
-        lines += ["  kept: nothing: no checkpoint yet", f"  start again: {again}"]
-    else:
-        lines += [f"  kept: {kept[0]} (step {kept[1]}), the newest checkpoint",
-                  f"  resume: {again}"]
-    lines.append(where)
-    return "\n".join(lines)
+        return Failure(cause, trace, ("kept: nothing: no checkpoint yet",
+                                      f"start again: {again}", where))
+    return Failure(cause, trace, (f"kept: {kept[0]} (step {kept[1]}), the newest checkpoint",
+                                  f"resume: {again}", where))
 
 
 def _finished_training(out: Path, kept: tuple[Path, int] | None) -> bool:
