@@ -7,7 +7,10 @@ from __future__ import annotations
 import faulthandler
 import importlib
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -162,3 +165,26 @@ def test_a_rank_slow_to_get_its_data_is_named_after_intervals_in_a_row(
                                   "the logging interval up to step 40; 2 intervals in a row"}]
     judge.judge([[0.1, 1.0], [0.4, 1.0], [0.1, 1.0]], step=50)
     assert len(tags) == 1  # named once
+
+
+def test_a_rank_is_gone_only_when_its_process_on_this_host_has_ended(tmp_path: Path) -> None:
+    """The wait for a dead peer's answer ends early only for a process known to be gone: one
+    of this host that has exited, by a heartbeat of this start (not an earlier start's)."""
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)
+    (tmp_path / rankfiles.RANKS_DIR).mkdir()
+    now = time.time()
+
+    def beat(rank: int, pid: int, host: str, written: float) -> None:
+        rankfiles.beat_path(tmp_path, rank).write_text(json.dumps(
+            {"rank": rank, "pid": pid, "host": host, "written": written}))
+
+    beat(0, int(ended.stdout), socket.gethostname(), now)
+    beat(1, int(ended.stdout), "another-node", now)
+    beat(2, int(ended.stdout), socket.gethostname(), now - 600)  # an earlier start's
+    beat(3, os.getpid(), socket.gethostname(), now)  # alive
+    assert rankfiles.gone(tmp_path, 0, since=now - 2)
+    assert not rankfiles.gone(tmp_path, 1, since=now - 2)
+    assert not rankfiles.gone(tmp_path, 2, since=now - 2)
+    assert not rankfiles.gone(tmp_path, 3, since=now - 2)
+    assert not rankfiles.gone(tmp_path, 4)  # no heartbeat: unknown

@@ -70,11 +70,14 @@ def read_beat(path: Path) -> dict[str, Any] | None:
     return beat if isinstance(beat, dict) else None
 
 
-def gone(out: Path, rank: int) -> bool:
+def gone(out: Path, rank: int, since: float = 0.0) -> bool:
     """Whether rank `rank` ran on this host and its process no longer exists: it will never
-    answer, so waiting for it only delays the job's end (a rank on another node: unknown)."""
+    answer, so waiting for it only delays the job's end (a rank on another node, or one whose
+    heartbeat was last written before `since`, an earlier start's: unknown)."""
     beat = read_beat(beat_path(out, rank))
     if not beat or beat.get("host") != socket.gethostname():
+        return False
+    if float(beat.get("written") or 0) < since:
         return False
     try:
         stat = Path(f"/proc/{int(beat['pid'])}/stat").read_text()

@@ -47,6 +47,9 @@ from train.distributed.rankfiles import (
 QUIET_S = 2.0
 """A rank looks for a stack request only once it has been in one phase this long: a stuck rank
 has (the others waited distributed.timeout_s for it)."""
+START_SKEW_S = 2.0
+"""How much earlier than this rank a peer of the same start may have started its watch (they
+leave the process group's rendezvous together)."""
 _REQUEST_KEY = "train/stacks/request"
 _DONE_KEY = "train/stacks/done/"
 _WAITED_KEY = "train/waited/"
@@ -102,7 +105,10 @@ def take_spent() -> dict[str, float]:
 def all_gone(ranks: Iterable[int]) -> bool:
     """Whether every one of `ranks` is gone (see `gone`); False without a watch."""
     watch = _watch
-    return watch is not None and all(gone(watch.out, r) for r in ranks)
+    # A heartbeat older than this start (less the ranks' start-up skew) is an earlier
+    # start's: its process is gone, this start's rank may be alive.
+    return watch is not None and all(gone(watch.out, r, watch.started - START_SKEW_S)
+                                     for r in ranks)
 
 
 class Watch:
@@ -120,6 +126,9 @@ class Watch:
         self._dump.write(header(self.beat()))
         self._dump.flush()
         faulthandler.register(STACKS_SIGNAL, file=self._dump, all_threads=True)
+        self.started = time.time()
+        with contextlib.suppress(OSError):  # at once: an earlier start's file is not this one's
+            self._write_beat()
         self._client: Any = None
         with contextlib.suppress(Exception):  # no process group (a test): no requests
             self.store()
