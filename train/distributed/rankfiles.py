@@ -70,19 +70,28 @@ def read_beat(path: Path) -> dict[str, Any] | None:
     return beat if isinstance(beat, dict) else None
 
 
+def process_state(beat: dict[str, Any] | None) -> str | None:
+    """The state letter (/proc/<pid>/stat: R, S, D, T, Z, ...) of the heartbeat's process on
+    this host; "" where that process no longer exists; None for a rank on another host (or no
+    heartbeat). A heartbeat without a usable pid raises (KeyError, TypeError, ValueError)."""
+    if not beat or beat.get("host") != socket.gethostname():
+        return None
+    try:
+        stat = Path(f"/proc/{int(beat['pid'])}/stat").read_text()
+    except OSError:
+        return ""
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
 def gone(out: Path, rank: int, since: float = 0.0) -> bool:
     """Whether rank `rank` ran on this host and its process no longer exists: it will never
     answer, so waiting for it only delays the job's end (a rank on another node, or one whose
     heartbeat was last written before `since`, an earlier start's: unknown)."""
     beat = read_beat(beat_path(out, rank))
-    if not beat or beat.get("host") != socket.gethostname():
-        return False
-    if float(beat.get("written") or 0) < since:
+    if not beat or float(beat.get("written") or 0) < since:
         return False
     try:
-        stat = Path(f"/proc/{int(beat['pid'])}/stat").read_text()
-    except OSError:
-        return True
+        state = process_state(beat)
     except (KeyError, TypeError, ValueError):
         return False
-    return stat.rsplit(")", 1)[1].split()[:1] in (["Z"], ["X"])  # dead, not yet reaped
+    return state in ("", "Z", "X")  # ended; or dead, not yet reaped

@@ -10,7 +10,6 @@ from __future__ import annotations
 import linecache
 import os
 import re
-import socket
 import sys
 import sysconfig
 import time
@@ -216,14 +215,16 @@ def ranks_text(ranks: Iterable[int]) -> str:
 
 
 def process_state(beat: dict[str, Any] | None) -> str:
-    """The process state of a rank on this host ("" where it runs elsewhere or is unknown)."""
-    if not beat or beat.get("host") != socket.gethostname():
-        return ""
+    """The process state of a rank on this host, in words ("" where it runs elsewhere or is
+    unknown; rankfiles.process_state reads it)."""
     try:
-        stat = Path(f"/proc/{int(beat['pid'])}/stat").read_text()
-    except (OSError, ValueError, KeyError):
+        code = rankfiles.process_state(beat)
+    except (ValueError, KeyError):
+        code = ""
+    if code is None or beat is None:  # (beat is None only where code is)
+        return ""
+    if not code:
         return f"; its process {beat.get('pid')} is gone"
-    code = stat.rsplit(")", 1)[1].split()[0]
     return f"; its process {beat['pid']} is {_STATES.get(code, code)}"
 
 
