@@ -59,6 +59,9 @@ def parse_args() -> argparse.Namespace:
                         "own default on this machine, data.num_workers=null)")
     p.add_argument("--log-every", type=int, help="the service's trainer.log_every_n_steps "
                    "(default: its own, 10)")
+    p.add_argument("--service-override", action="append", default=[], metavar="KEY=VALUE",
+                   help="one more override of the service's command (repeatable), e.g. "
+                        "distributed.keep_host_memory=false")
     p.add_argument("--timeout", type=float, default=600, help="seconds per command")
     p.add_argument("--keep", action="store_true", help="keep the temporary run directories")
     p.add_argument("--out", type=Path, default=REPO / ".bench" / "tasks.json")
@@ -105,7 +108,7 @@ def service_command(task: str, s: dict[str, Any], args: argparse.Namespace,
            "tracking.enabled=false", f"hydra.run.dir={out}"]
     if args.log_every:
         cmd.append(f"trainer.log_every_n_steps={args.log_every}")
-    return cmd
+    return cmd + args.service_override
 
 
 def run_one(task: str, variant: str, repeat: int, args: argparse.Namespace,
@@ -183,7 +186,8 @@ def main() -> None:
     args = parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="train-bench-tasks-"))
     settings = {"nproc": args.nproc, "repeats": args.repeats, "workers": args.workers,
-                "log_every": args.log_every, "tasks": {t: settings_of(t, args) for t in args.tasks}}
+                "log_every": args.log_every, "service_overrides": args.service_override,
+                "tasks": {t: settings_of(t, args) for t in args.tasks}}
     print(f"bench.tasks: {settings}\n             runs under {tmp}", flush=True)
     load_before = os.getloadavg()
     runs: list[dict[str, Any]] = []

@@ -97,7 +97,9 @@ class Rows(Dataset):
     """The samples of `dataset` at positions `idx` (one side of a split, one rank's shard)."""
 
     def __init__(self, dataset: Any, idx: torch.Tensor) -> None:
-        self.dataset, self.idx = dataset, idx
+        # A numpy array: reading one position costs ~0.07 us, a tensor's ~0.9 us (measured),
+        # paid for every sample a worker reads.
+        self.dataset, self.idx = dataset, idx.numpy()
 
     def __len__(self) -> int:
         return len(self.idx)

@@ -2,7 +2,8 @@
 
 Each function below is one branch the rest of the code takes on the device: which device and
 backend a rank uses, cuDNN's autotuner, SyncBatchNorm, pinned memory, whether an in-memory data
-set lives on the device, the device's name and memory. docs/architecture.md ("CUDA") lists
+set lives on the device, the device's name and memory, and how the host's allocator keeps memory
+(`keep_host_memory`). docs/architecture.md ("CUDA") lists
 which of them run on the CPU in tests and which only on a GPU (tests/{unit,e2e}/test_gpu.py).
 
 `cuda_only_requests` is what pre-flight refuses on a machine without CUDA
@@ -13,8 +14,10 @@ such an option would otherwise start every rank, create a run and then fail insi
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
+import platform
 from collections.abc import Mapping
 
 import torch
@@ -24,6 +27,29 @@ from train.config.groups import DistributedConfig
 from train.errors import DistEnvError
 
 log = logging.getLogger(__name__)
+
+
+HEAP_BELOW_BYTES = 32 << 20
+"""Blocks smaller than this come from the heap: glibc's own ceiling for its dynamic threshold,
+held from the start (glibc's default begins at 128 KiB: each larger block a fresh mmap, zero-
+filled page by page at first touch, unmapped again when freed)."""
+KEEP_FREE_BYTES = 512 << 20
+"""Freed memory at the top of the heap up to this is kept, not given back (glibc's default
+trims above 128 KiB, or twice the dynamic threshold): a step's temporaries fit in it."""
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's <malloc.h>
+
+
+def keep_host_memory(enabled: bool) -> bool:
+    """distributed.keep_host_memory: this process keeps freed host memory for reuse (see
+    DistributedConfig), before its DataLoader workers fork (they inherit it). True when set:
+    glibc only (musl or macOS: their allocator's defaults)."""
+    if not enabled or platform.libc_ver()[0] != "glibc":
+        return False
+    mallopt = ctypes.CDLL(None).mallopt
+    # Setting either also stops glibc's dynamic threshold, which rises only as blocks are
+    # freed and whose trimming still gave a conv net's step 17,000 page faults (measured).
+    return bool(mallopt(M_MMAP_THRESHOLD, HEAP_BELOW_BYTES)
+                and mallopt(M_TRIM_THRESHOLD, KEEP_FREE_BYTES))
 
 
 def cuda_available() -> bool:

@@ -174,21 +174,25 @@ def train_epoch(cfg: TrainConfig, state: TrainState, batches: Batches, device: t
     every, k = cfg.trainer.log_every_n_steps, cfg.trainer.accumulate_grad_batches
     count = len(batches)
     window_start, window_steps = time.perf_counter(), 0
-    step_loss: torch.Tensor = torch.zeros((), device=device)
+    step_losses: list[torch.Tensor] = []
     step_items: Any = 0
+    logs = False
     for index, (inputs, target) in enumerate(watch.reading(duties.logger.progress(batches,
                                                                             state.epoch)),
                                              start=skip):
         first, end = index - index % k, min(index - index % k + k, count)
         if index == first:
             state.optimizer.zero_grad(set_to_none=True)
-            step_loss, step_items = torch.zeros((), device=device), 0
+            step_items, logs = 0, (state.step + 1) % every == 0
+            step_losses = []
         output, sums = _micro_step(cfg, state, inputs, target, device, task,
                                    batches.samples_in(first, end), sync=index + 1 == end)
         if index == skip:
             check_output(task, output, target, inputs)
         totals.add(sums)
-        step_loss, step_items = step_loss + sums["loss"], step_items + sums["items"]
+        step_items = step_items + sums["items"]
+        if logs:  # the step loss is added up only where it is logged: no kernel elsewhere
+            step_losses.append(sums["loss"])
         if index + 1 < end:
             continue
         _optimiser_step(cfg, state, None if task.fixed_items else step_items, device)
@@ -197,7 +201,7 @@ def train_epoch(cfg: TrainConfig, state: TrainState, batches: Batches, device: t
             duties.logger.first_step()
         drill.check(duties.fail_at, state.step, duties.rank)
         if state.step % every == 0:
-            _log_step(state, duties, totals, step_loss / step_items,
+            _log_step(state, duties, totals, sum(step_losses[1:], step_losses[0]) / step_items,
                       (time.perf_counter() - window_start) / window_steps, end, count)
             window_start, window_steps = time.perf_counter(), 0
         if state.step == cfg.trainer.max_steps:  # the training ends with this step
