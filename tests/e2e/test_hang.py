@@ -268,8 +268,10 @@ def test_a_user_exception_shows_its_own_frames_and_the_printed_command_resumes(
     assert failed.info.status == "FAILED" and failed.data.tags["error"] == block[0].split("; ")[1]
     command = shlex.split(block[-2].removeprefix("  resume: "))
     assert command[:3] == ["python", "-m", "train"]
+    assert json.loads((out / "failure.json").read_text())["cause"] == block[0].split("; ")[1]
     resumed = run_train(*command[3:], env={**store, **USERPKG}, timeout=ENDS_WITHIN_S + 60)
     assert resumed.returncode == 0, resumed.stderr
+    assert not (out / "failure.json").exists()  # the finished job's cause is no stale one
     [run] = runs_in(store["MLFLOW_TRACKING_URI"])
     assert run.info.run_id == failed.info.run_id and run.info.status == "FINISHED"
     assert run.data.tags["restarts"] == "1"

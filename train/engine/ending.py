@@ -99,8 +99,11 @@ class JobEnding:
             self.logger.run.log(records.ArtifactFile(str(path), artifact_path=rankfiles.STACKS_DIR))
 
     def finished(self) -> None:
-        """After the run ended FINISHED: the last job of an unwaited sweep ends its parent."""
+        """After the run ended FINISHED: an earlier start's cause (FAILURE_FILE) is no longer
+        the job's; the last job of an unwaited sweep ends its parent."""
         if self.env.is_main:
+            with contextlib.suppress(OSError):
+                (self.out / FAILURE_FILE).unlink(missing_ok=True)
             sweep.end_parent_if_last(self.cfg.tracking, self.cfg.trainer.objective,
                                      self.cfg.trainer.objective_direction)
 
