@@ -117,13 +117,15 @@ def _optimiser_step(cfg: TrainConfig, state: TrainState, items: torch.Tensor | N
         torch.distributed.all_reduce(everywhere)
         # DDP averaged the ranks' summed gradients: times the world size, over every item.
         scale = (torch.distributed.get_world_size() / everywhere.clamp_min(1)).float()
-        on_device: dict[torch.device, torch.Tensor] = {scale.device: scale}
+        # FSDP: this rank's shards (offloaded: on the host). One foreach kernel per device and
+        # dtype, not one per parameter (a GPT's ~100 launches a step on a GPU).
+        grads: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for param in state.module.parameters():
             if param.grad is not None:
-                grad = fsdp.local(param.grad)  # FSDP: this rank's shard, offloaded: on the host
-                if grad.device not in on_device:
-                    on_device[grad.device] = scale.to(grad.device)
-                grad.mul_(on_device[grad.device])
+                grad = fsdp.local(param.grad)
+                grads.setdefault((grad.device, grad.dtype), []).append(grad)
+        for (where, _), group in grads.items():
+            torch._foreach_mul_(group, scale.to(where))
     if cfg.optim.grad_clip is not None:
         state.scaler.unscale_(state.optimizer)
         state.grad_norm = nn.utils.clip_grad_norm_(state.model.parameters(), cfg.optim.grad_clip)
