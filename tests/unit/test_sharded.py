@@ -35,3 +35,17 @@ def test_the_newest_whole_checkpoint_is_resumed_whatever_its_kind(tmp_path: Path
     for old in checkpoint_folder.candidates(folder)[1:]:
         sharded.remove(old)
     assert checkpoint_folder.candidates(folder) == [broken]
+
+
+def test_a_single_file_save_clears_a_sharded_saves_leftover(tmp_path: Path) -> None:
+    """An FSDP job killed mid-save leaves step-<N>.dcp.tmp, a directory; resumed as DDP, its
+    first single-file checkpoint clears it (it failed with IsADirectoryError before)."""
+    folder = tmp_path / "checkpoints"
+    whole = _dcp(folder, 3, whole=True)
+    leftover = sharded.path_for(folder, 4).with_name("step-000000004.dcp.tmp")
+    leftover.mkdir()
+    (leftover / "__1_0.distcp").write_bytes(b"half a shard")
+    (folder / "step-000000004.tmp").write_bytes(b"half a file")
+    path = checkpoint_folder.save(folder, {"model": {}, "step": 4}, keep=5)
+    assert path == folder / "step-000000004.pt" and torch.load(path)["step"] == 4
+    assert sorted(p.name for p in folder.iterdir()) == [whole.name, path.name]

@@ -74,8 +74,8 @@ def begin(folder: Path, step: int, module: nn.Module, optimizer: torch.optim.Opt
     unfinished = Unfinished(path_for(folder, step), meta)
     if meta is not None:
         folder.mkdir(parents=True, exist_ok=True)
-        for stale in folder.glob(f"step-*{SUFFIX}.tmp"):  # a crash's leftovers
-            shutil.rmtree(stale, ignore_errors=True)
+        for stale in folder.glob("step-*.tmp"):  # a crash's leftovers, of either kind
+            remove(stale)
     dist.barrier()  # the folder is clean before anyone writes
     model_sd, optim_sd = get_state_dict(module, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
