@@ -81,32 +81,6 @@ def test_the_constant_scheduler_keeps_the_peak() -> None:
     assert _lrs(cfg, 5, 2) == pytest.approx([3e-4] * 10)
 
 
-def test_the_built_in_schedule_steps_as_torchs_lambdalr_and_resumes_from_its_state() -> None:
-    """Its lean per-step `step` gives every group the lr torch's own LambdaLR gives, and a
-    checkpointed state (LambdaLR's) continues the schedule."""
-    cfg = OptimConfig(name="sgd", lr=0.3, schedule="cosine", warmup_epochs=1, min_lr_ratio=0.05)
-    fast, slow = (optim.build_optimizer(cfg, _model()) for _ in range(2))
-    fast.add_param_group({"params": [nn.Parameter(torch.zeros(2))], "lr": 0.03})
-    slow.add_param_group({"params": [nn.Parameter(torch.zeros(2))], "lr": 0.03})
-    lean = optim.build_scheduler(cfg, fast, 6, 4)
-    assert isinstance(lean, torch.optim.lr_scheduler.LambdaLR)
-    factor = lean.lr_lambdas[0]
-    reference = torch.optim.lr_scheduler.LambdaLR(slow, factor)
-    for _ in range(13):
-        fast.step(), slow.step()
-        lean.step(), reference.step()
-        assert [g["lr"] for g in fast.param_groups] == [g["lr"] for g in slow.param_groups]
-        assert lean.get_last_lr() == reference.get_last_lr()
-    resumed_opt = optim.build_optimizer(cfg, _model())
-    resumed_opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))], "lr": 0.03})
-    resumed = optim.build_scheduler(cfg, resumed_opt, 6, 4)
-    resumed.load_state_dict(lean.state_dict())
-    resumed_opt.load_state_dict(fast.state_dict())
-    resumed.step(), lean.step()
-    assert [g["lr"] for g in resumed_opt.param_groups] == [g["lr"] for g in fast.param_groups]
-    assert resumed.last_epoch == 14
-
-
 def test_fractional_warmup_epochs_count_in_steps() -> None:
     cfg = OptimConfig(lr=1.0, schedule="constant", warmup_epochs=0.25)
     seen = _lrs(cfg, 12, 2)  # a quarter of the first epoch: 3 warm-up steps
