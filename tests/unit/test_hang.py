@@ -188,3 +188,58 @@ def test_a_rank_is_gone_only_when_its_process_on_this_host_has_ended(tmp_path: P
     assert not rankfiles.gone(tmp_path, 2, since=now - 2)
     assert not rankfiles.gone(tmp_path, 3, since=now - 2)
     assert not rankfiles.gone(tmp_path, 4)  # no heartbeat: unknown
+
+
+_SLOW_DUMPER = """
+import faulthandler, io, json, os, signal, socket, sys, tempfile, threading, time
+out = sys.argv[1]
+main = threading.main_thread().ident
+threading.Thread(target=threading.Event().wait, daemon=True).start()  # a second thread
+
+def answer(signum, frame):
+    # faulthandler's own dump, written as a loaded host may write it: the other threads,
+    # then (after a pause longer than the reader's poll) the main thread, which it puts last.
+    with tempfile.TemporaryFile("w+") as f:
+        faulthandler.dump_traceback(f, all_threads=True)
+        f.seek(0)
+        text = f.read()
+    cut = text.index("Current thread")
+    with open(f"{out}/stacks/.rank-0.dump", "a") as dump:
+        dump.write(text[:cut]); dump.flush()
+        time.sleep(1.0)
+        dump.write(text[cut:])
+
+signal.signal(signal.SIGUSR1, answer)
+open(f"{out}/ranks/rank-0.json", "w").write(json.dumps({
+    "rank": 0, "host": socket.gethostname(), "pid": os.getpid(), "step": 3,
+    "phase": "forward", "since": time.time(), "written": time.time(),
+    "main_thread": f"0x{main:016x}"}))
+
+def stuck_in_forward():
+    while True:
+        time.sleep(0.05)
+
+stuck_in_forward()
+"""
+
+
+def test_a_dump_written_in_pauses_is_read_once_its_main_thread_is_in(tmp_path: Path) -> None:
+    """`python -m train.stacks` shows a rank's main thread even where the rank's dump pauses
+    between threads for longer than the reader's poll (a loaded host; seen in CI as the
+    watchdog's stack shown for rank 0)."""
+    from train.launch import inspect
+
+    for folder in (rankfiles.RANKS_DIR, rankfiles.STACKS_DIR):
+        (tmp_path / folder).mkdir()
+    rank = subprocess.Popen([sys.executable, "-c", _SLOW_DUMPER, str(tmp_path)])
+    try:
+        deadline = time.monotonic() + 30
+        while not rankfiles.beat_path(tmp_path, 0).exists():
+            assert time.monotonic() < deadline and rank.poll() is None, "the rank never started"
+            time.sleep(0.05)
+        shown = inspect.dump(tmp_path, None)
+    finally:
+        rank.kill()
+        rank.wait()
+    assert shown.startswith("rank 0: "), shown
+    assert "stuck_in_forward" in shown, shown

@@ -113,6 +113,7 @@ def dump(out: Path, slurm_job: str | None) -> str:
                         slurm_job], capture_output=True, timeout=30)
     deadline = time.monotonic() + ANSWER_S
     answered: dict[int, list[stacks.Frame]] = {}
+    partial: dict[int, str] = {}
     seen = dict(sizes)
     while len(answered) < len(ranks) and time.monotonic() < deadline:
         time.sleep(0.3)
@@ -120,8 +121,16 @@ def dump(out: Path, slurm_job: str | None) -> str:
             size = _size(rankfiles.dump_path(out, r))
             if sizes[r] < size == seen[r]:  # it grew, and has stopped growing: dumped
                 text = _new_text(rankfiles.dump_path(out, r), sizes[r])
-                answered[r] = stacks.main_frames(text, ranks[r].get("main_thread"))
+                main = ranks[r].get("main_thread")
+                # faulthandler writes the main thread last; on a loaded host its writes can
+                # pause for longer than a poll, and a dump without it is not the answer yet.
+                if main is None or main in stacks.parse(text):
+                    answered[r] = stacks.main_frames(text, main)
+                else:
+                    partial[r] = text
             seen[r] = size
+    for r, text in partial.items():  # the deadline came first: the threads it did write
+        answered.setdefault(r, stacks.main_frames(text, ranks[r].get("main_thread")))
     missing = [f"rank {r} on {ranks[r]['host']} did not answer the stack request"
                f"{stacks.process_state(ranks[r])}" for r in ranks if r not in answered]
     return "\n\n".join([stacks.grouped(answered), *missing]).strip()
