@@ -195,6 +195,7 @@ def test_a_failing_rank_ends_the_job_promptly(cluster: None, store: dict[str, st
     assert f": the training job failed; {error}" in result.stderr
     assert (f"hydra.sweep.dir={tmp_path / 'sweep'} hydra.sweep.subdir=0" in result.stderr
             and "+cluster=slurm" in result.stderr.split("  resume: ")[-1])
+    assert f"  run: MLflow run {run.info.run_id}; view it: " in result.stderr
     assert "Traceback" not in result.stderr and "last 40 lines" not in result.stderr
     log = (out / "train.log").read_text()
     assert "[rank 3] traceback of its error:" in log and "FailureDrill" in log

@@ -17,11 +17,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mlflow import MlflowClient
 
 from tests.conftest import REPO, USER_PATH, history, run_train, runs_in, skip_or_fail, wait_until
+from train.tracking.store import how_to_view
 
 TIMEOUT_S = 10
 ENDS_WITHIN_S = TIMEOUT_S + 30
@@ -195,13 +197,15 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_in_the_terminal(
     assert re.fullmatch(r"error: the training job failed; rank 0 on \S+: DiskFull: No space "
                         r"left on device: the checkpoint .* needs \d+ bytes and .* has \d+ "
                         r"free", block[0]), block
+    [run] = runs_in(store["MLFLOW_TRACKING_URI"])
     assert block[1:] == [
         f"  kept: {out}/checkpoints/step-000000023.pt (step 23), the newest checkpoint",
         f"  resume: python -m train {' '.join(overrides)} hydra.run.dir={out}",
+        f"  run: MLflow run {run.info.run_id}; view it: {_view(store, run)}",
         f"  tracebacks: {out}/train.log"]
     assert not re.search(r"Traceback|c10d|Broken pipe|frame #", result.stderr), result.stderr
+    assert result.stderr.count("No space left on device") == 1  # the block's, not rank 0's too
     assert "Traceback" in (out / "train.log").read_text()
-    [run] = runs_in(store["MLFLOW_TRACKING_URI"])
     assert run.info.status == "FAILED" and "DiskFull" in run.data.tags["error"]
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-000000023.pt"]
 
@@ -222,6 +226,10 @@ def test_a_straggler_is_named_in_a_warning_and_a_tag(store: dict[str, str],
     [run] = runs_in(store["MLFLOW_TRACKING_URI"])
     assert run.data.tags["straggler"] == named.group(0)
     assert result.stderr.count("is a straggler") == 1  # named once, by rank 0
+
+
+def _view(store: dict[str, str], run: Any) -> str:
+    return how_to_view(store["MLFLOW_TRACKING_URI"], run.info.experiment_id, run.info.run_id)
 
 
 def _failure_block(stderr: str) -> list[str]:
@@ -254,19 +262,21 @@ def test_a_user_exception_shows_its_own_frames_and_the_printed_command_resumes(
     assert frames[0].startswith('File "') and "torch/utils/data/_utils/fetch.py" in frames[0]
     assert frames[1:] == [f'File "{REPO}/tests/userpkg/data.py", line {decode}, in __getitem__',
                           f'File "{REPO}/tests/userpkg/data.py", line {raised}, in _decode']
-    assert block[-4].startswith("  ValueError: sample ") and "Traceback" not in block[0]
-    assert block[-3] == (f"  kept: {out}/checkpoints/step-000000006.pt (step 6), the newest "
+    assert block[-5].startswith("  ValueError: sample ") and "Traceback" not in block[0]
+    assert block[-4] == (f"  kept: {out}/checkpoints/step-000000006.pt (step 6), the newest "
                          "checkpoint")
+    [failed] = runs_in(store["MLFLOW_TRACKING_URI"])
+    assert block[-2] == (f"  run: MLflow run {failed.info.run_id}; view it: "
+                         f"{_view(store, failed)}")
     assert block[-1] == f"  tracebacks: {out}/train.log"
     log = (out / "train.log").read_text()
     whole = log.split("[rank 1] traceback of its error:\n")[1].split("\n[")[0]
     assert "in run_rank" in whole and "in _decode" in whole  # the whole traceback
-    [failed] = runs_in(store["MLFLOW_TRACKING_URI"])
     logged = MlflowClient(store["MLFLOW_TRACKING_URI"]).download_artifacts(
         failed.info.run_id, "train.log", str(tmp_path))
     assert whole in Path(logged).read_text()  # and in the run
     assert failed.info.status == "FAILED" and failed.data.tags["error"] == block[0].split("; ")[1]
-    command = shlex.split(block[-2].removeprefix("  resume: "))
+    command = shlex.split(block[-3].removeprefix("  resume: "))
     assert command[:3] == ["python", "-m", "train"]
     assert json.loads((out / "failure.json").read_text())["cause"] == block[0].split("; ")[1]
     resumed = run_train(*command[3:], env={**store, **USERPKG}, timeout=ENDS_WITHIN_S + 60)

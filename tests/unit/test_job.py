@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import platform
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -61,6 +62,9 @@ def test_train_in_process_records_one_complete_run(tmp_path: Path, no_launcher_e
     assert "s3cret-password" not in "\n".join(said)
     assert mlflow_run.data.params["data.num_train"] == "77"
     assert mlflow_run.data.tags["world_size"] == "1"
+    # distributed.keep_host_memory (default true) as glibc took it; other libcs: their defaults.
+    kept = platform.libc_ver()[0] == "glibc"
+    assert mlflow_run.data.tags["host_memory"] == ("kept" if kept else "allocator defaults")
     summary = json.loads((out / "summary.json").read_text())
     assert summary["run_id"] == run_id
     assert summary["metrics"]["val/accuracy"] == objective

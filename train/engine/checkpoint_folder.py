@@ -57,8 +57,7 @@ def save(folder: Path, state: dict[str, Any], keep: int) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"step-{state['step']:09d}.pt"
     payload = safewrite.serialised(state)
-    for stale in folder.glob("step-*.tmp"):  # left by a crash mid-write: space nobody uses
-        sharded.remove(stale)  # a file, or a sharded checkpoint's directory (FSDP before)
+    sharded.clear_leftovers(folder)
     safewrite.make_room(folder, len(payload), _files(candidates(folder)[1:]),
                         f"checkpoint {path}")
     safewrite.write_atomically(path, payload)

@@ -163,7 +163,7 @@ def run_rank(config: dict[str, Any], output_dir: str, command: str, own_process:
         # As torchrun does: ranks sharing a node share its CPUs instead of each taking all.
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // env.local_world_size))
     cfg: TrainConfig = to_typed(config)
-    devices.keep_host_memory(cfg.distributed.keep_host_memory)
+    kept = devices.keep_host_memory(cfg.distributed.keep_host_memory)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)  # Hydra makes it; torchrun or a test may not
     device = distributed.select_device(cfg.distributed.device, env.local_rank,
@@ -173,7 +173,7 @@ def run_rank(config: dict[str, Any], output_dir: str, command: str, own_process:
                         cfg.data.batch_size)
     logger = RunLogger(cfg, tracking.open_run(cfg.tracking, out, env.is_main), progress)
     logger.output_dir = str(out)
-    job = Job(cfg, config, env, out, command, device, backend, drill.fail_at(env.rank, out))
+    job = Job(cfg, config, env, out, command, device, backend, drill.fail_at(env.rank, out), kept)
     ending = JobEnding(cfg, env, out, command, logger)
     try:  # from the process group on: a job that fails in it has ended too (sweep, below)
         distributed.init(env, backend, device, cfg.distributed.timeout_s)

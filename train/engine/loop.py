@@ -202,7 +202,7 @@ def train_epoch(cfg: TrainConfig, state: TrainState, batches: Batches, device: t
         if state.step == 1:
             duties.logger.first_step()
         drill.check(duties.fail_at, state.step, duties.rank)
-        if state.step % every == 0:
+        if logs:  # (state.step is now the step `logs` was decided for)
             _log_step(state, duties, totals, sum(step_losses[1:], step_losses[0]) / step_items,
                       (time.perf_counter() - window_start) / window_steps, end, count)
             window_start, window_steps = time.perf_counter(), 0

@@ -52,6 +52,8 @@ class Job:
     backend: str
     fail_at: int | None = None
     """This rank's failure drill (train/engine/drill.py, TRAIN_FAIL_DRILL); None = none."""
+    host_memory_kept: bool = False
+    """Whether distributed.keep_host_memory took effect in this rank (glibc only)."""
 
 
 @dataclass(frozen=True)
@@ -66,8 +68,9 @@ class Prepared:
     duties: loop.Duties
 
 
-def _rank_info(device: torch.device) -> dict[str, str]:
-    return {"host": socket.gethostname(), "device": device_name(device)}
+def _rank_info(job: Job) -> dict[str, str]:
+    return {"host": socket.gethostname(), "device": device_name(job.device),
+            "host_memory": "kept" if job.host_memory_kept else "allocator defaults"}
 
 
 def _previous_run(cfg: TrainConfig, out: Path,
@@ -93,8 +96,10 @@ def _start_run(job: Job, logger: RunLogger) -> checkpoint_folder.Resumed | None:
         checkpoint_match.check_compatible(resumed, job.config, job.env.world_size)
     # The run exists before anything that can fail on one node (data, model): such a failure
     # then shows in MLflow as a FAILED run with the failing rank's error.
-    ranks = distributed.gather_to_all(_rank_info(job.device))
+    ranks = distributed.gather_to_all(_rank_info(job))
+    # Applied silently and by glibc only: the run says whether each rank's setting took.
     tags = {"command": job.command, "output_dir": str(out),
+            "host_memory": ",".join(sorted({r["host_memory"] for r in ranks})),
             **slurm.slurm_tags([r["host"] for r in ranks])}
     logger.start(job.config, ranks, job.env, job.backend, tags, OmegaConf.to_yaml(job.config),
                  _previous_run(cfg, out, resumed))

@@ -74,8 +74,7 @@ def begin(folder: Path, step: int, module: nn.Module, optimizer: torch.optim.Opt
     unfinished = Unfinished(path_for(folder, step), meta)
     if meta is not None:
         folder.mkdir(parents=True, exist_ok=True)
-        for stale in folder.glob("step-*.tmp"):  # a crash's leftovers, of either kind
-            remove(stale)
+        clear_leftovers(folder)
     dist.barrier()  # the folder is clean before anyone writes
     model_sd, optim_sd = get_state_dict(module, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
@@ -198,6 +197,14 @@ def remove(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
+
+
+def clear_leftovers(folder: Path) -> None:
+    """Remove what a crash mid-save left, `step-*.tmp` of either kind (a single-file save's
+    file, a sharded save's directory: an FSDP job resumed as DDP finds the latter): space
+    nobody uses, and a name the next save may need."""
+    for stale in folder.glob("step-*.tmp"):
+        remove(stale)
 
 
 def size(path: Path) -> int:

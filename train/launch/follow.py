@@ -194,8 +194,9 @@ def report_finished(returns: Sequence[Any]) -> None:
 
 
 def run_error(job: Any) -> str | None:
-    """The root cause rank 0 recorded on the run ("MLflow run X marked FAILED: ..."): it can
-    lie above the last lines of a log, under the tracebacks that followed it."""
+    """The cause a node's launcher recorded on the run for a rank 0 that died without a word
+    (cluster.ranks=per_node; "MLflow run X marked FAILED: ...", train/tracking/abandoned.py):
+    it can lie above the last lines of a log, under the tracebacks that followed it."""
     path = job.task(0).paths.stderr
     text = path.read_text(errors="replace") if path.exists() else ""
     found = [line for line in text.splitlines() if "marked FAILED:" in line]
@@ -241,4 +242,4 @@ def _failure_block(job: Any, where: JobPlace | None, since: float) -> str | None
     if at < since:
         return None
     return failure_block(cause, where.out, where.command, record.get("trace"), where.placed,
-                         logs=f"{_log_paths(job)[0].parent}/")
+                         logs=f"{_log_paths(job)[0].parent}/", since=since)

@@ -60,6 +60,7 @@ def run_in_process(config: dict[str, Any], output_dir: str, command: str) -> dic
            distenv.LAUNCHER_VAR: distenv.LOCAL}
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
+    started = time.time()
     try:
         from train.engine import job, ranklog
 
@@ -72,7 +73,8 @@ def run_in_process(config: dict[str, Any], output_dir: str, command: str) -> dic
         trace = "".join(traceback.format_exception(e))
         if (reason := getattr(e, FAILURE_REASON, None)) is None:  # before its run could end
             raise JobFailedError(f"the training job failed; rank 0 failed:\n{trace}") from None
-        failed = failure(reason, Path(output_dir), command, getattr(e, USER_TRACE, None))
+        failed = failure(reason, Path(output_dir), command, getattr(e, USER_TRACE, None),
+                         since=started)
         raise JobFailedError(failed.block(), failed) from None
     finally:
         for key, value in saved.items():
@@ -133,7 +135,8 @@ def start_local_ranks(config: dict[str, Any], output_dir: str, command: str, npr
     _end_abandoned_run(output_dir, started, exits, results, stopped,
                        {ranks[local]: p.pid for local, p in enumerate(procs)})
     cause = root_cause(exits, results, stopped)
-    failed = failure(cause, Path(output_dir), command, root_trace(results, cause))
+    failed = failure(cause, Path(output_dir), command, root_trace(results, cause),
+                     since=started)
     raise JobFailedError(failed.block(), failed)
 
 

@@ -111,23 +111,28 @@ class Failure:
 
 
 def failure_block(cause: str, out: Path, command: str, trace: str | None = None,
-                  placed: list[str] | None = None, logs: str | None = None) -> str:
+                  placed: list[str] | None = None, logs: str | None = None,
+                  since: float | None = None) -> str:
     """`failure(...)`'s block, as the terminal shows it."""
-    return failure(cause, out, command, trace, placed, logs).block()
+    return failure(cause, out, command, trace, placed, logs, since).block()
 
 
 def failure(cause: str, out: Path, command: str, trace: str | None = None,
-            placed: list[str] | None = None, logs: str | None = None) -> Failure:
+            placed: list[str] | None = None, logs: str | None = None,
+            since: float | None = None) -> Failure:
     """A failed job: the cause, the user's traceback, what was kept and the command that
     continues the job (trainer.resume=auto, the default, in the same output directory: the
-    same MLflow run). `placed`: the overrides that put a job in `out` (a Slurm job's sweep
-    directory and subdirectory; hydra.run.dir for a local one); `logs`: where its ranks'
-    own logs are, besides train.log."""
+    same MLflow run), where its run and tracebacks are. `placed`: the overrides that put a job
+    in `out` (a Slurm job's sweep directory and subdirectory; hydra.run.dir for a local one);
+    `logs`: where its ranks' own logs are, besides train.log; `since`: when this start of the
+    job began (the run it recorded since then is named)."""
     where = f"tracebacks: {out / 'train.log'}" + (f"; each rank's log: {logs}" if logs else "")
+    run = _run_line(out, since) if since is not None else None
+    tail = (where,) if run is None else (run, where)
     kept = newest_checkpoint(out)
     if _finished_training(out, kept):  # only its run's end did not reach the store
         return Failure(cause, trace, (f"kept: the finished training: {out / 'summary.json'}, "
-                                      "the weights and checkpoints beside it", where))
+                                      "the weights and checkpoints beside it", *tail))
     words = [w for w in command.split()[3:] if not w.startswith(_PLACING)]
     if kept is not None:  # it resumes from its own checkpoint, not from where it began
         words = [w for w in words if not w.startswith("trainer.resume=")]
@@ -135,9 +140,22 @@ def failure(cause: str, out: Path, command: str, trace: str | None = None,
                       *map(shlex.quote, placed or [f"hydra.run.dir={out}"])])
     if kept is None:
         return Failure(cause, trace, ("kept: nothing: no checkpoint yet",
-                                      f"start again: {again}", where))
+                                      f"start again: {again}", *tail))
     return Failure(cause, trace, (f"kept: {kept[0]} (step {kept[1]}), the newest checkpoint",
-                                  f"resume: {again}", where))
+                                  f"resume: {again}", *tail))
+
+
+def _run_line(out: Path, since: float) -> str | None:
+    """The job's MLflow run and how to view it, where this start of the job made or continued
+    one (its status is the run's own: FAILED, or RUNNING where its end did not reach the
+    store)."""
+    from train.tracking.abandoned import recorded_run
+    from train.tracking.store import how_to_view
+
+    if (run := recorded_run(out, since)) is None:
+        return None
+    return (f"run: MLflow run {run['run_id']}; view it: "
+            f"{how_to_view(run['tracking_uri'], run['experiment_id'], run['run_id'])}")
 
 
 def _finished_training(out: Path, kept: tuple[Path, int] | None) -> bool:

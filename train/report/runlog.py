@@ -214,7 +214,8 @@ class RunLogger:
             log.info("MLflow run %s FINISHED  %s\n  view it: %s", run_id, shown,
                      how_to_view(self.run.uri, self.run.experiment_id, run_id))
         elif run_id:
-            log.error("MLflow run %s marked FAILED: %s", run_id, error)
+            # The cause is the run's `error` tag; the launcher's block shows it with the run.
+            log.error("MLflow run %s marked FAILED", run_id)
 
     def _undelivered(self) -> str:
         run = self.run

@@ -23,12 +23,18 @@ ERROR_TAG = "error"
 def job_run(output_dir: Path, since: float) -> tuple[str, str] | None:
     """(tracking URI, run id) of the run this start of the job logs to: mlflow_run.json written
     at or after `since` (time.time()); None without tracking or before rank 0 made the run."""
+    recorded = recorded_run(output_dir, since)
+    return (recorded["tracking_uri"], recorded["run_id"]) if recorded else None
+
+
+def recorded_run(output_dir: Path, since: float) -> dict[str, str] | None:
+    """mlflow_run.json (run_id, experiment_id, tracking_uri) if written at or after `since`."""
     path = Path(output_dir) / RUN_FILE
     try:
         if path.stat().st_mtime < since:
             return None  # an earlier start's run, not touched by this one
         recorded = json.loads(path.read_text())
-        return str(recorded["tracking_uri"]), str(recorded["run_id"])
+        return {key: str(recorded[key]) for key in ("run_id", "experiment_id", "tracking_uri")}
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
