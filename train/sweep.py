@@ -1,12 +1,16 @@
-"""`python -m train.sweep status|resume <sweep dir>`: an Optuna sweep's trials from its study,
-and a sweep whose driver died continued.
+"""`python -m train.sweep status|resume <sweep dir>`: a sweep's jobs or trials, and a sweep
+continued where it stopped.
 
-Both read <sweep dir>/sweep.json, which the sweeper wrote when it began (train/launch/study.py):
-the study's storage and name, and the command that started the sweep. `resume` runs that
-command again with the same hydra.sweep.dir: the sweeper loads the study (finished trials stay
-finished and count), waits for trials an earlier driver left running while their heartbeat is
-fresh, fails those whose job is gone and asks their parameters again, and goes on until
-n_trials trials have ended, under the same parent MLflow run.
+Both read <sweep dir>/sweep.json, written once the sweep's jobs passed their pre-flight
+(train/tracking/sweep.py; an Optuna search's also names its study, train/launch/study.py): the
+command that started the sweep and its parent run. `resume` runs that command again with the
+same hydra.sweep.dir, under the same parent MLflow run:
+- a grid sweep (a=1,2 b=x,y): each finished job stays as it is (it ends at once, "finished
+  already"), each failed, stopped or never-started job resumes from its checkpoints into its
+  own run - after a failure, a node lost, a sweep stopped with Ctrl-C;
+- an Optuna search: the sweeper loads the study (finished trials stay finished and count),
+  waits for trials an earlier driver left running while their heartbeat is fresh, fails those
+  whose job is gone and asks their parameters again, and goes on until n_trials have ended.
 """
 
 from __future__ import annotations
@@ -33,15 +37,17 @@ def __getattr__(name: str) -> object:
 def _record(sweep_dir: Path) -> dict[str, Any]:
     path = sweep_dir / "sweep.json"
     if not path.is_file():
-        raise SystemExit(f"error: {path} does not exist: not the directory of an Optuna sweep "
-                         f"of this project (hydra.sweep.dir)")
+        raise SystemExit(f"error: {path} does not exist: not the directory of a sweep of this "
+                         "project that started its jobs with tracking on (hydra.sweep.dir)")
     return json.loads(path.read_text())
 
 
 def status(sweep_dir: Path) -> int:
+    record = _record(sweep_dir)
+    if "storage" not in record:
+        return _grid_status(sweep_dir, record)
     from train.engine.trial import load_study
 
-    record = _record(sweep_dir)
     study = load_study(f"{record['storage']}::{record['study_name']}")
     trials = study.get_trials(deepcopy=False)
     print(f"study {record['study_name']!r} in {record['storage']}: {len(trials)} of "
@@ -60,9 +66,50 @@ def status(sweep_dir: Path) -> int:
     return 0
 
 
+def _grid_status(sweep_dir: Path, record: dict[str, Any]) -> int:
+    """Each job directory's state as its files tell it (no store needed): FINISHED (its
+    summary.json, newer than any failure.json), FAILED (failure.json), else not finished."""
+    print(f"sweep {sweep_dir}: parent MLflow run {record.get('parent_run_id')}")
+    states: list[str] = []
+    jobs = [p for p in sweep_dir.iterdir() if (p / "mlflow_run.json").exists()
+            or (p / "train.log").exists()]
+    for job in sorted(jobs, key=lambda p: (not p.name.isdigit(), int(p.name) if
+                                           p.name.isdigit() else 0, p.name)):
+        state, note = _job_state(job)
+        states.append(state)
+        run = _json(job / "mlflow_run.json").get("run_id", "-")
+        print(f"{job.name:>5}  {state:<12}  run {run}{note}")
+    print("  ".join(f"{s}: {states.count(s)}" for s in sorted(set(states))))
+    if any(s != "FINISHED" for s in states):
+        print(f"resume the others: python -m train.sweep resume {sweep_dir}")
+    return 0
+
+
+def _job_state(job: Path) -> tuple[str, str]:
+    summary, failure = job / "summary.json", job / "failure.json"
+    if summary.exists() and (not failure.exists()
+                             or summary.stat().st_mtime >= failure.stat().st_mtime):
+        return "FINISHED", ""
+    if failure.exists():
+        return "FAILED", f"  {_json(failure).get('cause', '')}"
+    return "not finished", "  (running, stopped or killed)"
+
+
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
 def resume(sweep_dir: Path) -> int:
     record = _record(sweep_dir)
-    argv = [*record["argv"], f"hydra.sweep.dir={sweep_dir.resolve()}"]
+    # Followed to its end even if first submitted unwaited: the last job to end would end the
+    # parent, and the jobs still to run again are FAILED runs that look ended already.
+    argv = [("cluster.wait=true" if a.lower() == "cluster.wait=false" else a)
+            for a in record["argv"]]
+    argv.append(f"hydra.sweep.dir={sweep_dir.resolve()}")
     print("resuming:", " ".join(argv[1:]), flush=True)
     return subprocess.call(argv, cwd=record.get("cwd") or os.getcwd())
 

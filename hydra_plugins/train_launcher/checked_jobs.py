@@ -97,8 +97,20 @@ def with_ids(launcher: Any, job_overrides: Sequence[Sequence[str]],
     return [[*o, *handed] for o in job_overrides], parent
 
 
+def resume_hint(launcher: Any) -> str | None:
+    """The one command that continues a sweep whose jobs did not all finish (its sweep.json:
+    a sweep with tracking), or None."""
+    from train.tracking.sweep import SWEEP_FILE
+
+    sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
+    if not (sweep_dir / SWEEP_FILE).is_file():
+        return None
+    return ("to run the jobs that did not finish again, each into its own run (the finished "
+            f"ones stay): python -m train.sweep resume {sweep_dir}")
+
+
 def report_failed_jobs(results: Sequence[Any], job_overrides: Sequence[Sequence[str]],
-                       initial_job_idx: int) -> None:
+                       initial_job_idx: int, hint: str | None = None) -> None:
     """A local sweep whose jobs failed or were stopped (Ctrl-C, `kill`) ends here, with a line
     per such job - its cause, the job named by its number and the user's overrides - and what
     it kept and how to resume it, then the exit code of the first, instead of Hydra's "Error
@@ -123,6 +135,8 @@ def report_failed_jobs(results: Sequence[Any], job_overrides: Sequence[Sequence[
     if unstarted:
         lines.append(f"jobs #{', #'.join(map(str, unstarted))} not started: the sweep was "
                      f"stopped by {stopped.signal_name}")  # type: ignore[union-attr]
+    if hint is not None:
+        lines.append(hint)
     print("\n" + "\n".join(lines) + "\n", file=sys.stderr, flush=True)
     raise SystemExit((stopped or failed[0][2]).exit_code)
 

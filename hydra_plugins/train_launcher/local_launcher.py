@@ -38,5 +38,6 @@ class TrainLocalLauncher(BasicLauncher):
             experiment_id = checked_jobs.preflight_jobs(configs)
         handed, _ = checked_jobs.with_ids(self, job_overrides, experiment_id)
         results = super().launch(handed, initial_job_idx)
-        checked_jobs.report_failed_jobs(results, job_overrides, initial_job_idx)
+        checked_jobs.report_failed_jobs(results, job_overrides, initial_job_idx,
+                                        checked_jobs.resume_hint(self))
         return results

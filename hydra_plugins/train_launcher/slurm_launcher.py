@@ -96,6 +96,8 @@ class TrainSlurmLauncher(SlurmLauncher):
             jobs, outcomes.failed, lambda i: self._place(job_overrides[i], initial_job_idx + i,
                                                          jobs[i].job_id), submitted_at)
         if outcomes.failed or outcomes.stopped:
+            if len(jobs) > 1 and (hint := checked_jobs.resume_hint(self)) is not None:
+                print(hint, file=sys.stderr, flush=True)
             raise SystemExit(1)
         return outcomes.returns
 

@@ -272,6 +272,19 @@ def test_an_unwaited_sweep_whose_jobs_fail_ends_its_parent_failed(
     assert parent.data.metrics["sweep/failed_children"] == 2
     assert parent.data.metrics["sweep/children"] == 1
 
+    # One command runs both again under the same parent, and follows them to their end.
+    resumed = run_train("resume", str(tmp_path / "sweep"), module=("-m", "train.sweep"),
+                        env=store, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "cluster.wait=true" in resumed.stdout and "COMPLETED" in resumed.stdout
+    [again] = [r for r in runs_in(uri) if r.data.tags.get("sweep") == "true"]
+    assert again.info.run_id == parent.info.run_id and again.info.status == "FINISHED"
+    assert again.data.metrics["sweep/failed_children"] == 0
+    assert again.data.metrics["sweep/children"] == 2
+    children = {r.info.run_id: r for r in runs_in(uri)
+                if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
+    assert children[child.info.run_id].info.status == "FINISHED"  # the same run, continued
+
 
 def _attempts(tmp_path: Path) -> str:
     logs = sorted((tmp_path / "sweep" / ".submitit").glob("*/*_0_log.err"))

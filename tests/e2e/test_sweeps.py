@@ -88,6 +88,7 @@ def test_a_failing_job_does_not_stop_the_sweep(store: dict[str, str], tmp_path: 
     [job1] = [line for line in said if line.startswith("job #1 ")]
     assert job1.startswith("job #1 (optim.lr=0.05 ") and "FailureDrill" in job1
     assert "Traceback" not in result.stderr and "Error executing job" not in result.stderr
+    assert said[-1].endswith(f": python -m train.sweep resume {tmp_path}/sweep"), said
     parent, children = parent_and_children(store["MLFLOW_TRACKING_URI"])
     statuses = sorted(c.info.status for c in children)
     assert statuses == ["FAILED", "FINISHED"]  # ...after running every job
@@ -98,6 +99,28 @@ def test_a_failing_job_does_not_stop_the_sweep(store: dict[str, str], tmp_path: 
     assert f"{tmp_path}/sweep/0: " in no_run and "failing on purpose at step 0" in no_run
     assert parent.info.status == "FAILED"
     assert parent.data.metrics["sweep/failed_children"] == 2
+
+    # The sweep continued in its directory: the failed jobs run again, the finished one not.
+    sweep_dir = tmp_path / "sweep"
+    status = run_train("status", str(sweep_dir), module=("-m", "train.sweep"))
+    assert status.returncode == 0, status.stderr
+    assert [line.split()[:2] for line in status.stdout.splitlines()[1:4]] == [
+        ["0", "FAILED"], ["1", "FAILED"], ["2", "FINISHED"]], status.stdout
+    finished = next(c for c in children if c.info.status == "FINISHED")
+    resumed = run_train("resume", str(sweep_dir), module=("-m", "train.sweep"), env=store,
+                        timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "finished already" in resumed.stderr
+    parent_again, children = parent_and_children(store["MLFLOW_TRACKING_URI"])
+    assert parent_again.info.run_id == parent.info.run_id  # the same parent, one run per job
+    assert parent_again.info.status == "FINISHED"
+    assert parent_again.data.metrics["sweep/failed_children"] == 0
+    assert parent_again.data.metrics["sweep/children"] == 3
+    assert not [k for k in parent_again.data.tags if k.startswith("sweep.no_run.")]
+    by_id = {c.info.run_id: c for c in children}
+    assert by_id[failed.info.run_id].info.status == "FINISHED"  # job 1 went on in its run
+    uri = store["MLFLOW_TRACKING_URI"]
+    assert history(uri, finished.info.run_id, "val/samples") == [(1, 359.0)]  # not retrained
 
 
 def test_optuna_sweep_optimises_the_returned_objective(store: dict[str, str],
@@ -156,10 +179,11 @@ def test_a_stopped_sweep_starts_no_further_job(store: dict[str, str], tmp_path: 
     # for those not started, no Hydra report, no traceback.
     assert proc.returncode == 128 + getattr(signal, name), stderr_text
     said = stderr_text.strip().splitlines()
-    assert said[-2] == (f"job #0 (optim.lr=0.1 trainer.epochs=200 tracking.log_model=False): "
+    assert said[-3] == (f"job #0 (optim.lr=0.1 trainer.epochs=200 tracking.log_model=False): "
                         f"stopped by {name} after saving a checkpoint in {first}/checkpoints; "
                         f"the same command with hydra.run.dir={first} resumes it"), stderr_text
-    assert said[-1] == f"jobs #1, #2 not started: the sweep was stopped by {name}"
+    assert said[-2] == f"jobs #1, #2 not started: the sweep was stopped by {name}"
+    assert said[-1].endswith(f"(the finished ones stay): python -m train.sweep resume {sweep_dir}")
     assert "Traceback" not in stderr_text and "Error executing job" not in stderr_text
     assert stderr_text.count("training on 1 rank(s)") == 1  # the other jobs never trained
     for later in ("1", "2"):  # Hydra made their directories; nothing ran in them

@@ -21,9 +21,9 @@ from typing import Any
 
 from train.engine import trial as trial_lib
 from train.errors import ConfigError
+from train.tracking.sweep import SWEEP_FILE
 
 JOURNAL = "optuna.journal"
-SWEEP_FILE = "sweep.json"
 FINISHED = ("COMPLETE", "PRUNED", "FAIL")
 PARENT_ATTR = "parent_run_id"
 

@@ -58,6 +58,22 @@ def log_values(uri: str, run_id: str, metrics: Mapping[str, float] | None = None
         tags=[(k, str(v)) for k, v in (tags or {}).items()]))
 
 
+def reopen_run(uri: str, run_id: str, experiment_id: str, drop_prefix: str) -> bool:
+    """A resumed sweep's parent RUNNING again, its tags starting with `drop_prefix` removed;
+    False where the store no longer holds it in `experiment_id` (deleted, another store)."""
+    mlflow_client = one_try_client(uri)
+    try:
+        run = mlflow_client.get_run(run_id)
+    except Exception:  # noqa: BLE001 - gone (or never in this store): a new parent then
+        return False
+    if str(run.info.experiment_id) != str(experiment_id) or run.info.lifecycle_stage != "active":
+        return False
+    for key in [k for k in run.data.tags if k.startswith(drop_prefix)]:
+        mlflow_client.delete_tag(run_id, key)
+    mlflow_client.update_run(run_id, status="RUNNING")
+    return True
+
+
 def end_run(uri: str, run_id: str, status: str) -> None:
     one_try_client(uri).set_terminated(run_id, status)
 

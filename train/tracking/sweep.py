@@ -18,7 +18,11 @@ Every MLflow request goes through train/tracking/parent_run.py (one request each
 from __future__ import annotations
 
 import atexit
+import json
 import logging
+import os
+import sys
+from pathlib import Path
 from typing import Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -36,6 +40,10 @@ NO_RUN_TAG = "sweep.no_run."
 """On a sweep's parent, one per job that failed before its own run existed (the key ends in a
 digest of the job's output directory, the value says which and why): it has ended, failed."""
 
+
+SWEEP_FILE = "sweep.json"
+"""In the sweep directory: the command that started the sweep (`python -m train.sweep resume`
+runs it again there) and its parent run, which a resumed sweep continues."""
 
 PRUNED_TAG = "pruned_at"
 """On a job the sweep's pruner stopped (train/engine/trial.py): the epoch it stopped after."""
@@ -164,6 +172,15 @@ def tag_unwaited_jobs(cfg: TrackingConfig, parent_run_id: str, jobs: int) -> Non
     parent_run.log_values(resolve_uri(cfg), parent_run_id, tags={JOBS_TAG: str(jobs)})
 
 
+def read_sweep_file(sweep_dir: Path) -> dict[str, Any]:
+    """<sweep dir>/sweep.json, or {} where there is none (or it is unreadable)."""
+    try:
+        record = json.loads((sweep_dir / SWEEP_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
 def find_callback(hydra_context: Any) -> ParentRunCallback | None:
     """The sweep callback among Hydra's callbacks (what a launcher asks for the parent)."""
     callbacks = getattr(getattr(hydra_context, "callbacks", None), "callbacks", [])
@@ -197,11 +214,49 @@ class ParentRunCallback(Callback):
         if self.settings is None:
             return None
         if self.parent_run_id is None:
-            tags = {"sweep": "true", "sweep.dir": self.sweep_dir,
-                    "sweep.overrides": self.overrides}
-            self.parent_run_id = start_parent_run(self.settings[0], experiment_id, tags)
-            log.info("sweep parent run %s in experiment %s", self.parent_run_id, experiment_id)
+            self.parent_run_id = self._continued(experiment_id)
+            if self.parent_run_id is None:
+                tags = {"sweep": "true", "sweep.dir": self.sweep_dir,
+                        "sweep.overrides": self.overrides}
+                self.parent_run_id = start_parent_run(self.settings[0], experiment_id, tags)
+                log.info("sweep parent run %s in experiment %s", self.parent_run_id,
+                         experiment_id)
+            self._record()
         return self.parent_run_id
+
+    def _continued(self, experiment_id: str) -> str | None:
+        """The parent of the same sweep run again in its directory (`python -m train.sweep
+        resume`): its finished jobs stay its children, its failed ones continue their runs
+        under it. Another sweep's overrides in the same directory get a parent of their own."""
+        from train.tracking import parent_run, resolve_uri
+
+        assert self.settings is not None
+        earlier = read_sweep_file(Path(self.sweep_dir))
+        run_id = earlier.get("parent_run_id")
+        if not run_id or earlier.get("sweep") != self._identity() or not \
+                parent_run.reopen_run(resolve_uri(self.settings[0]), run_id, experiment_id,
+                                      NO_RUN_TAG):
+            return None
+        log.info("sweep parent run %s continued: the sweep's finished jobs stay finished, "
+                 "the others resume", run_id)
+        return str(run_id)
+
+    def _identity(self) -> str:
+        """What makes the same sweep: its overrides, but for whether it is followed (`resume`
+        follows an unwaited one)."""
+        return " ".join(o for o in self.overrides.split(" ") if not o.startswith("cluster.wait="))
+
+    def _record(self) -> None:
+        """The command and the parent into sweep.json, once the jobs passed their pre-flight
+        (a refused sweep leaves no directory). A resumed sweep keeps the command that started
+        it; other overrides in the same directory are another sweep, recorded instead."""
+        path = Path(self.sweep_dir) / SWEEP_FILE
+        record = read_sweep_file(path.parent)
+        if record.get("sweep") != self._identity() or "argv" not in record:
+            record.update(argv=[sys.executable, "-m", "train", *sys.argv[1:]], cwd=os.getcwd())
+        record.update(parent_run_id=self.parent_run_id, sweep=self._identity())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=2))
 
     def left_unwaited(self, jobs: int) -> None:
         """The Slurm launcher submitted `jobs` jobs and will not see them end."""
