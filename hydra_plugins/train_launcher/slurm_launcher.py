@@ -71,35 +71,68 @@ class TrainSlurmLauncher(SlurmLauncher):
                 print(slurm.show_script(executor, len(job_overrides)))
                 raise SystemExit(0)
         job_overrides, parent = checked_jobs.with_ids(self, job_overrides, experiment_id)
+        done = self._finished_already(job_overrides, configs, initial_job_idx)
+        todo = [i for i in range(len(job_overrides)) if i not in done]
+        returns = {i: JobReturn(status=JobStatus.COMPLETED, _return_value=value)
+                   for i, value in done.items()}
+        if not todo:
+            return [returns[i] for i in range(len(job_overrides))]
         submitted_at = time.time()
-        job_params = [(o, "hydra.sweep.dir", initial_job_idx + i, f"job_id_for_{i}",
-                       self._singleton_state()) for i, o in enumerate(job_overrides)]
+        job_params = [(job_overrides[i], "hydra.sweep.dir", initial_job_idx + i,
+                       f"job_id_for_{i}", self._singleton_state()) for i in todo]
         jobs = slurm.with_all_tasks(executor, executor.map_array(
             self, *zip(*job_params, strict=True)), configs[0].cluster)
         cluster = configs[0].cluster
         slurm_follow.announce(jobs, slurm.rank_request(cluster), slurm.node_request(cluster),
                               per_node=cluster.ranks == "per_node")
         if not self.wait:
-            self._leave_unwaited(jobs, parent)
+            self._leave_unwaited(len(job_overrides), parent)
             # Completed as far as this process goes: Hydra's sweeper reads every return value.
-            return [JobReturn(status=JobStatus.COMPLETED, _return_value=None) for _ in jobs]
+            return [JobReturn(status=JobStatus.COMPLETED, _return_value=None)
+                    for _ in job_overrides]
         try:
             outcomes = slurm_follow.collect(jobs, slurm_follow.follow(jobs),
                                             slurm.elastic_tasks_per_node(cluster))
         except KeyboardInterrupt:
             # The jobs go on without us: say so, and leave a sweep's parent run to them.
-            self._leave_unwaited(jobs, parent)
+            self._leave_unwaited(len(job_overrides), parent)
             print(f"\n{slurm_follow.still_running(jobs)}", file=sys.stderr, flush=True)
             raise SystemExit(130) from None
         slurm_follow.report_finished(outcomes.returns)
         slurm_follow.report_failures(
-            jobs, outcomes.failed, lambda i: self._place(job_overrides[i], initial_job_idx + i,
-                                                         jobs[i].job_id), submitted_at)
+            jobs, outcomes.failed, lambda k: self._place(
+                job_overrides[todo[k]], initial_job_idx + todo[k], jobs[k].job_id), submitted_at)
         if outcomes.failed or outcomes.stopped:
-            if len(jobs) > 1 and (hint := checked_jobs.resume_hint(self)) is not None:
+            if len(job_overrides) > 1 and (hint := checked_jobs.resume_hint(self)) is not None:
                 print(hint, file=sys.stderr, flush=True)
             raise SystemExit(1)
-        return outcomes.returns
+        returns.update(zip(todo, outcomes.returns, strict=True))
+        return [returns[i] for i in range(len(job_overrides))]
+
+    def _finished_already(self, job_overrides: Sequence[Sequence[str]], configs: list,
+                          initial_job_idx: int) -> dict[int, Any]:
+        """The jobs of a sweep run again in its directory (`python -m train.sweep resume`)
+        that finished there already, with their objective: not submitted again (each would
+        only start, see its summary.json and end). A fresh sweep has no sweep.json yet."""
+        from train.tracking.sweep import SWEEP_FILE
+
+        if len(job_overrides) < 2 or not (Path(str(self.config.hydra.sweep.dir))
+                                          / SWEEP_FILE).is_file():
+            return {}
+        from train.engine.job import finished_already
+
+        done = {}
+        for i, (overrides, cfg) in enumerate(zip(job_overrides, configs, strict=True)):
+            # A subdirectory named by the job's Slurm id resolves elsewhere: submitted.
+            place = self._place(overrides, initial_job_idx + i, "")
+            if place is not None and (summary := finished_already(cfg, place.out)) is not None:
+                done[i] = (summary.get("metrics") or {}).get(cfg.trainer.objective)
+        if done:
+            print(f"{len(done)} of the sweep's {len(job_overrides)} jobs finished already in "
+                  "their directories, not submitted again: #"
+                  + ", #".join(str(initial_job_idx + i) for i in done),
+                  flush=True)
+        return done
 
     def _checked(self, job_overrides: Sequence[Sequence[str]]) -> tuple[Any, str | None, list]:
         """Every job pre-flighted and the executor built, or the command refused."""
@@ -154,11 +187,11 @@ class TrainSlurmLauncher(SlurmLauncher):
                         " ".join(["python -m train", *typed_by_user(overrides)]),
                         [f"hydra.sweep.dir={sweep}", f"hydra.sweep.subdir={subdir}"])
 
-    def _leave_unwaited(self, jobs: Sequence[Any], parent: str | None) -> None:
+    def _leave_unwaited(self, jobs: int, parent: str | None) -> None:
         if parent is not None:  # a sweep: its last job will end the parent run
             from train.tracking.sweep import find_callback
 
-            find_callback(self.hydra_context).left_unwaited(len(jobs))
+            find_callback(self.hydra_context).left_unwaited(jobs)
 
     def _singleton_state(self) -> Any:
         from hydra.core.singleton import Singleton

@@ -254,36 +254,44 @@ def test_an_unwaited_sweep_is_ended_by_its_last_job(cluster: None, store: dict[s
 
 def test_an_unwaited_sweep_whose_jobs_fail_ends_its_parent_failed(
         cluster: None, store: dict[str, str], tmp_path: Path) -> None:
-    """One job fails at start-up, before its run exists; the other fails while training. The
-    last of them to end still ends the parent, FAILED, counting both."""
-    result = slurm_job(tmp_path, "-m", "optim.lr=0.1,0.05", "cluster.wait=false",
+    """One job fails at start-up, before its run exists; another fails while training; the
+    third finishes. The last of them to end still ends the parent, FAILED, counting both.
+    `python -m train.sweep resume` then submits the two again, not the finished one."""
+    result = slurm_job(tmp_path, "-m", "optim.lr=0.1,0.05,0.02", "cluster.wait=false",
                        "trainer.epochs=1", "tracking.log_model=false",
                        env={**store, "TRAIN_FAIL_DRILL": "0/0:0,1/0:3"}, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     uri = store["MLFLOW_TRACKING_URI"]
     parent = _parent_once_ended(uri)
-    [child] = [r for r in runs_in(uri)
-               if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    child, finished = sorted((r for r in runs_in(uri)
+                              if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id),
+                             key=lambda r: r.data.tags["output_dir"])
     assert child.info.status == "FAILED" and "failing on purpose at step 3" in \
         child.data.tags["error"]
+    assert finished.info.status == "FINISHED"
     [no_run] = [v for k, v in parent.data.tags.items() if k.startswith("sweep.no_run.")]
     assert "failing on purpose at step 0" in no_run and str(tmp_path / "sweep") in no_run
     assert parent.info.status == "FAILED", parent.data.tags
     assert parent.data.metrics["sweep/failed_children"] == 2
-    assert parent.data.metrics["sweep/children"] == 1
+    assert parent.data.metrics["sweep/children"] == 2
 
-    # One command runs both again under the same parent, and follows them to their end.
+    # One command runs the two again under the same parent, and follows them to their end.
     resumed = run_train("resume", str(tmp_path / "sweep"), module=("-m", "train.sweep"),
                         env=store, timeout=300)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert "cluster.wait=true" in resumed.stdout and "COMPLETED" in resumed.stdout
+    assert "cluster.wait=true" in resumed.stdout
+    assert "1 of the sweep's 3 jobs finished already in their directories, not submitted " \
+           "again: #2" in resumed.stdout
+    assert "_[0-1]: 2 job(s)" in resumed.stdout  # an array of the two others
     [again] = [r for r in runs_in(uri) if r.data.tags.get("sweep") == "true"]
     assert again.info.run_id == parent.info.run_id and again.info.status == "FINISHED"
     assert again.data.metrics["sweep/failed_children"] == 0
-    assert again.data.metrics["sweep/children"] == 2
+    assert again.data.metrics["sweep/children"] == 3
     children = {r.info.run_id: r for r in runs_in(uri)
                 if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
     assert children[child.info.run_id].info.status == "FINISHED"  # the same run, continued
+    assert children[finished.info.run_id].data.tags["slurm.job_id"] == \
+        finished.data.tags["slurm.job_id"]  # not run again
 
 
 def _attempts(tmp_path: Path) -> str:
