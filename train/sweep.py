@@ -5,9 +5,9 @@ Both read <sweep dir>/sweep.json, written once the sweep's jobs passed their pre
 (train/tracking/sweep.py; an Optuna search's also names its study, train/launch/study.py): the
 command that started the sweep and its parent run. `resume` runs that command again with the
 same hydra.sweep.dir, under the same parent MLflow run:
-- a grid sweep (a=1,2 b=x,y): each finished job stays as it is (it ends at once, "finished
-  already"), each failed, stopped or never-started job resumes from its checkpoints into its
-  own run - after a failure, a node lost, a sweep stopped with Ctrl-C;
+- a grid sweep (a=1,2 b=x,y): each finished job stays as it is (the launchers do not start it
+  again), each failed, stopped or never-started job resumes from its checkpoints into its own
+  run - after a failure, a node lost, a sweep stopped with Ctrl-C;
 - an Optuna search: the sweeper loads the study (finished trials stay finished and count),
   waits for trials an earlier driver left running while their heartbeat is fresh, fails those
   whose job is gone and asks their parameters again, and goes on until n_trials have ended.
@@ -71,8 +71,8 @@ def _grid_status(sweep_dir: Path, record: dict[str, Any]) -> int:
     summary.json, newer than any failure.json), FAILED (failure.json), else not finished."""
     print(f"sweep {sweep_dir}: parent MLflow run {record.get('parent_run_id')}")
     states: list[str] = []
-    jobs = [p for p in sweep_dir.iterdir() if (p / "mlflow_run.json").exists()
-            or (p / "train.log").exists()]
+    jobs = [p for p in sweep_dir.iterdir() if p.is_dir() and (
+        p.name.isdigit() or (p / "mlflow_run.json").exists() or (p / "train.log").exists())]
     for job in sorted(jobs, key=lambda p: (not p.name.isdigit(), int(p.name) if
                                            p.name.isdigit() else 0, p.name)):
         state, note = _job_state(job)
@@ -92,6 +92,8 @@ def _job_state(job: Path) -> tuple[str, str]:
         return "FINISHED", ""
     if failure.exists():
         return "FAILED", f"  {_json(failure).get('cause', '')}"
+    if not any((job / name).exists() for name in ("ranks", "mlflow_run.json", "checkpoints")):
+        return "not started", ""  # no rank got as far as its heartbeat (Hydra's files only)
     return "not finished", "  (running, stopped or killed)"
 
 

@@ -97,6 +97,54 @@ def with_ids(launcher: Any, job_overrides: Sequence[Sequence[str]],
     return [[*o, *handed] for o in job_overrides], parent
 
 
+def job_place(launcher: Any, overrides: Sequence[str], num: int, job_id: str) -> Any:
+    """Where job `num` writes, resolved as the job itself resolves it (Hydra's sweep directory
+    and subdirectory, with its number and id), and the command that runs it there again
+    (train/launch/follow.py JobPlace); None where it cannot be resolved."""
+    from train.config.groups import typed_by_user
+    from train.launch.follow import JobPlace
+
+    assert launcher.hydra_context is not None and launcher.config is not None
+    try:
+        cfg = launcher.hydra_context.config_loader.load_sweep_config(launcher.config,
+                                                                     list(overrides))
+        with open_dict(cfg.hydra.job) as job:
+            job.id, job.num = job_id, num
+        sweep, subdir = str(cfg.hydra.sweep.dir), str(cfg.hydra.sweep.subdir)
+    except Exception:  # noqa: BLE001 - the caller then does without (the rank's log, a rerun)
+        return None
+    return JobPlace(Path(sweep) / subdir,
+                    " ".join(["python -m train", *typed_by_user(overrides)]),
+                    [f"hydra.sweep.dir={sweep}", f"hydra.sweep.subdir={subdir}"])
+
+
+def finished_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], configs: Sequence[Any],
+                  initial_job_idx: int, job_ids: Sequence[str] | None = None) -> dict[int, Any]:
+    """The jobs of a sweep run again in its directory (`python -m train.sweep resume`) that
+    finished there already, by index, with their objective: not started again (each would only
+    start, read its summary.json and end). A fresh sweep has no sweep.json yet. `job_ids`: the
+    ids the jobs will have where known before they start (a local job's is its number)."""
+    from train.tracking.sweep import SWEEP_FILE
+
+    if len(job_overrides) < 2 or not (Path(str(launcher.config.hydra.sweep.dir))
+                                      / SWEEP_FILE).is_file():
+        return {}
+    from train.engine.job import finished_already
+
+    done = {}
+    for i, (overrides, cfg) in enumerate(zip(job_overrides, configs, strict=True)):
+        # A subdirectory named by a Slurm job's id resolves elsewhere: started again.
+        place = job_place(launcher, overrides, initial_job_idx + i,
+                          job_ids[i] if job_ids else "")
+        if place is not None and (summary := finished_already(cfg, place.out)) is not None:
+            done[i] = (summary.get("metrics") or {}).get(cfg.trainer.objective)
+    if done:
+        print(f"{len(done)} of the sweep's {len(job_overrides)} jobs finished already in their "
+              "directories, not started again: #"
+              + ", #".join(str(initial_job_idx + i) for i in done), flush=True)
+    return done
+
+
 def resume_hint(launcher: Any) -> str | None:
     """The one command that continues a sweep whose jobs did not all finish (its sweep.json:
     a sweep with tracking), or None."""

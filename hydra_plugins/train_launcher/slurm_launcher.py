@@ -71,7 +71,7 @@ class TrainSlurmLauncher(SlurmLauncher):
                 print(slurm.show_script(executor, len(job_overrides)))
                 raise SystemExit(0)
         job_overrides, parent = checked_jobs.with_ids(self, job_overrides, experiment_id)
-        done = self._finished_already(job_overrides, configs, initial_job_idx)
+        done = checked_jobs.finished_jobs(self, job_overrides, configs, initial_job_idx)
         todo = [i for i in range(len(job_overrides)) if i not in done]
         returns = {i: JobReturn(status=JobStatus.COMPLETED, _return_value=value)
                    for i, value in done.items()}
@@ -100,39 +100,15 @@ class TrainSlurmLauncher(SlurmLauncher):
             raise SystemExit(130) from None
         slurm_follow.report_finished(outcomes.returns)
         slurm_follow.report_failures(
-            jobs, outcomes.failed, lambda k: self._place(
-                job_overrides[todo[k]], initial_job_idx + todo[k], jobs[k].job_id), submitted_at)
+            jobs, outcomes.failed, lambda k: checked_jobs.job_place(
+                self, job_overrides[todo[k]], initial_job_idx + todo[k], jobs[k].job_id),
+            submitted_at)
         if outcomes.failed or outcomes.stopped:
             if len(job_overrides) > 1 and (hint := checked_jobs.resume_hint(self)) is not None:
                 print(hint, file=sys.stderr, flush=True)
             raise SystemExit(1)
         returns.update(zip(todo, outcomes.returns, strict=True))
         return [returns[i] for i in range(len(job_overrides))]
-
-    def _finished_already(self, job_overrides: Sequence[Sequence[str]], configs: list,
-                          initial_job_idx: int) -> dict[int, Any]:
-        """The jobs of a sweep run again in its directory (`python -m train.sweep resume`)
-        that finished there already, with their objective: not submitted again (each would
-        only start, see its summary.json and end). A fresh sweep has no sweep.json yet."""
-        from train.tracking.sweep import SWEEP_FILE
-
-        if len(job_overrides) < 2 or not (Path(str(self.config.hydra.sweep.dir))
-                                          / SWEEP_FILE).is_file():
-            return {}
-        from train.engine.job import finished_already
-
-        done = {}
-        for i, (overrides, cfg) in enumerate(zip(job_overrides, configs, strict=True)):
-            # A subdirectory named by the job's Slurm id resolves elsewhere: submitted.
-            place = self._place(overrides, initial_job_idx + i, "")
-            if place is not None and (summary := finished_already(cfg, place.out)) is not None:
-                done[i] = (summary.get("metrics") or {}).get(cfg.trainer.objective)
-        if done:
-            print(f"{len(done)} of the sweep's {len(job_overrides)} jobs finished already in "
-                  "their directories, not submitted again: #"
-                  + ", #".join(str(initial_job_idx + i) for i in done),
-                  flush=True)
-        return done
 
     def _checked(self, job_overrides: Sequence[Sequence[str]]) -> tuple[Any, str | None, list]:
         """Every job pre-flighted and the executor built, or the command refused."""
@@ -166,26 +142,6 @@ class TrainSlurmLauncher(SlurmLauncher):
                 not isinstance(error, StoppedBySignal):
             raise error
         return ret
-
-    def _place(self, overrides: Sequence[str], num: int, job_id: str) -> Any:
-        """Where job `num` wrote, resolved as the job itself resolves it (submitit_launcher's
-        __call__: Hydra's sweep directory and subdirectory, with its number and id), and the
-        command that runs it there again; None where it cannot be resolved."""
-        from train.config.groups import typed_by_user
-        from train.launch.follow import JobPlace
-
-        assert self.hydra_context is not None and self.config is not None
-        try:
-            cfg = self.hydra_context.config_loader.load_sweep_config(self.config,
-                                                                     list(overrides))
-            with open_dict(cfg.hydra.job) as job:
-                job.id, job.num = job_id, num
-            sweep, subdir = str(cfg.hydra.sweep.dir), str(cfg.hydra.sweep.subdir)
-        except Exception:  # noqa: BLE001 - the follower then shows the rank's log instead
-            return None
-        return JobPlace(Path(sweep) / subdir,
-                        " ".join(["python -m train", *typed_by_user(overrides)]),
-                        [f"hydra.sweep.dir={sweep}", f"hydra.sweep.subdir={subdir}"])
 
     def _leave_unwaited(self, jobs: int, parent: str | None) -> None:
         if parent is not None:  # a sweep: its last job will end the parent run

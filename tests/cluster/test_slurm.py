@@ -280,7 +280,7 @@ def test_an_unwaited_sweep_whose_jobs_fail_ends_its_parent_failed(
                         env=store, timeout=300)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "cluster.wait=true" in resumed.stdout
-    assert "1 of the sweep's 3 jobs finished already in their directories, not submitted " \
+    assert "1 of the sweep's 3 jobs finished already in their directories, not started " \
            "again: #2" in resumed.stdout
     assert "_[0-1]: 2 job(s)" in resumed.stdout  # an array of the two others
     [again] = [r for r in runs_in(uri) if r.data.tags.get("sweep") == "true"]

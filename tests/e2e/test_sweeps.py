@@ -110,7 +110,9 @@ def test_a_failing_job_does_not_stop_the_sweep(store: dict[str, str], tmp_path: 
     resumed = run_train("resume", str(sweep_dir), module=("-m", "train.sweep"), env=store,
                         timeout=600)
     assert resumed.returncode == 0, resumed.stderr
-    assert "finished already" in resumed.stderr
+    assert "1 of the sweep's 3 jobs finished already in their directories, not started again: " \
+           "#2" in resumed.stdout
+    assert resumed.stderr.count("training on 1 rank(s)") == 2  # jobs 0 and 1 alone
     parent_again, children = parent_and_children(store["MLFLOW_TRACKING_URI"])
     assert parent_again.info.run_id == parent.info.run_id  # the same parent, one run per job
     assert parent_again.info.status == "FINISHED"
@@ -184,6 +186,10 @@ def test_a_stopped_sweep_starts_no_further_job(store: dict[str, str], tmp_path: 
                         f"the same command with hydra.run.dir={first} resumes it"), stderr_text
     assert said[-2] == f"jobs #1, #2 not started: the sweep was stopped by {name}"
     assert said[-1].endswith(f"(the finished ones stay): python -m train.sweep resume {sweep_dir}")
+    status = run_train("status", str(sweep_dir), module=("-m", "train.sweep")).stdout.splitlines()
+    assert [(line[:5].strip(), line[7:19].strip()) for line in status[1:4]] == [
+        ("0", "not finished"), ("1", "not started"), ("2", "not started")], status
+    assert status[4] == "not finished: 1  not started: 2", status
     assert "Traceback" not in stderr_text and "Error executing job" not in stderr_text
     assert stderr_text.count("training on 1 rank(s)") == 1  # the other jobs never trained
     for later in ("1", "2"):  # Hydra made their directories; nothing ran in them
