@@ -122,21 +122,23 @@ def finished_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], configs
                   initial_job_idx: int, job_ids: Sequence[str] | None = None) -> dict[int, Any]:
     """The jobs of a sweep run again in its directory (`python -m train.sweep resume`) that
     finished there already, by index, with their objective: not started again (each would only
-    start, read its summary.json and end). A fresh sweep has no sweep.json yet. `job_ids`: the
-    ids the jobs will have where known before they start (a local job's is its number)."""
-    from train.tracking.sweep import SWEEP_FILE
+    start, read its summary.json and end); none of a new sweep (nothing is looked at). `job_ids`:
+    the ids the jobs will have where known before they start (a local job's is its number)."""
+    from train.tracking.sweep import find_callback
 
-    if len(job_overrides) < 2 or not (Path(str(launcher.config.hydra.sweep.dir))
-                                      / SWEEP_FILE).is_file():
+    callback = find_callback(launcher.hydra_context)
+    if len(job_overrides) < 2 or callback is None or not callback.continued:
         return {}
-    from train.engine.job import finished_already
-
     done = {}
     for i, (overrides, cfg) in enumerate(zip(job_overrides, configs, strict=True)):
         # A subdirectory named by a Slurm job's id resolves elsewhere: started again.
         place = job_place(launcher, overrides, initial_job_idx + i,
                           job_ids[i] if job_ids else "")
-        if place is not None and (summary := finished_already(cfg, place.out)) is not None:
+        if place is None or not (place.out / "summary.json").is_file():
+            continue
+        from train.engine.job import finished_already  # (torch: only for a job that has one)
+
+        if (summary := finished_already(cfg, place.out)) is not None:
             done[i] = (summary.get("metrics") or {}).get(cfg.trainer.objective)
     if done:
         print(f"{len(done)} of the sweep's {len(job_overrides)} jobs finished already in their "

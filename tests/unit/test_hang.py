@@ -8,6 +8,7 @@ import faulthandler
 import importlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -243,3 +244,28 @@ def test_a_dump_written_in_pauses_is_read_once_its_main_thread_is_in(tmp_path: P
         rank.wait()
     assert shown.startswith("rank 0: "), shown
     assert "stuck_in_forward" in shown, shown
+
+
+def test_the_stacks_signal_wakes_the_watchdog_and_is_put_back(tmp_path: Path) -> None:
+    """SIGUSR1 lands on the watchdog's socket (no code runs inside the signal: the dump is
+    taken by the thread that reads it); other handled signals do not count as it; afterwards
+    the signal's handler and the wakeup fd are what they were."""
+    from train.distributed import wakeup
+
+    before = signal.getsignal(signal.SIGUSR1)
+    winch = signal.signal(signal.SIGWINCH, lambda *_: None)  # another signal Python handles
+    stop = threading.Event()
+    with (tmp_path / "dump").open("a") as dump:
+        wake, restore = wakeup.on_signal(signal.SIGUSR1, dump)
+        try:
+            assert wake is not None
+            assert not wakeup.wait(wake, signal.SIGUSR1, 0.05, stop)  # nothing came
+            os.kill(os.getpid(), signal.SIGWINCH)
+            assert not wakeup.wait(wake, signal.SIGUSR1, 5.0, stop)
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert wakeup.wait(wake, signal.SIGUSR1, 5.0, stop)
+        finally:
+            restore()
+            signal.signal(signal.SIGWINCH, winch)
+    assert signal.getsignal(signal.SIGUSR1) == before
+    assert signal.set_wakeup_fd(-1) == -1  # none left set

@@ -4,11 +4,13 @@
   is two attribute writes and a clock read, no file and no host sync. A watchdog thread writes
   it to `<output dir>/ranks/rank-<N>.json` when it changed (at most every POLL_S), which
   `python -m train.status` reads from the login node.
-- Stacks without ptrace: the watchdog dumps every thread's Python stack with faulthandler (C
-  level: it works while the main thread sleeps or waits in C) into `stacks/rank-<N>.txt` when a
-  rank asks through the job's store (`request_stacks`, after a collective timed out), and
-  faulthandler answers SIGUSR1 (`python -m train.stacks`) into `stacks/.rank-<N>.dump` by
-  itself, even when the rank holds the GIL. USR1: USR2, TERM, INT and HUP stop the job.
+- Stacks without ptrace: the watchdog dumps every thread's Python stack with faulthandler (it
+  works while the main thread sleeps or waits in C) into `stacks/rank-<N>.txt` when a rank asks
+  through the job's store (`request_stacks`, after a collective timed out), and into
+  `stacks/.rank-<N>.dump` on SIGUSR1 (`python -m train.stacks`; USR1: USR2, TERM, INT and HUP
+  stop the job). The signal only wakes the watchdog (signal.set_wakeup_fd), which dumps holding
+  the GIL: faulthandler's own handler reads other threads' frames as they change, and crashed a
+  rank whose MLflow thread was busy (CI). A main thread holding the GIL in C cannot answer.
 
 The watchdog has its own store client: the main thread may hold the default one for as long as
 distributed.timeout_s in a store wait. Where the files lie and how they are read back:
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from train.distributed import stacks, workers
+from train.distributed import stacks, wakeup, workers
 from train.distributed.rankfiles import (
     POLL_S,
     RANKS_DIR,
@@ -125,7 +127,7 @@ class Watch:
         self._dump: TextIO = dump_path(out, rank).open("a")
         self._dump.write(header(self.beat()))
         self._dump.flush()
-        faulthandler.register(STACKS_SIGNAL, file=self._dump, all_threads=True)
+        self._wake, self._restore = wakeup.on_signal(STACKS_SIGNAL, self._dump)
         self.started = time.time()
         with contextlib.suppress(OSError):  # at once: an earlier start's file is not this one's
             self._write_beat()
@@ -147,8 +149,7 @@ class Watch:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(2 * POLL_S)
-        with contextlib.suppress(ValueError, RuntimeError):
-            faulthandler.unregister(STACKS_SIGNAL)
+        self._restore()
         self._dump.close()
 
     def store(self) -> Any:
@@ -175,7 +176,11 @@ class Watch:
     def _run(self) -> None:
         written: tuple[int, str, float] | None = None
         last = 0.0
-        while not self._stop.wait(POLL_S):
+        while not self._stop.is_set():
+            if wakeup.wait(self._wake, STACKS_SIGNAL, POLL_S, self._stop):
+                with self._answering:  # every thread's stack, taken with the GIL held
+                    faulthandler.dump_traceback(self._dump, all_threads=True)
+                    self._dump.flush()
             b = _beat
             now_state = (b.step, b.phase, b.since)
             if now_state != written or time.monotonic() - last > REFRESH_S:

@@ -195,6 +195,8 @@ class ParentRunCallback(Callback):
         self.overrides = ""
         self.sweep_dir = ""
         self.unwaited_jobs = 0
+        self.continued = False
+        """Whether this is a sweep run again in its directory, under its recorded parent."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         app = {k: v for k, v in config.items() if k != "hydra"}
@@ -215,6 +217,7 @@ class ParentRunCallback(Callback):
             return None
         if self.parent_run_id is None:
             self.parent_run_id = self._continued(experiment_id)
+            self.continued = self.parent_run_id is not None
             if self.parent_run_id is None:
                 tags = {"sweep": "true", "sweep.dir": self.sweep_dir,
                         "sweep.overrides": self.overrides}
