@@ -68,7 +68,8 @@ def _rank(rank: int, strategy: str, args: argparse.Namespace, folder: str, out: 
     from train.models.gpt import GPT
 
     torch.manual_seed(0)
-    # FSDP as the service builds it by default (distributed.fsdp.init_on=meta): no whole copy.
+    # FSDP as the service builds a model larger than host memory (init_on=meta): no whole
+    # copy (the default, auto, builds one that fits whole first, as DDP does).
     with torch.device("meta" if strategy == "fsdp" else "cpu"):
         module = GPT(256, seq_len=args.seq, n_layer=args.layers, n_head=8, n_embd=args.width)
     n_params = sum(p.numel() for p in module.parameters())

@@ -1,6 +1,6 @@
 """Measure the tracking server settings: `python -m bench.tracking_server`.
 
-Starts `python -m train.server` with gunicorn and with uvicorn (MLflow's default) on free
+Starts `python -m train server` with gunicorn and with uvicorn (MLflow's default) on free
 ports, and reports time to ready, per-request latency of synchronous log_metric calls on a
 kept-alive connection, one log_batch of 1000 values, and the RSS of the server's process tree.
 """

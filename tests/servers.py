@@ -61,7 +61,7 @@ class ServerProcess:
         with open(self.log, "ab") as log:  # the child keeps its own handle
             # Its own session, so stop() can also catch a worker that lost its parent.
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "train.server", "--host", self.host,
+                [sys.executable, "-m", "train", "server", "--host", self.host,
                  "--port", str(self.port),
                  *([] if self.store_env else
                    ["--backend-store-uri", f"sqlite:///{self.root / 'server.db'}"]),

@@ -74,7 +74,7 @@ def main() -> None:
     value of the wrong type, a missing config option, bad override syntax) told in one line
     with exit code 2 instead of Hydra's report. HYDRA_FULL_ERROR=1 still shows the trace."""
     global _full_error_is_ours
-    if (group := _help_group(sys.argv[1:])) is not None:
+    if (group := help_group(sys.argv[1:])) is not None:
         print(keys.group_help(group))
         return
     if _FULL_ERROR in os.environ:
@@ -91,7 +91,7 @@ def main() -> None:
         _keep_hydras_short_errors()
 
 
-def _help_group(argv: list[str]) -> str | None:
+def help_group(argv: list[str]) -> str | None:
     """`python -m train --help trainer`: the group whose keys and docs to show (Hydra's own
     --help shows the groups' options and the composed config)."""
     for flag, group in zip(argv, argv[1:], strict=False):

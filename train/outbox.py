@@ -1,4 +1,4 @@
-"""`python -m train.outbox upload FILE [--tracking-uri URI]`: deliver a job's unsent file.
+"""`python -m train outbox upload FILE [--tracking-uri URI]`: deliver a job's unsent file.
 
 A job whose tracking store was unreachable at its end leaves what MLflow never accepted in
 <output dir>/mlflow_unsent.jsonl (train/tracking/unsent.py); this command sends it once the store
@@ -16,7 +16,7 @@ from train.tracking import client, unsent
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m train.outbox")
+    parser = argparse.ArgumentParser(prog="python -m train outbox")
     commands = parser.add_subparsers(dest="command", required=True)
     command = commands.add_parser("upload", help=f"deliver a job's {unsent.UNSENT_FILE} to MLflow")
     command.add_argument("file", type=Path)
@@ -28,11 +28,11 @@ def main(argv: list[str] | None = None) -> None:
         header, _, records = unsent.load(args.file)
         unsent.check_safe(args.file, header, records, args.tracking_uri)
     except (OSError, ValueError) as e:
-        sys.exit(f"python -m train.outbox: {e}")
+        sys.exit(f"python -m train outbox: {e}")
     try:
         run_id = unsent.upload(args.file, args.tracking_uri)
     except Exception as e:  # noqa: BLE001 - one line for the user, whatever the store said
-        sys.exit(f"python -m train.outbox: {args.file} was not delivered "
+        sys.exit(f"python -m train outbox: {args.file} was not delivered "
                  f"({client.describe(e)}); the file is unchanged. Check the run id and the "
                  "store (--tracking-uri URI if it moved).")
     print(f"delivered {args.file} to run {run_id} ({header['status']}); the file is now "

@@ -1,8 +1,8 @@
-"""`python -m train.prepare_text <text files or directories> <out dir>`: text to token files
+"""`python -m train prepare-text <text files or directories> <out dir>`: text to token files
 for `data=tokens data.root=<out dir>` (train/data/tokens.py reads them, train/data/tokenize.py
 writes them). Run it once, on a login node: it needs no GPU and no download.
 
-    python -m train.prepare_text notes/*.txt corpus/ /scratch/$USER/tokens
+    python -m train prepare-text notes/*.txt corpus/ /scratch/$USER/tokens
     python -m train data=tokens data.root=/scratch/$USER/tokens model=gpt task=language_model
 """
 
@@ -18,7 +18,7 @@ TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".json", ".csv", ".tex", ".html")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m train.prepare_text",
+    p = argparse.ArgumentParser(prog="python -m train prepare-text",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("inputs", nargs="+", type=Path,
                    help=f"text files, or directories (their {', '.join(TEXT_SUFFIXES)} files)")

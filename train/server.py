@@ -1,4 +1,4 @@
-"""`python -m train.server`: an MLflow tracking server set up for clusters (`make mlflow-server`).
+"""`python -m train server`: an MLflow tracking server set up for clusters (`make mlflow-server`).
 
 It builds one `mlflow server` command and execs it; mlflow itself is never imported here, so
 `--help` is instant. The settings were chosen by measurement on a 2-core machine
@@ -115,7 +115,7 @@ def build(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m train.server", description=__doc__,
+        prog="python -m train server", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--host", default="127.0.0.1",
                         help="interface to bind (default 127.0.0.1: reach it through an SSH "

@@ -1,4 +1,4 @@
-"""`python -m train.stacks <output dir or Slurm job id>`: every rank of a running job dumps its
+"""`python -m train stacks <output dir or Slurm job id>`: every rank of a running job dumps its
 Python stacks (SIGUSR1, answered in C by faulthandler; not the requeue path's USR2), printed
 grouped by identical stack. The job goes on (train/launch/inspect.py)."""
 

@@ -1,4 +1,4 @@
-"""`python -m train.status <output dir or Slurm job id>`: each rank of a running job, its step,
+"""`python -m train status <output dir or Slurm job id>`: each rank of a running job, its step,
 its phase and for how long, from its heartbeat (train/launch/inspect.py)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`python -m train.sweep status|resume <sweep dir>`: a sweep's jobs or trials, and a sweep
+"""`python -m train sweep status|resume <sweep dir>`: a sweep's jobs or trials, and a sweep
 continued where it stopped.
 
 Both read <sweep dir>/sweep.json, written once the sweep's jobs passed their pre-flight
@@ -81,7 +81,7 @@ def _grid_status(sweep_dir: Path, record: dict[str, Any]) -> int:
         print(f"{job.name:>5}  {state:<12}  run {run}{note}")
     print("  ".join(f"{s}: {states.count(s)}" for s in sorted(set(states))))
     if any(s != "FINISHED" for s in states):
-        print(f"resume the others: python -m train.sweep resume {sweep_dir}")
+        print(f"resume the others: python -m train sweep resume {sweep_dir}")
     return 0
 
 
@@ -117,7 +117,7 @@ def resume(sweep_dir: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m train.sweep", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m train sweep", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=("status", "resume"))
     parser.add_argument("sweep_dir", type=Path)

@@ -120,7 +120,7 @@ def job_place(launcher: Any, overrides: Sequence[str], num: int, job_id: str) ->
 
 def finished_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], configs: Sequence[Any],
                   initial_job_idx: int, job_ids: Sequence[str] | None = None) -> dict[int, Any]:
-    """The jobs of a sweep run again in its directory (`python -m train.sweep resume`) that
+    """The jobs of a sweep run again in its directory (`python -m train sweep resume`) that
     finished there already, by index, with their objective: not started again (each would only
     start, read its summary.json and end); none of a new sweep (nothing is looked at). `job_ids`:
     the ids the jobs will have where known before they start (a local job's is its number)."""
@@ -156,7 +156,7 @@ def resume_hint(launcher: Any) -> str | None:
     if not (sweep_dir / SWEEP_FILE).is_file():
         return None
     return ("to run the jobs that did not finish again, each into its own run (the finished "
-            f"ones stay): python -m train.sweep resume {sweep_dir}")
+            f"ones stay): python -m train sweep resume {sweep_dir}")
 
 
 def report_failed_jobs(results: Sequence[Any], job_overrides: Sequence[Sequence[str]],

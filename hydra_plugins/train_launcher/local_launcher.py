@@ -5,7 +5,7 @@ Before the first job starts, every job of the batch is pre-flighted (train/launc
 sweep with a refused job starts none and creates no MLflow run. Then each job's overrides get
 the experiment id (created once, here) and, for a sweep, the parent run's id
 (hydra_plugins/train_launcher/checked_jobs.py), so the jobs themselves check nothing twice.
-A sweep run again in its directory (`python -m train.sweep resume`) leaves out the jobs that
+A sweep run again in its directory (`python -m train sweep resume`) leaves out the jobs that
 finished there.
 After the jobs, a failed or stopped one ends the sweep with one line per such job, not
 Hydra's report.

@@ -91,7 +91,7 @@ def _text(path: Path) -> str:
 
 
 def _inspect(command: str, target: str) -> str:
-    done = subprocess.run([sys.executable, "-m", f"train.{command}", target], cwd=REPO,
+    done = subprocess.run([sys.executable, "-m", "train", command, target], cwd=REPO,
                           env={**os.environ, **USERPKG}, capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0, done.stderr

@@ -13,7 +13,7 @@ import pytest
 from mlflow import MlflowClient
 
 from tests.cluster.conftest import listed_by_squeue, slurm_job, wait_for_job
-from tests.conftest import REPO, history, run_train, runs_in, wait_until
+from tests.conftest import REPO, USER_PATH, history, run_train, runs_in, wait_until
 
 
 def test_two_nodes_four_ranks_make_one_run(cluster: None, store: dict[str, str],
@@ -256,7 +256,7 @@ def test_an_unwaited_sweep_whose_jobs_fail_ends_its_parent_failed(
         cluster: None, store: dict[str, str], tmp_path: Path) -> None:
     """One job fails at start-up, before its run exists; another fails while training; the
     third finishes. The last of them to end still ends the parent, FAILED, counting both.
-    `python -m train.sweep resume` then submits the two again, not the finished one."""
+    `python -m train sweep resume` then submits the two again, not the finished one."""
     result = slurm_job(tmp_path, "-m", "optim.lr=0.1,0.05,0.02", "cluster.wait=false",
                        "trainer.epochs=1", "tracking.log_model=false",
                        env={**store, "TRAIN_FAIL_DRILL": "0/0:0,1/0:3"}, timeout=120)
@@ -276,7 +276,7 @@ def test_an_unwaited_sweep_whose_jobs_fail_ends_its_parent_failed(
     assert parent.data.metrics["sweep/children"] == 2
 
     # One command runs the two again under the same parent, and follows them to their end.
-    resumed = run_train("resume", str(tmp_path / "sweep"), module=("-m", "train.sweep"),
+    resumed = run_train("sweep", "resume", str(tmp_path / "sweep"),
                         env=store, timeout=300)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "cluster.wait=true" in resumed.stdout
@@ -302,16 +302,28 @@ def _attempts(tmp_path: Path) -> str:
 def test_a_time_limit_requeues_and_resumes_into_the_same_run(cluster: None,
                                                              store: dict[str, str],
                                                              tmp_path: Path) -> None:
-    """USR2 60 s before a 2-minute limit: checkpoint, requeue (same job id), resume, finish."""
-    # Slurm sends USR2 at the limit minus the delay, or up to ~16 s earlier (seen: 44-51 s
-    # after the start): 170 epochs (~65 s of training here) outlast the first attempt and fit
-    # in the second.
-    epochs = 170
-    result = slurm_job(tmp_path, "cluster.tasks_per_node=2", "cluster.time_min=2",
-                       "cluster.signal_delay_s=60", f"trainer.epochs={epochs}",
-                       "trainer.log_every_n_steps=5", "trainer.checkpoint_every=0",
-                       env=store, timeout=900)
-    assert result.returncode == 0, result.stdout + result.stderr
+    """USR2 60 s before a 2-minute limit: checkpoint, requeue (same job id), resume, finish.
+
+    The test sets the job's pace, not the machine: every sample takes 0.1 s until the test
+    writes `release` (a step of 16 samples a rank >= 1.6 s, so the 72 steps cannot end before
+    Slurm's USR2, which comes 44-60 s after the start), and the file is written once the
+    first attempt's stop checkpoint is there: the rest runs at full speed in the next."""
+    epochs, release = 6, tmp_path / "release"
+    proc = subprocess.Popen(
+        [*_train_argv(tmp_path), "cluster.tasks_per_node=2", "cluster.time_min=2",
+         "cluster.signal_delay_s=60", f"trainer.epochs={epochs}", "trainer.log_every_n_steps=5",
+         "trainer.checkpoint_every=0", "data=custom", "data.num_workers=0",
+         "data.train._target_=userpkg.data.HeldLines", "+data.train.length=480",
+         f"+data.train.release={release}"],
+        cwd=REPO, env={**os.environ, **store, "PYTHONPATH": USER_PATH},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    checkpoints = tmp_path / "sweep" / "0" / "checkpoints"
+    try:
+        wait_until(lambda: _newest_step(checkpoints), 300, "the stop checkpoint", job=proc)
+    finally:
+        release.write_text("")
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stdout + stderr
     uri = store["MLFLOW_TRACKING_URI"]
     [run] = runs_in(uri)
     assert run.info.status == "FINISHED"
@@ -319,7 +331,7 @@ def test_a_time_limit_requeues_and_resumes_into_the_same_run(cluster: None,
     for key in ("train/loss", "val/accuracy", "val/samples"):
         assert [s for s, _ in history(uri, run.info.run_id, key)] == list(range(1, epochs + 1)), key
     steps = [s for s, _ in history(uri, run.info.run_id, "train/step_loss")]
-    total_steps = epochs * 23  # ceil(719 / 32) steps per epoch and rank
+    total_steps = epochs * 12  # 384 training samples (480, 20 % held out), 32 a step
     assert steps == list(range(5, total_steps + 1, 5))
     assert "resumed from" in _attempts(tmp_path)
 

@@ -31,6 +31,34 @@ def test_help_lists_groups_without_importing_heavy_modules() -> None:
     assert not {"torch", "torchvision", "mlflow"} & imported
 
 
+def test_one_command_line_lists_its_commands_and_runs_each_under_both_names() -> None:
+    """`python -m train --help` (and the `train` console script) names every command in one
+    line each, before Hydra's help; each command answers --help under the new form and the
+    old `python -m train.<module>` form; a typo gets a did-you-mean and exit 2."""
+    from train.__main__ import COMMANDS
+
+    script = str(Path(sys.executable).parent / "train")
+    for argv in ([sys.executable, "-m", "train", "--help"], [script, "--help"]):
+        shown = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert shown.returncode == 0, shown.stderr
+        listed = shown.stdout.index("commands (")
+        assert listed < shown.stdout.index("== Config groups ==")
+        for name, command in COMMANDS.items():
+            assert f"  {name}  " in shown.stdout or f"  {name} " in shown.stdout, name
+            assert command.summary in shown.stdout
+    for name, command in COMMANDS.items():
+        new = run_train(name, "--help", timeout=60)
+        assert new.returncode == 0 and new.stdout.strip(), (name, new.stderr[-500:])
+        if command.module != "train.launch.rerun":  # rerun and diff were never modules
+            old = run_train("--help", module=("-m", command.module), timeout=60)
+            assert old.returncode == 0 and old.stdout == new.stdout, (name, old.stderr[-500:])
+    typo = run_train("stauts", "outputs/x", timeout=60)
+    assert typo.returncode == 2 and typo.stdout == ""
+    assert typo.stderr.strip() == (
+        "error: 'stauts' is no command of python -m train and no override (key=value); did you "
+        "mean `python -m train status`? `python -m train --help` lists the commands.")
+
+
 def test_help_of_a_group_shows_its_keys_defaults_and_docs() -> None:
     out = subprocess.run([sys.executable, "-X", "importtime", "-m", "train", "--help",
                           "trainer"], cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -285,7 +285,7 @@ def test_a_job_whose_end_did_not_reach_the_store_does_not_claim_success(tmp_path
     with pytest.raises(TrackingIncomplete) as incomplete:
         logger.finish()
     path = tmp_path / "job" / unsent.UNSENT_FILE
-    assert f"python -m train.outbox upload {path}" in str(incomplete.value)
+    assert f"python -m train outbox upload {path}" in str(incomplete.value)
     assert unsent.load(path)[0]["status"] == "FINISHED"
     logger.finish(error="a second call")  # the failure path calls it again: nothing happens
     assert len(list((tmp_path / "job").glob("mlflow_unsent*"))) == 1

@@ -54,14 +54,12 @@ def tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
 VARIANTS = {"single": ("distributed.nproc_per_node=1",),
             # Clipping at a bound no step reaches, for train/grad_norm (DDP's to compare with).
             "ddp2": ("distributed.nproc_per_node=2", "optim.grad_clip=1000"),
-            "fsdp2": ("distributed.nproc_per_node=2", "distributed.strategy=fsdp",
-                      "distributed.fsdp.init_on=cpu"),
-            "fsdp3": ("distributed.nproc_per_node=3", "distributed.strategy=fsdp",
-                      "distributed.fsdp.init_on=cpu"),
+            # FSDP with its defaults (init_on=auto): the whole model built as DDP builds it.
+            "fsdp2": ("distributed.nproc_per_node=2", "distributed.strategy=fsdp"),
+            "fsdp3": ("distributed.nproc_per_node=3", "distributed.strategy=fsdp"),
             # Micro-batches of 5 (no gradient sync but on the last) and the clipping path on
             # sharded gradients (a bound no step reaches: the reference is not clipped).
             "fsdp2-accumulate": ("distributed.nproc_per_node=2", "distributed.strategy=fsdp",
-                                 "distributed.fsdp.init_on=cpu",
                                  "trainer.accumulate_grad_batches=3", "optim.grad_clip=1000")}
 
 
@@ -82,7 +80,7 @@ def trained(tokens: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
         results[name] = {"steps": history(uri, run.info.run_id, "train/step_loss"),
                          "grad_norm": history(uri, run.info.run_id, "train/grad_norm"),
                          "val": run.data.metrics["val/loss"],
-                         "params": run.data.params,
+                         "params": run.data.params, "tags": run.data.tags,
                          "weights": torch.load(out / "model.pt", weights_only=True),
                          "log": done.stderr}
     return results
@@ -103,6 +101,8 @@ def test_fsdp_trains_in_parity_with_ddp_and_one_process(trained: dict[str, dict]
         assert weights.keys() == reference["weights"].keys()
         worst = max(float((weights[k] - reference["weights"][k]).abs().max()) for k in weights)
         assert worst < WEIGHT_TOLERANCE, (name, worst)
+        # The same seed, the same initial weights: the model was built whole, as DDP's is.
+        assert run["tags"].get("fsdp.init_on") == ("cpu" if "fsdp" in name else None), name
     assert "FSDP2: 2 Block blocks sharded over 3 ranks" in trained["fsdp3"]["log"]
     # The norm clipping saw, at each logging step: under FSDP the whole gradient's (its shards'
     # norms combined), the same as DDP's; none logged without clipping.
@@ -119,21 +119,24 @@ def test_fsdp_trains_in_parity_with_ddp_and_one_process(trained: dict[str, dict]
 
 def test_meta_device_init_trains_and_rank_0_outputs_are_whole(
         tokens: Path, store: dict[str, str], tmp_path: Path) -> None:
-    """distributed.fsdp.init_on=meta (the default): no whole model on any rank; the shards are
-    initialised by the model's init_weights and the loss falls. What rank 0 writes alone is the
+    """distributed.fsdp.init_on=meta: no whole model on any rank; the shards are initialised by
+    the model's init_weights and the loss falls; the run says its initial weights were
+    initialised shard by shard (tag fsdp.init_on=meta). What rank 0 writes alone is the
     whole model: best.pt (then the final weights: test_on=best), model.pt, the MLflow model
     (exported for the registry) that load_model reads back."""
     from train.load import load_model
 
     args = [a for a in LM if a != "tracking.log_model=false"]
     done = run_train(*args, f"data.root={tokens}", "distributed.nproc_per_node=2",
-                     "distributed.strategy=fsdp", "trainer.precision=bf16-mixed",
+                     "distributed.strategy=fsdp", "distributed.fsdp.init_on=meta",
+                     "trainer.precision=bf16-mixed",
                      "trainer.save_best=true", "trainer.test_on=best",
                      "tracking.register_model=fsdp-gpt", f"hydra.run.dir={tmp_path / 'job'}",
                      env=store, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     uri = store["MLFLOW_TRACKING_URI"]
     [run] = runs_in(uri)
+    assert run.data.tags["fsdp.init_on"] == "meta"
     steps = history(uri, run.info.run_id, "train/step_loss")
     assert steps[-1][1] < steps[0][1]
     weights = torch.load(tmp_path / "job" / "model.pt", weights_only=True)
@@ -162,7 +165,7 @@ def test_a_job_killed_mid_epoch_at_world_2_resumes_at_another_world_size(
     first = "ddp" if case.startswith("ddp") else "fsdp"
     store = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
     args = (*LM, f"data.root={tokens}", "trainer.checkpoint_interval_min=0.0001",
-            "trainer.keep_checkpoints=10", "distributed.fsdp.init_on=cpu")
+            "trainer.keep_checkpoints=10")
     out = tmp_path / "job"
     background = ("distributed.fsdp.async_checkpoint=true",) if "async" in case else ()
     kill_job_after_checkpoints(out, store, 3, *args, "distributed.nproc_per_node=2",
@@ -191,8 +194,10 @@ def test_a_job_killed_mid_epoch_at_world_2_resumes_at_another_world_size(
     (("trainer.precision=fp16-mixed",), "distributed.strategy=fsdp cannot be combined with "
                                         "trainer.precision=fp16-mixed"),
     (("trainer.compile=true",), "cannot be combined with trainer.compile=true"),
-    (("model.weights=/nonexistent.pt",), "needs distributed.fsdp.init_on=cpu"),
-    (("distributed.fsdp.init_on=disk",), "distributed.fsdp.init_on='disk'; choose meta or cpu"),
+    (("model.weights=/nonexistent.pt", "distributed.fsdp.init_on=meta"),
+     "needs distributed.fsdp.init_on=auto or cpu"),
+    (("distributed.fsdp.init_on=disk",),
+     "distributed.fsdp.init_on='disk'; choose auto, cpu or meta"),
 ])
 def test_fsdp_refusals_come_before_any_rank(overrides: tuple[str, ...], expected: str,
                                             store: dict[str, str], tmp_path: Path) -> None:
@@ -210,17 +215,18 @@ def test_an_unknown_strategy_is_refused(store: dict[str, str], tmp_path: Path) -
 def test_a_model_that_cannot_be_initialised_on_meta_is_named(
         tokens: Path, store: dict[str, str], tmp_path: Path) -> None:
     """A parameter of the model's own with no reset_parameters(): init_on=meta says which and
-    what to do, in one line; init_on=cpu trains the same model."""
+    what to do, in one line; the default (auto: the model fits in host memory, so it is built
+    whole) trains the same model."""
     args = ("data=tokens", f"data.root={tokens}", "task=language_model", "model=custom",
             "data.num_workers=0", "data.seq_len=32", "data.batch_size=16",
             "task.sample_tokens=0", "tracking.log_model=false", "trainer.epochs=1",
             "model._target_=userpkg.models.ScaledBigramLM", "distributed.nproc_per_node=2",
             "distributed.strategy=fsdp", "trainer.max_steps=2")
     env = {**store, "PYTHONPATH": USER_PATH}
-    done = run_train(*args, f"hydra.run.dir={tmp_path / 'meta'}", env=env, timeout=120)
+    done = run_train(*args, "distributed.fsdp.init_on=meta", f"hydra.run.dir={tmp_path / 'meta'}",
+                     env=env, timeout=120)
     assert_refused(done, "distributed.fsdp.init_on=meta cannot initialise model "
                    "ScaledBigramLM: its module (root) (ScaledBigramLM) holds parameters", store)
     assert "or set distributed.fsdp.init_on=cpu" in done.stderr
-    done = run_train(*args, "distributed.fsdp.init_on=cpu", f"hydra.run.dir={tmp_path / 'cpu'}",
-                     env=env, timeout=120)
+    done = run_train(*args, f"hydra.run.dir={tmp_path / 'auto'}", env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -81,7 +81,9 @@ def test_bf16_compile_channels_last_resnet18_reports_mfu(store: dict[str, str],
 
 
 def test_fsdp_jobs_on_the_gpus(store: dict[str, str], tmp_path: Path) -> None:
-    """distributed.strategy=fsdp over nccl, meta-device init, bf16-mixed - each of these jobs
+    """distributed.strategy=fsdp over nccl, bf16-mixed, the model built whole in host memory
+    (the default, init_on=auto: FSDP moves each block to the GPU as it shards it) and on the
+    meta device (init_on=meta) - each of these jobs
     failed on a GPU before: model=cnn with optim=sgd (fused SGD has no DTensor rule: at the
     first step; BatchNorm's bf16 weights beside its fp32 statistics: at the first forward), and
     a language model with cpu_offload=true (shards in host memory: the step's token count was
@@ -92,12 +94,14 @@ def test_fsdp_jobs_on_the_gpus(store: dict[str, str], tmp_path: Path) -> None:
     run, metrics = _job(store, tmp_path / "cnn", *common, "trainer.epochs=2")
     assert run.data.tags["backend"] == "nccl" and run.data.tags["devices"] != "cpu"
     assert run.data.params["distributed.strategy"] == "fsdp"
+    assert run.data.tags["fsdp.init_on"] == "cpu"
     assert metrics["val/accuracy"] > 0.8
     tokens = tmp_path / "tokens"
     done = subprocess.run([sys.executable, "-m", "train.prepare_text", str(SMALL_TEXT),
                            str(tokens)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     run, metrics = _job(store, tmp_path / "lm", *common, "distributed.fsdp.cpu_offload=true",
+                        "distributed.fsdp.init_on=meta",
                         "data=tokens", f"data.root={tokens}", "model=gpt", "task=language_model",
                         "data.seq_len=64", "optim=adamw", "optim.lr=3e-3", "trainer.epochs=2")
     assert run.data.params["distributed.fsdp.cpu_offload"] == "True"

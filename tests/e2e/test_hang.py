@@ -110,7 +110,10 @@ def _start(out: Path, store: dict[str, str], *overrides: str) -> subprocess.Pope
 
 
 def _inspect(command: str, out: Path) -> str:
-    done = subprocess.run([sys.executable, "-m", f"train.{command}", str(out)], cwd=REPO,
+    """`train status|stacks <dir>` through the `train` console script the install put beside
+    the interpreter (python -m train COMMAND runs the same code)."""
+    script = Path(sys.executable).parent / "train"
+    done = subprocess.run([str(script), command, str(out)], cwd=REPO,
                           env={**os.environ, **USERPKG}, capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0, done.stderr

@@ -39,7 +39,7 @@ scores ln 256 = 5.55. Measured: 1.88."""
 
 
 def prepare(text: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "train.prepare_text", str(text), str(out),
+    return subprocess.run([sys.executable, "-m", "train", "prepare-text", str(text), str(out),
                            *args], cwd=REPO, capture_output=True, text=True, timeout=120)
 
 

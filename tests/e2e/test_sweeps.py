@@ -88,7 +88,7 @@ def test_a_failing_job_does_not_stop_the_sweep(store: dict[str, str], tmp_path: 
     [job1] = [line for line in said if line.startswith("job #1 ")]
     assert job1.startswith("job #1 (optim.lr=0.05 ") and "FailureDrill" in job1
     assert "Traceback" not in result.stderr and "Error executing job" not in result.stderr
-    assert said[-1].endswith(f": python -m train.sweep resume {tmp_path}/sweep"), said
+    assert said[-1].endswith(f": python -m train sweep resume {tmp_path}/sweep"), said
     parent, children = parent_and_children(store["MLFLOW_TRACKING_URI"])
     statuses = sorted(c.info.status for c in children)
     assert statuses == ["FAILED", "FINISHED"]  # ...after running every job
@@ -102,12 +102,12 @@ def test_a_failing_job_does_not_stop_the_sweep(store: dict[str, str], tmp_path: 
 
     # The sweep continued in its directory: the failed jobs run again, the finished one not.
     sweep_dir = tmp_path / "sweep"
-    status = run_train("status", str(sweep_dir), module=("-m", "train.sweep"))
+    status = run_train("sweep", "status", str(sweep_dir))
     assert status.returncode == 0, status.stderr
     assert [line.split()[:2] for line in status.stdout.splitlines()[1:4]] == [
         ["0", "FAILED"], ["1", "FAILED"], ["2", "FINISHED"]], status.stdout
     finished = next(c for c in children if c.info.status == "FINISHED")
-    resumed = run_train("resume", str(sweep_dir), module=("-m", "train.sweep"), env=store,
+    resumed = run_train("sweep", "resume", str(sweep_dir), env=store,
                         timeout=600)
     assert resumed.returncode == 0, resumed.stderr
     assert "1 of the sweep's 3 jobs finished already in their directories, not started again: " \
@@ -185,8 +185,8 @@ def test_a_stopped_sweep_starts_no_further_job(store: dict[str, str], tmp_path: 
                         f"stopped by {name} after saving a checkpoint in {first}/checkpoints; "
                         f"the same command with hydra.run.dir={first} resumes it"), stderr_text
     assert said[-2] == f"jobs #1, #2 not started: the sweep was stopped by {name}"
-    assert said[-1].endswith(f"(the finished ones stay): python -m train.sweep resume {sweep_dir}")
-    status = run_train("status", str(sweep_dir), module=("-m", "train.sweep")).stdout.splitlines()
+    assert said[-1].endswith(f"(the finished ones stay): python -m train sweep resume {sweep_dir}")
+    status = run_train("sweep", "status", str(sweep_dir)).stdout.splitlines()
     assert [(line[:5].strip(), line[7:19].strip()) for line in status[1:4]] == [
         ("0", "not finished"), ("1", "not started"), ("2", "not started")], status
     assert status[4] == "not finished: 1  not started: 2", status

@@ -240,7 +240,7 @@ def test_what_the_server_never_took_is_kept_and_uploaded_later(tmp_path: Path) -
         assert job.returncode == 1, stderr[-3000:]
         assert not re.search(r"MLflow run \w+ FINISHED", stderr)
         unsent = job_dir / "mlflow_unsent.jsonl"
-        assert unsent.exists() and f"python -m train.outbox upload {unsent}" in stderr
+        assert unsent.exists() and f"python -m train outbox upload {unsent}" in stderr
         assert "training finished, but the MLflow store" in stderr
         # Nothing to resume: the block says the training is kept, and no command re-runs it.
         assert f"  kept: the finished training: {job_dir}/summary.json" in stderr
@@ -248,7 +248,7 @@ def test_what_the_server_never_took_is_kept_and_uploaded_later(tmp_path: Path) -
 
         server.start()
         # The file names its store: a stray MLFLOW_TRACKING_URI does not divert the upload.
-        upload = subprocess.run([sys.executable, "-m", "train.outbox", "upload", str(unsent)],
+        upload = subprocess.run([sys.executable, "-m", "train", "outbox", "upload", str(unsent)],
                                 cwd=REPO, capture_output=True, text=True, timeout=120,
                                 env={**os.environ, "MLFLOW_TRACKING_URI": "sqlite:///elsewhere.db"})
         assert upload.returncode == 0, upload.stderr

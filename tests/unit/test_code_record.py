@@ -4,6 +4,7 @@ user's own package, read back from the real MLflow store of a run trained in pro
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -122,13 +123,21 @@ def test_a_submission_snapshot_holds_the_tree_and_the_user_package_as_they_are(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """train/launch/snapshot.py, as the Slurm launcher takes it: the project's checkout with
     its uncommitted state (the same commit and diff a run records), the user's dirty package,
-    and the sbatch lines that put them first on the job's PYTHONPATH."""
+    and the sbatch lines that put them first on the job's PYTHONPATH. Taken with nothing on
+    PATH but git: a login node or a fresh machine without rsync snapshots all the same."""
     from tests.conftest import REPO, typed
     from train.launch import snapshot
 
-    user_repo = checkout(tmp_path / "research", {"src/snappkg/__init__.py": PACKAGE})
+    user_repo = checkout(tmp_path / "research", {"src/snappkg/__init__.py": PACKAGE,
+                                                 "src/snappkg/old.py": "OLD = 1\n"})
     (user_repo / "src" / "snappkg" / "__init__.py").write_text(PACKAGE + "# edited\n")
     (user_repo / "src" / "snappkg" / "extra.py").write_text("NEW = 1\n")  # untracked
+    (user_repo / "src" / "snappkg" / "old.py").unlink()  # deleted, not yet committed
+    (user_repo / "src" / "snappkg" / "api_secret.py").write_text("KEY = 'x'\n")
+    only_git = tmp_path / "bin"
+    only_git.mkdir()
+    (only_git / "git").symlink_to(shutil.which("git"))
+    monkeypatch.setenv("PATH", str(only_git))
     monkeypatch.syspath_prepend(str(user_repo / "src"))
     monkeypatch.setenv("PYTHONPATH", f"{user_repo / 'src'}:{REPO / 'tests'}")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -145,6 +154,8 @@ def test_a_submission_snapshot_holds_the_tree_and_the_user_package_as_they_are(
     package = tmp_path / "sweep" / "code" / "packages" / "snappkg" / "src"
     assert (package / "snappkg" / "__init__.py").read_text().endswith("# edited\n")
     assert (package / "snappkg" / "extra.py").read_text() == "NEW = 1\n"
+    assert not (package / "snappkg" / "old.py").exists()
+    assert not (package / "snappkg" / "api_secret.py").exists()
     assert snap.pythonpath == [str(project), str(package), str(project / "tests")]
     assert snap.setup_lines()[:2] == [
         f"export PYTHONPATH={':'.join(snap.pythonpath)}${{PYTHONPATH:+:$PYTHONPATH}}",

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, composed, typed
+from train.__main__ import COMMANDS
 from train.config import reference
 
 PAGES = sorted([REPO / "README.md", REPO / "CONTRIBUTING.md", *(REPO / "docs").glob("*.md")])
@@ -68,12 +69,19 @@ def train_commands() -> list[tuple[str, str]]:
     return found
 
 
-def overrides_of(command: str) -> list[str]:
+def train_args(command: str) -> list[str]:
+    """The words after `python -m train` in a shown command."""
     words = shlex.split(command.replace("$USER", "me"))
     # A command quoted inside another (`sbatch --wrap "python -m train ..."`): its own words.
     words = [w for word in words
              for w in (shlex.split(word) if " -m train" in f" {word}" else [word])]
-    args = words[words.index("train", words.index("-m")) + 1:]
+    return words[words.index("train", words.index("-m")) + 1:]
+
+
+def overrides_of(command: str) -> list[str]:
+    args = train_args(command)
+    if args and args[0] in COMMANDS:
+        return []  # `python -m train status DIR`: a command of the command line, no job
     if HELP & set(args):
         return []  # `--help [GROUP]`: tests/unit/test_config.py runs the help itself
     out, skip = [], False
@@ -97,6 +105,10 @@ def test_the_docs_show_train_commands() -> None:
 @pytest.mark.parametrize(("page", "command"), train_commands(),
                          ids=[f"{p}:{c[:60]}" for p, c in train_commands()])
 def test_every_train_command_shown_composes(page: str, command: str) -> None:
+    from train.__main__ import unknown_command
+
+    first = train_args(command)[:1]
+    assert not (first and unknown_command(first[0])), f"{page}: {command}: no such command"
     overrides = overrides_of(command)
     assert composed(*overrides) is not None
     typed(*overrides)  # and reaches the typed config the job gets

@@ -3,6 +3,8 @@ processes and signals: tests/e2e/test_faults_process.py."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hydra.errors import HydraException
 
@@ -63,5 +65,35 @@ def test_every_group_has_help_with_a_doc_for_every_key() -> None:
         shown = keys.group_help(group)
         for key, _, doc in keys.fields(group):
             assert doc and f"\n{key}=" in shown, key
-    assert app._help_group(["--help", "trainer"]) == "trainer"
-    assert app._help_group(["--help"]) is None and app._help_group(["trainer.epochs=1"]) is None
+    assert app.help_group(["--help", "trainer"]) == "trainer"
+    assert app.help_group(["--help"]) is None and app.help_group(["trainer.epochs=1"]) is None
+
+
+def test_a_first_word_that_is_no_command_gets_a_did_you_mean_and_overrides_go_to_hydra(
+        ) -> None:
+    from train.__main__ import COMMANDS, commands_help, unknown_command
+
+    assert "did you mean `python -m train sweep`?" in (unknown_command("sweeps") or "")
+    assert "did you mean `python -m train prepare-text`?" in (
+        unknown_command("prepare_text") or "")
+    line = unknown_command("xyzzy") or ""
+    assert line.startswith("error: 'xyzzy' is no command") and "did you mean" not in line
+    for override in ("trainer.epochs=2", "+model.hidden=3", "~tracking", "-m", "--cfg"):
+        assert unknown_command(override) is None, override
+    shown = commands_help()
+    assert all(f"  {name}" in shown and c.summary in shown for name, c in COMMANDS.items())
+
+
+def test_every_command_runs_its_modules_main_and_returns_its_exit_code(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    import importlib
+
+    from train.__main__ import COMMANDS, run_command
+
+    for command in COMMANDS.values():
+        assert callable(importlib.import_module(command.module).main), command.module
+    assert run_command("status", [str(tmp_path)]) == 2  # no heartbeats there: one line
+    said = capsys.readouterr().err.strip()
+    assert said.startswith(f"error: {tmp_path} is neither a running job's output directory"), said
+    assert run_command("stacks", ["--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: python -m train stacks ")

@@ -271,7 +271,7 @@ def refused_upload(path: Path, *extra: str) -> str:
     with pytest.raises(SystemExit) as refused:
         outbox.main(["upload", str(path), *extra])
     message = str(refused.value.code)
-    assert message.startswith("python -m train.outbox: ") and "\n" not in message, message
+    assert message.startswith("python -m train outbox: ") and "\n" not in message, message
     return message
 
 

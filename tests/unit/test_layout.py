@@ -35,12 +35,11 @@ package, train/<wing>/."""
 
 ROOT_COMMANDS = {"__init__", "__main__", "app", "load", "server", "outbox", "prepare_text",
                  "status", "stacks", "sweep", "_moved"}
-"""The only other modules at train/'s root: what users run or import (`python -m train`,
-`python -m train.server`, `python -m train.outbox`, `python -m train.prepare_text`,
-`python -m train.status`, `python -m train.stacks`, `python -m train.sweep`,
-`train.load.load_model`), and `_moved`
-(old pickled class paths). They may import any wing, and another root command only as
-ROOT_TO_ROOT lists."""
+"""The only other modules at train/'s root: what users run or import (`python -m train` and
+its commands - `server`, `outbox`, `prepare-text`, `status`, `stacks`, `sweep`, each also
+`python -m train.<module>` - and `train.load.load_model`), and `_moved` (old pickled class
+paths). They may import any wing, and another root command only as ROOT_TO_ROOT lists
+(`__main__` runs a command's module by its name in its COMMANDS table, when it is asked for)."""
 
 ROOT_TO_ROOT = {("__main__", "app")}
 
@@ -56,8 +55,8 @@ alone takes ~1.6 s, torch's longer."""
 LIGHT = {
     "train.__main__": "`python -m train --help`, `--cfg` and a refused config answer at once",
     "train.app": "the Hydra main, imported before anything is composed",
-    "train.server": "`python -m train.server` execs `mlflow server`; its --help is instant",
-    "train.outbox": "`python -m train.outbox`: mlflow only once a request is made",
+    "train.server": "`python -m train server` execs `mlflow server`; its --help is instant",
+    "train.outbox": "`python -m train outbox`: mlflow only once a request is made",
     "train.errors": "every wing imports it",
     "train.tracking": "`import train.tracking` imports neither mlflow nor torch (lazy)",
     "train.distributed.env": "read by the launcher before any rank starts",
@@ -67,8 +66,8 @@ LIGHT = {
     "train.launch.preflight": "pre-flight imports heavy parts only for the checks that need them",
     "train.launch.submit": "the login node's Slurm side",
     "train.launch.follow": "the login node, following submitted jobs",
-    "train.status": "`python -m train.status` reads heartbeat files on a login node",
-    "train.stacks": "`python -m train.stacks` signals ranks and reads their dumps",
+    "train.status": "`python -m train status` reads heartbeat files on a login node",
+    "train.stacks": "`python -m train stacks` signals ranks and reads their dumps",
     "train.launch.inspect": "train.status and train.stacks on a login node",
     "train.distributed.watch": "the local launcher and train.status read its files",
     "train.distributed.stacks": "train.stacks reads dumps with the standard library",
@@ -78,7 +77,7 @@ LIGHT = {
     "hydra_plugins.train_launcher.checked_jobs": "Hydra imports every plugin at its start",
     "hydra_plugins.train_launcher.optuna_sweeper": "Hydra imports every plugin at its start",
     "hydra_plugins.train_launcher.optuna_run": "Hydra imports every plugin at its start",
-    "train.sweep": "`python -m train.sweep status` reads a journal file, nothing more",
+    "train.sweep": "`python -m train sweep status` reads a journal file, nothing more",
     "train.launch.study": "the sweep's driver: its trials import torch, it need not",
     "train.launch.trials": "the sweep's driver: its trials import torch, it need not",
     "train.engine.trial": "the driver reads the pruner and storage from it",

@@ -118,6 +118,21 @@ class SlowOnRank(Lines):
         return super().__getitem__(index)
 
 
+class HeldLines(Lines):
+    """Lines read `delay` seconds each until the file `release` exists: a test sets the pace
+    of a job (slow until it writes the file), whatever the machine's speed."""
+
+    def __init__(self, length: int = 240, size: int = 16, seed: int = 0, release: str = "",
+                 delay: float = 0.1) -> None:
+        super().__init__(length, size, seed)
+        self.release, self.delay = release, delay
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        if self.release and not os.path.exists(self.release):
+            time.sleep(self.delay)
+        return super().__getitem__(index)
+
+
 class BrokenSampleOnRank(_OnOneRank):
     """Lines with one sample the user's code cannot read (a corrupt file): reading it on one
     rank raises, as a user's bug in __getitem__ does."""

@@ -218,10 +218,14 @@ class FsdpConfig:
     cpu_offload: bool = False
     """Keep the parameter shards, gradients and optimiser state in host memory (CPUOffloadPolicy):
     a GPU holds only what a block computes with, at the price of copies each step."""
-    init_on: str = "meta"
-    """meta: build the model without memory, shard it, then allocate each rank's shards and
-    initialise them (the modules' reset_parameters, or the model's init_weights); cpu: build
-    the whole model on every rank first (for a model that cannot, or model.weights)."""
+    init_on: str = "auto"
+    """auto: cpu where the whole model fits in host memory on every rank (half of what is
+    available, for all of a node's ranks), else meta. cpu: build the whole model on every rank
+    first, as DDP does - the same seed gives the same initial weights under either strategy;
+    model.weights needs it. meta: build it without memory, shard it, then allocate and
+    initialise each rank's shards (reset_parameters, or the model's init_weights) - for a
+    model larger than host memory; its initial weights differ from DDP's. The run's tag
+    fsdp.init_on says which was used."""
     async_checkpoint: bool = False
     """Write the sharded checkpoints taken while training goes on in the background
     (dcp.async_save): training waits only for the copy into host memory; each is completed

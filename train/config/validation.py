@@ -72,7 +72,7 @@ def _model_and_data(cfg: TrainConfig, p: list[str]) -> None:
     _require(cfg.data.seq_len > 0, f"data.seq_len must be positive (got {cfg.data.seq_len}).", p)
     _require(cfg.task.name != "language_model" or cfg.data.name in ("tokens", "custom"),
              f"task=language_model reads windows of token ids, not data={cfg.data.name}: use "
-             "data=tokens (files from `python -m train.prepare_text`) or data=custom.", p)
+             "data=tokens (files from `python -m train prepare-text`) or data=custom.", p)
     _require(cfg.data.name != "tokens" or cfg.task.name in ("language_model", "custom"),
              f"data=tokens holds token windows for task=language_model (or task=custom), not "
              f"task={cfg.task.name}: add task=language_model.", p)
@@ -154,8 +154,8 @@ def _fsdp(cfg: TrainConfig, p: list[str]) -> None:
              "job's checkpoint is one file rank 0 writes); drop it or use fsdp.", p)
     if d.strategy != "fsdp":
         return
-    _require(d.fsdp.init_on in ("meta", "cpu"),
-             f"distributed.fsdp.init_on={d.fsdp.init_on!r}; choose meta or cpu.", p)
+    _require(d.fsdp.init_on in ("auto", "cpu", "meta"),
+             f"distributed.fsdp.init_on={d.fsdp.init_on!r}; choose auto, cpu or meta.", p)
     why = {"trainer.precision=fp16-mixed": cfg.trainer.precision == "fp16-mixed",
            "trainer.compile=true": cfg.trainer.compile,
            "distributed.sync_batchnorm=true": d.sync_batchnorm,
@@ -170,8 +170,8 @@ def _fsdp(cfg: TrainConfig, p: list[str]) -> None:
                  f"service's FSDP path); {hint.get(key, 'remove it')}, or use "
                  "distributed.strategy=ddp.")
     _require(not (cfg.model.weights and d.fsdp.init_on == "meta"),
-             "model.weights with distributed.strategy=fsdp needs distributed.fsdp.init_on=cpu "
-             "(the weights are loaded into the whole model before it is sharded).", p)
+             "model.weights with distributed.strategy=fsdp needs distributed.fsdp.init_on=auto "
+             "or cpu (the weights are loaded into the whole model before it is sharded).", p)
 
 
 def _task_metrics(cfg: TrainConfig, p: list[str]) -> None:

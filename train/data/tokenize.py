@@ -1,4 +1,4 @@
-"""Text to token files (`python -m train.prepare_text`), and the tokenizers that read them back.
+"""Text to token files (`python -m train prepare-text`), and the tokenizers that read them back.
 
 The default tokenizer is byte-level: a file's bytes are its tokens (vocabulary 256), so any
 text in any encoding is tokenized without a download or a trained vocabulary. A `tokenizers`

@@ -1,4 +1,4 @@
-"""Token data (`data=tokens`): flat token files written once by `python -m train.prepare_text`,
+"""Token data (`data=tokens`): flat token files written once by `python -m train prepare-text`,
 read memory-mapped in windows of data.seq_len + 1 tokens, never whole in RAM.
 
 Under data.root: `train.bin`, `val.bin` (and `test.bin`, optional), each a flat array of token
@@ -70,10 +70,10 @@ def read_meta(root: str | Path) -> TokenMeta:
                          {k: int(v) for k, v in dict(raw["tokens"]).items()})
     except FileNotFoundError:
         raise TokenDataError(f"{where}: no {META} there; write the token files with "
-                             "`python -m train.prepare_text <text files> <dir>`.") from None
+                             "`python -m train prepare-text <text files> <dir>`.") from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise TokenDataError(f"{where}: {META} is not prepare_text's ({e}); write the token "
-                             "files again with `python -m train.prepare_text`.") from None
+                             "files again with `python -m train prepare-text`.") from None
     if meta.dtype not in DTYPES or meta.vocab_size < 2:
         raise TokenDataError(f"{where}: {META} names dtype {meta.dtype!r} and vocabulary "
                              f"{meta.vocab_size}; prepare the files again.")

@@ -3,7 +3,7 @@ read back: `ranks/rank-<N>.json` (its heartbeat), `stacks/rank-<N>.txt` (its sta
 `stacks/.rank-<N>.dump` (faulthandler's answer to SIGUSR1) and its DataLoader workers' dumps.
 
 The rank writes them (watch.py, workers.py); stacks.py, the local launcher and the login node's
-`python -m train.status` / `python -m train.stacks` read them. A module of its own so that the
+`python -m train status` / `python -m train stacks` read them. A module of its own so that the
 readers need not import the writer, nor the writer its readers. The standard library only.
 """
 

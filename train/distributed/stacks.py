@@ -2,7 +2,7 @@
 line which rank is stuck where: the user's frame first (file:line, function, the call on that
 line), then the service frame that called it; and the ranks that waited, grouped.
 
-The standard library only: `python -m train.stacks` and `train.status` use it on a login node.
+The standard library only: `python -m train stacks` and `train.status` use it on a login node.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ _SNAPSHOT = re.compile(r".*?/code/project/")
 
 def as_here(path: str) -> str:
     """A frame of a Slurm job's code snapshot as the same file of this checkout, so that the
-    login node (python -m train.stacks) tells the service's frames from the user's as the rank
+    login node (python -m train stacks) tells the service's frames from the user's as the rank
     does."""
     m = _SNAPSHOT.match(path)
     return str(Path(_TRAIN).parent / path[m.end():]) if m else path

@@ -3,11 +3,11 @@
 - The heartbeat: the loop marks the phase it enters (`enter("data")`, ...) and the step; that
   is two attribute writes and a clock read, no file and no host sync. A watchdog thread writes
   it to `<output dir>/ranks/rank-<N>.json` when it changed (at most every POLL_S), which
-  `python -m train.status` reads from the login node.
+  `python -m train status` reads from the login node.
 - Stacks without ptrace: the watchdog dumps every thread's Python stack with faulthandler (it
   works while the main thread sleeps or waits in C) into `stacks/rank-<N>.txt` when a rank asks
   through the job's store (`request_stacks`, after a collective timed out), and into
-  `stacks/.rank-<N>.dump` on SIGUSR1 (`python -m train.stacks`; USR1: USR2, TERM, INT and HUP
+  `stacks/.rank-<N>.dump` on SIGUSR1 (`python -m train stacks`; USR1: USR2, TERM, INT and HUP
   stop the job). The signal only wakes the watchdog (signal.set_wakeup_fd), which dumps holding
   the GIL: faulthandler's own handler reads other threads' frames as they change, and crashed a
   rank whose MLflow thread was busy (CI). A main thread holding the GIL in C cannot answer.

@@ -145,6 +145,8 @@ def prepare(job: Job, logger: RunLogger, stop: StopSignals) -> Prepared:
     # FSDP: counted from the shapes of a meta-device copy, not from this rank's shards.
     shapes = fsdp.meta_copy(cfg, spec) if fsdp.is_sharded(state.module) else state.module
     logger.log_model_params(shapes)
+    if state.initialised_on is not None:  # whether its initial weights are a DDP job's
+        logger.run.set_tags({"fsdp.init_on": state.initialised_on})
     logger.training.throughput = flops.Throughput(
         shapes, bundle.input_shape, device, cfg.trainer.precision, cfg.trainer.peak_tflops,
         env.world_size, tokens=bundle.vocab_size is not None)

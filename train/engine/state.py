@@ -85,6 +85,9 @@ class TrainState:
     grad_norm: torch.Tensor | None = None
     """optim.grad_clip: the last step's total gradient norm before clipping, left on the
     device (a DTensor under FSDP) until a logging step reads it (train/engine/loop.py)."""
+    initialised_on: str | None = None
+    """FSDP: where the model was built before sharding (cpu: whole, as DDP builds it; meta:
+    each rank's shards initialised apart); the run's tag fsdp.init_on. None under DDP."""
     peak_lrs: list[float] | None = None
     """Each optimiser group's lr as built (optim.lr x its lr_scale), before any schedule: what
     the `lr` metric is read against. None = the scheduler's base_lrs (the built-in schedule's
@@ -136,25 +139,29 @@ def build(cfg: TrainConfig, spec: models.InputSpec, steps_per_epoch: int,
 
 def _build_sharded(cfg: TrainConfig, spec: models.InputSpec, steps_per_epoch: int,
                    device: torch.device) -> TrainState:
-    """distributed.strategy=fsdp: the model sharded (train/engine/fsdp.py). init_on=meta builds
-    it without memory and initialises each rank's shards once allocated; init_on=cpu builds
-    the whole model (and loads model.weights) on every rank first. The optimiser is built on
-    the sharded parameters, so its state is sharded too."""
-    on_meta = cfg.distributed.fsdp.init_on == "meta"
-    if on_meta:
+    """distributed.strategy=fsdp: the model sharded (train/engine/fsdp.py). Built whole on
+    every rank (init_on=cpu, and auto where it fits in host memory: the same initial weights as
+    DDP from the same seed; model.weights loaded), or on the meta device, each rank's shards
+    then allocated and initialised (meta). FSDP moves each block to the device as it shards
+    it, so a model built whole in host memory is never whole on the GPU. The optimiser is built
+    on the sharded parameters, so its state is sharded too."""
+    place = fsdp.init_place(cfg, spec, device)
+    if place == "meta":
         with torch.device("meta"):
             module = models.build(cfg.model, spec)
-        if refusal := fsdp.meta_refusal(cfg, module):
+        refusal = (fsdp.meta_refusal(cfg, module) if cfg.distributed.fsdp.init_on == "meta"
+                   else fsdp.meta_refusal_of_auto(cfg, module))
+        if refusal:
             raise ConfigError(refusal)
     else:
         module = models.build(cfg.model, spec)
         if cfg.model.weights:
             pretrained.load(module, cfg.model, spec.num_classes)
-        module = module.to(device)
     module = fsdp.shard(module, cfg, device)
-    if on_meta:
+    if place == "meta":
         fsdp.materialise(module, device, cfg.distributed.fsdp.cpu_offload)
     state = _with_optimiser(cfg, module, module, steps_per_epoch, device)
+    state.initialised_on = place
     kind = torch.long if spec.vocab_size is not None else torch.float32
     state.filler = torch.zeros(1, *spec.sample_shape, dtype=kind, device=device)
     return state

@@ -1,5 +1,5 @@
 """A running job's ranks seen from outside it (the login node, another terminal): where each
-is (`python -m train.status`) and every rank's stacks (`python -m train.stacks`), for a job's
+is (`python -m train status`) and every rank's stacks (`python -m train stacks`), for a job's
 output directory or its Slurm job id.
 
 The ranks write their heartbeats and answer SIGUSR1 with faulthandler themselves
@@ -29,10 +29,14 @@ ANSWER_S = 10.0
 
 
 def command(name: str, argv: list[str], show: Callable[[Path, str | None], str]) -> int:
-    """`python -m train.<name> <output dir or Slurm job id>`: what `show` says of the job
+    """`python -m train <name> <output dir or Slurm job id>`: what `show` says of the job
     (its output directory, its Slurm job id or None), or one line and the exit code."""
+    usage = f"usage: python -m train {name} <output dir or Slurm job id>"
+    if argv in (["-h"], ["--help"]):
+        print(usage)
+        return 0
     if len(argv) != 1 or argv[0].startswith("-"):
-        print(f"usage: python -m train.{name} <output dir or Slurm job id>", file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     try:
         print(show(*resolve(argv[0])))

@@ -190,7 +190,8 @@ def check_token_data(cfg: TrainConfig) -> None:
 
 def check_fsdp_init(cfg: TrainConfig, model: object) -> None:
     """distributed.fsdp.init_on=meta: the model (built on the meta device) can be initialised
-    shard by shard, or one line saying which module cannot and what to do."""
+    shard by shard, or one line saying which module cannot and what to do (auto builds such a
+    model whole where it fits, on every rank: train/engine/fsdp.py init_place)."""
     if cfg.distributed.strategy != "fsdp":
         return
     from train.engine import fsdp

@@ -3,9 +3,10 @@
 A job imports the project when it starts, not when it is submitted: a job queued for hours would
 run whatever the tree holds by then. At submission the launcher (hydra_plugins/train_launcher)
 copies the code into the sweep's directory on shared storage, `<sweep dir>/code/`:
-- `project/`: the project's git checkout as it is - submitit's `RsyncSnapshot` (a shallow clone
-  at HEAD, then the working tree's tracked files rsynced over it) plus the untracked source files
-  a run records (train/report/code.py), without files named like secrets;
+- `project/`: the project's git checkout as it is - a shallow clone at HEAD, then the working
+  tree's tracked files copied over it (what submitit's `RsyncSnapshot` does, without needing
+  rsync) plus the untracked source files a run records (train/report/code.py), without files
+  named like secrets;
 - `packages/<name>/`: each user package a `_target_` names that lives outside the project: its
   git checkout the same way, or else a copy of its directory (an installed distribution is not
   copied: the environment holds it).
@@ -19,6 +20,7 @@ Config files are read from the snapshot too (the launcher repoints Hydra's searc
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import os
 import shlex
 import shutil
@@ -63,20 +65,45 @@ class Snapshot:
         return lines
 
 
-def _rsync_snapshot(into: Path, top: Path) -> None:
-    """submitit's RsyncSnapshot of the checkout `top`, untracked source files included."""
-    from submitit.helpers import RsyncSnapshot
+def _git_snapshot(into: Path, top: Path) -> None:
+    """The checkout `top` as it is, into `into`: a shallow clone at HEAD (so the snapshot is a
+    git checkout at the same commit, with the same uncommitted diff), then each tracked file
+    of the working tree and each untracked source file a run records copied over it, a file
+    deleted in the tree deleted in the copy, secret-looking names left out.
 
-    if not RsyncSnapshot.available():
-        raise SubmitError("cluster.snapshot_code=true needs rsync on this machine: install it "
-                          "(apt-get install rsync), or set cluster.snapshot_code=false.")
-    here = Path.cwd()
-    try:
-        with RsyncSnapshot(into, root_dir=top, exclude=code.SECRET_NAMES,
-                           include=code.untracked_in(top)):
-            pass  # made on entering; the job's working directory stays the user's
-    finally:
-        os.chdir(here)
+    What submitit's RsyncSnapshot does, without rsync: a login node or a fresh machine may not
+    have it, and a few hundred source files copy in well under a second in Python."""
+    into.parent.mkdir(parents=True, exist_ok=True)
+    clone = subprocess.run(["git", "clone", "-q", "--depth=2", f"file://{top}", str(into)],
+                           capture_output=True, text=True)
+    if clone.returncode != 0:
+        raise SubmitError(f"cluster.snapshot_code=true: git could not clone {top} into {into}: "
+                          f"{clone.stderr.strip()[-300:]}; or set cluster.snapshot_code=false.")
+    for rel in [*_tracked_files(top), *code.untracked_in(top)]:
+        if _secret(rel):
+            continue
+        source, target = top / rel, into / rel
+        if not source.exists() and not source.is_symlink():
+            target.unlink(missing_ok=True)  # deleted in the working tree
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.is_symlink() or target.is_file():
+            target.unlink()
+        shutil.copy2(source, target, follow_symlinks=False)
+
+
+def _tracked_files(top: Path) -> list[str]:
+    """git ls-files of `top`, without submodules (mode 160000: another repository)."""
+    listed = subprocess.run(["git", "-C", str(top), "ls-files", "-s", "-z"],
+                            capture_output=True, text=True, check=True).stdout
+    return [entry.split("\t", 1)[1] for entry in listed.split("\0")
+            if entry and not entry.startswith("160000")]
+
+
+def _secret(rel: str) -> bool:
+    """A path with a part named like a secret (code.SECRET_NAMES, as rsync's --exclude)."""
+    return any(fnmatch.fnmatch(part.lower(), pattern) for part in Path(rel).parts
+               for pattern in code.SECRET_NAMES)
 
 
 def _package(name: str, into: Path, mapped: dict[str, str]) -> None:
@@ -89,7 +116,7 @@ def _package(name: str, into: Path, mapped: dict[str, str]) -> None:
     if state is not None:
         if not into.exists():
             try:
-                _rsync_snapshot(into, state["top"])
+                _git_snapshot(into, state["top"])
             except BaseException:
                 shutil.rmtree(into, ignore_errors=True)  # never reused half-made
                 raise
@@ -151,7 +178,7 @@ def _copy(root: Path, configs: list[Any]) -> Snapshot:
         snap = Snapshot(root, root / "project")
         snap.reused = (snap.project / code.SNAPSHOT_MARK).is_file()
         if not snap.reused:
-            _rsync_snapshot(snap.project, REPO_ROOT)
+            _git_snapshot(snap.project, REPO_ROOT)
             (snap.project / code.SNAPSHOT_MARK).write_text(f"taken from {REPO_ROOT}\n")
         names = sorted({n for c in configs for n in code.user_packages(targets_of(c))})
         for name in names:

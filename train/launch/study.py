@@ -6,7 +6,7 @@ pruner on a multi-objective study (Optuna's `Trial.report` cannot prune those), 
 that cannot be written, a parameter that is no search space.
 
 The study lives in a journal file in the sweep directory unless `storage` says otherwise: it
-needs no server, works on a shared filesystem, and is what `python -m train.sweep status|resume`
+needs no server, works on a shared filesystem, and is what `python -m train sweep status|resume`
 read (train/sweep.py). `sweep.json` next to it records the command that started the sweep.
 """
 

@@ -224,7 +224,7 @@ class RunLogger:
             return (f"training finished, but the MLflow store {run.uri} did not take all of "
                     f"{where} ({run.failure or 'timed out'}); the rest, its FINISHED status "
                     f"included, is in {run.unsent_path}: once the store is fixed, deliver it "
-                    f"with `python -m train.outbox upload {run.unsent_path}` (add "
+                    f"with `python -m train outbox upload {run.unsent_path}` (add "
                     "--tracking-uri URI if the store moved).")
         return (f"training finished, but the MLflow store {run.uri} does not hold {where}: "
                 f"{run.failure}. The job's files (model.pt, summary.json, checkpoints) are in "

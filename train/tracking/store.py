@@ -127,7 +127,7 @@ def how_to_view(uri: str, experiment_id: str | None, run_id: str) -> str:
     if (db := sqlite_path(uri)) is not None and db.name == "mlflow.db":
         return (f"`make ui UI_STORE={db.parent}`, then http://127.0.0.1:5000/{page}"
                 f"{_login(db.parent)}")
-    return (f"`python -m train.server --port 5000 --backend-store-uri {uri}`, then "
+    return (f"`python -m train server --port 5000 --backend-store-uri {uri}`, then "
             f"http://127.0.0.1:5000/{page}{_login(db.parent if db else EMBEDDED_STORE_DIR)}")
 
 

@@ -42,7 +42,7 @@ digest of the job's output directory, the value says which and why): it has ende
 
 
 SWEEP_FILE = "sweep.json"
-"""In the sweep directory: the command that started the sweep (`python -m train.sweep resume`
+"""In the sweep directory: the command that started the sweep (`python -m train sweep resume`
 runs it again there) and its parent run, which a resumed sweep continues."""
 
 PRUNED_TAG = "pruned_at"
@@ -228,7 +228,7 @@ class ParentRunCallback(Callback):
         return self.parent_run_id
 
     def _continued(self, experiment_id: str) -> str | None:
-        """The parent of the same sweep run again in its directory (`python -m train.sweep
+        """The parent of the same sweep run again in its directory (`python -m train sweep
         resume`): its finished jobs stay its children, its failed ones continue their runs
         under it. Another sweep's overrides in the same directory get a parent of their own."""
         from train.tracking import parent_run, resolve_uri

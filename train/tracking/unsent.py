@@ -3,7 +3,7 @@
 If MLflow is still unreachable when the run ends, `save()` writes what is left to
 <output dir>/mlflow_unsent.jsonl - one JSON object per line: the run's identity first, then the
 records ({"record": KIND, ...its fields}) and the rows ({"metric": [...]}, {"param": [...]},
-{"tag": [...]}) - and `python -m train.outbox upload <file>` delivers it once the store is back.
+{"tag": [...]}) - and `python -m train outbox upload <file>` delivers it once the store is back.
 Only the MLflow model cannot be written there (it is a Python object); the weights are an
 artifact file record, and so survive.
 
@@ -254,7 +254,7 @@ def deliver_leftovers(output_dir: Path, run_id: str, uri: str) -> None:
             upload(path)
             log.info("delivered %s, left by an earlier start of this job", path)
         except Exception as e:  # noqa: BLE001 - the file stays; the run goes on
-            log.warning("could not deliver %s (%s); it stays for `python -m train.outbox "
+            log.warning("could not deliver %s (%s); it stays for `python -m train outbox "
                         "upload %s`", path, errors.describe(e), path)
 
 
@@ -270,7 +270,7 @@ def save_rest(output_dir: Path, header: dict[str, Any], rows: Batch, waiting: li
     lost = save(path, header, rows, waiting)
     log.error("MLflow did not take this run's last updates (%s): %d metric values, %d params, "
               "%d tags and %d other requests are in %s%s. Deliver them (and end the run %s) "
-              "once the store is fixed:\n  python -m train.outbox upload %s",
+              "once the store is fixed:\n  python -m train outbox upload %s",
               why, len(rows.metrics), len(rows.params), len(rows.tags),
               len(waiting) - len(lost), path,
               f" (not kept: {', '.join(lost)})" if lost else "", header["status"], path)
