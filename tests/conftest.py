@@ -277,11 +277,40 @@ def user_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(USER_PATH)
 
 
+@pytest.fixture(scope="session")
+def store_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty SQLite MLflow store, its tables made once per pytest process: MLflow migrates a
+    new database through some 40 schema versions, 1-2.5 s here, which every test that trained
+    into a fresh file paid. The service's own creation of a new store (one process, under a
+    lock) is tested where it matters: tests/{unit,e2e}/test_new_store.py."""
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    db = tmp_path_factory.mktemp("store-template") / "mlflow.db"
+    engine = SqlAlchemyStore(f"sqlite:///{db}", (db.parent / "artifacts").as_uri()).engine
+    engine.dispose()
+    return db
+
+
+def new_store(db: Path, template: Path) -> str:
+    """A private copy of `template` at `db` (as the service would make it: 0600), with the
+    Default experiment's artifacts beside it, not the template's; its URI."""
+    import shutil
+    import sqlite3
+
+    db.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(template, db)
+    db.chmod(0o600)
+    with contextlib.closing(sqlite3.connect(db)) as connection, connection:
+        connection.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = 0",
+                           ((db.parent / "artifacts" / "0").as_uri(),))
+    return f"sqlite:///{db}"
+
+
 @pytest.fixture
-def store(tmp_path: Path) -> Iterator[dict[str, str]]:
-    """A fresh SQLite MLflow store; yields the env that points training at it."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    yield {"MLFLOW_TRACKING_URI": uri}
+def store(tmp_path: Path, store_template: Path) -> Iterator[dict[str, str]]:
+    """An empty SQLite MLflow store of this test's own; yields the env that points training
+    at it."""
+    yield {"MLFLOW_TRACKING_URI": new_store(tmp_path / "mlflow.db", store_template)}
 
 
 def runs_in(uri: str, experiment: str = "train") -> list:

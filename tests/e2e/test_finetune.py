@@ -9,18 +9,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import composed, history, run_train, runs_in
+from tests.conftest import composed, history, new_store, run_train, runs_in
 from tests.unit.test_finetune import mlp
 from tests.unit.test_job import SMALL
 from train.app import run
 
 
 @pytest.mark.usefixtures("no_launcher_env")
-def test_a_runs_model_fine_tuned_with_frozen_layers(tmp_path: Path) -> None:
+def test_a_runs_model_fine_tuned_with_frozen_layers(tmp_path: Path, store_template: Path) -> None:
     """Run 2 (two ranks) starts from run 1's model.pt with the first layer frozen: that layer
     ends equal to the file, the rest trained on. Run 2 again, its weights file gone: the
     checkpoint is resumed, model.weights not read."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_store(tmp_path / "mlflow.db", store_template)
     common = (*SMALL, f"tracking.uri={uri}", "tracking.log_model=false")
     run(composed(*common, "trainer.epochs=1"), str(tmp_path / "first"), "t")
     source = tmp_path / "first" / "model.pt"

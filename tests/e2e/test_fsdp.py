@@ -21,6 +21,7 @@ from tests.conftest import (
     assert_refused,
     history,
     kill_job_after_checkpoints,
+    new_store,
     run_train,
     runs_in,
 )
@@ -157,13 +158,14 @@ RESUMES = {"fsdp-to-1": ("fsdp", 1), "fsdp-to-3-as-ddp": ("ddp", 3),
 
 @pytest.mark.parametrize("case", list(RESUMES))
 def test_a_job_killed_mid_epoch_at_world_2_resumes_at_another_world_size(
-        case: str, tokens: Path, trained: dict[str, dict], tmp_path: Path) -> None:
+        case: str, tokens: Path, trained: dict[str, dict], tmp_path: Path,
+        store_template: Path) -> None:
     """Killed after its third checkpoint (mid-epoch: one epoch of 19 steps), resumed on
     another number of ranks and, two of the cases, another strategy: one run, every step
     logged, the losses of the run never killed (the single-process reference)."""
     strategy, world = RESUMES[case]
     first = "ddp" if case.startswith("ddp") else "fsdp"
-    store = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    store = {"MLFLOW_TRACKING_URI": new_store(tmp_path / "mlflow.db", store_template)}
     args = (*LM, f"data.root={tokens}", "trainer.checkpoint_interval_min=0.0001",
             "trainer.keep_checkpoints=10")
     out = tmp_path / "job"

@@ -17,6 +17,7 @@ from tests.conftest import (
     composed,
     history,
     kill_job_after_checkpoints,
+    new_store,
     rank_processes,
     run_train,
     runs_in,
@@ -133,7 +134,7 @@ def _hold_the_store_until_a_rank_exits(db_path: Path, hold_s: float) -> threadin
 
 
 def test_rank_0_still_ending_its_run_is_not_stopped_with_the_others(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, store_template: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 1 fails at the same step as rank 0 and exits at once; rank 0 must still create and
     end its run in a store that stays busy 8 s after rank 1 exited: longer than the others'
     grace (0.5 s here) and the 5 s a stopped rank has from TERM to KILL. The launcher waits for
@@ -145,7 +146,7 @@ def test_rank_0_still_ending_its_run_is_not_stopped_with_the_others(
     for key in [*LAUNCHER_VARS, *(k for k in os.environ if k.startswith("SLURM_"))]:
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setattr(launch, "GRACE_S", 0.5)
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_store(tmp_path / "mlflow.db", store_template)
     real_start, holders = launch.start_local_ranks, []
 
     def start_with_the_store_busy(*args: Any, **kwargs: Any) -> dict[str, float]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from tests.conftest import composed, runs_in
+from tests.conftest import composed, new_store, runs_in
 from tests.unit.test_job import SMALL
 from train.app import run
 from train.report import code
@@ -90,6 +90,7 @@ def test_user_packages_are_the_targets_outside_the_stack() -> None:
 
 
 def test_a_run_records_its_dirty_user_package(tmp_path: Path, no_launcher_env: None,
+                                              store_template: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A user package in its own git checkout, edited without a commit: the run holds its
     commit, the dirty flag and the edit; the installed distributions; Python's version."""
@@ -98,7 +99,7 @@ def test_a_run_records_its_dirty_user_package(tmp_path: Path, no_launcher_env: N
     init = user_repo / "src" / "reprpkg" / "__init__.py"
     init.write_text(PACKAGE.replace("num_classes))", "num_classes))  # edited"))
     monkeypatch.syspath_prepend(str(user_repo / "src"))
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_store(tmp_path / "mlflow.db", store_template)
     small = [o for o in SMALL if not o.startswith("model")]
     cfg = composed(*small, "trainer.epochs=1", f"tracking.uri={uri}", "model=custom",
                    "model._target_=reprpkg.Net", "tracking.log_model=false")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import composed, history, runs_in, typed
+from tests.conftest import composed, history, new_store, runs_in, typed
 from train.app import run
 from train.config.groups import TrainConfig
 from train.distributed import env as distenv
@@ -31,9 +31,10 @@ SMALL = ("data=synthetic", "data.num_samples=96", "data.val_fraction=0.2", "data
 
 
 def test_train_in_process_records_one_complete_run(tmp_path: Path, no_launcher_env: None,
+                                                  store_template: Path,
                                                   caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, "train")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_store(tmp_path / "mlflow.db", store_template)
     (tmp_path / "server-auth.env").write_text("export MLFLOW_TRACKING_PASSWORD=s3cret-password\n")
     cfg = composed(*SMALL, "trainer.epochs=2", f"tracking.uri={uri}", "tracking.run_name=fast")
     out = tmp_path / "job"
@@ -76,8 +77,8 @@ def test_train_in_process_records_one_complete_run(tmp_path: Path, no_launcher_e
 
 
 def test_max_steps_ends_training_mid_epoch_and_a_larger_one_continues_it(
-        tmp_path: Path, no_launcher_env: None) -> None:
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+        tmp_path: Path, store_template: Path, no_launcher_env: None) -> None:
+    uri = new_store(tmp_path / "mlflow.db", store_template)
     out = tmp_path / "job"
     # 5 optimiser steps per epoch (77 samples, batches of 16): step 7 is in the second epoch.
     cfg = composed(*SMALL, "trainer.epochs=3", "trainer.max_steps=7", f"tracking.uri={uri}",
@@ -186,10 +187,11 @@ def test_stop_signals_are_noted_and_handlers_put_back() -> None:
 
 
 def test_the_closing_line_shows_the_test_metrics(tmp_path: Path, no_launcher_env: None,
+                                                 store_template: Path,
                                                  user_path: None,
                                                  caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, "train")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_store(tmp_path / "mlflow.db", store_template)
     cfg = composed("data=custom", "data.train._target_=userpkg.data.Lines",
                    "+data.train.length=48", "data.test._target_=userpkg.data.Lines",
                    "+data.test.length=20", "model.width=8", "trainer.epochs=1",

@@ -19,7 +19,7 @@ import yaml
 from torch import nn
 from torch.optim import lr_scheduler
 
-from tests.conftest import composed, history, runs_in, typed
+from tests.conftest import composed, history, new_store, runs_in, typed
 from tests.unit.test_job import SMALL
 from train.app import run
 from train.config.groups import ConfigError, TrainConfig
@@ -291,8 +291,8 @@ def test_preflight_builds_them_on_the_models_groups_or_a_stand_in(user_path: Non
 # -- a job -------------------------------------------------------------------------------------
 
 def test_a_job_with_adadelta_and_steplr_logs_steplrs_lr_each_epoch(
-        tmp_path: Path, no_launcher_env: None) -> None:
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+        tmp_path: Path, store_template: Path, no_launcher_env: None) -> None:
+    uri = new_store(tmp_path / "mlflow.db", store_template)
     cfg = composed(*SMALL, *ADADELTA, *STEPLR, "trainer.epochs=5", f"tracking.uri={uri}",
                    "optim.param_groups=[{prefix: '3', lr_scale: 0.1}]")
     run(cfg, str(tmp_path / "job"), "python -m train (test)")
@@ -313,11 +313,11 @@ def test_a_job_with_adadelta_and_steplr_logs_steplrs_lr_each_epoch(
 @pytest.mark.parametrize(("step", "where"), [(10, "at the end of epoch 2"),
                                              (12, "mid-epoch 3, after 2 of its 5 steps")])
 def test_a_job_resumed_from_a_checkpoint_steps_the_per_epoch_scheduler_once_per_epoch(
-        tmp_path: Path, no_launcher_env: None, step: int, where: str) -> None:
+        tmp_path: Path, store_template: Path, no_launcher_env: None, step: int, where: str) -> None:
     """An epoch-end checkpoint is taken after the epoch's scheduler step, a mid-epoch one
     before it: either way the resumed job goes on with StepLR's lr, no epoch's step twice or
     left out. Checkpoints at every logging step (2 steps; 5 per epoch) give both kinds."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_store(tmp_path / "mlflow.db", store_template)
     common = (*SMALL, *ADADELTA, *STEPLR, "trainer.epochs=5", f"tracking.uri={uri}",
               "trainer.checkpoint_interval_min=0", "trainer.keep_checkpoints=100")
     first = tmp_path / "first"

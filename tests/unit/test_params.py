@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import composed, runs_in, typed
+from tests.conftest import composed, new_store, runs_in, typed
 from train.app import run
 from train.config.naming import default_run_name
 from train.config.schema import to_container
@@ -19,8 +19,8 @@ FAST = ("data.batch_size=32", "trainer.epochs=1", "data.num_workers=0", "trackin
 
 
 def test_a_digits_run_with_a_custom_model_logs_what_shaped_it(
-        tmp_path: Path, no_launcher_env: None, user_path: None) -> None:
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+        tmp_path: Path, store_template: Path, no_launcher_env: None, user_path: None) -> None:
+    uri = new_store(tmp_path / "mlflow.db", store_template)
     cfg = composed(*FAST, "model=custom", "model._target_=userpkg.models.TinyConvNet",
                    "+model.depth=1", f"tracking.uri={uri}")
     run(cfg, str(tmp_path / "job"), "python -m train (test)")

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from sklearn import metrics as skm
 
-from tests.conftest import composed, history, runs_in
+from tests.conftest import composed, history, new_store, runs_in
 from train.app import run
 from train.tasks.base import Task, summed
 from train.tasks.classification import Classification
@@ -128,11 +128,11 @@ def test_a_batch_in_uneven_micro_batches_gives_the_whole_batchs_loss_and_gradien
 # -- a regression job in process: bf16, early stopping, the best weights, the test split -----
 
 def test_a_regression_job_keeps_the_services_other_duties(
-        tmp_path: Path, no_launcher_env: None, user_path: None) -> None:
+        tmp_path: Path, store_template: Path, no_launcher_env: None, user_path: None) -> None:
     """What holds for classification holds for another task: bf16-mixed on the CPU, the best
     checkpoint of val/loss (min), early stopping, and the test split evaluated once with the
     best weights (patients 400-441 of the diabetes set; training on 0-399)."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_store(tmp_path / "mlflow.db", store_template)
     cfg = composed("task=regression", "data=custom", "data.train._target_=userpkg.tasks.Diabetes",
                    "+data.train.stop=400", "data.test._target_=userpkg.tasks.Diabetes",
                    "+data.test.start=400", "model=custom", "model._target_=userpkg.tasks.Regressor",

@@ -15,7 +15,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from tests.conftest import history, runs_in
+from tests.conftest import history, new_store, runs_in
 from train import outbox
 from train.config.groups import ModelConfig, TrackingConfig
 from train.data.batches import describe_tensors
@@ -47,8 +47,9 @@ def tracker(uri: str, out: Path, **overrides: object) -> MlflowRun:
     return MlflowRun(unit_config(uri, **overrides), out)
 
 
-def test_rows_logged_together_travel_together_and_none_is_lost(tmp_path: Path) -> None:
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+def test_rows_logged_together_travel_together_and_none_is_lost(
+        tmp_path: Path, store_template: Path) -> None:
+    uri = new_store(tmp_path / "mlflow.db", store_template)
     t = tracker(uri, tmp_path / "job", batch_interval_s=0.5)
     t.start(tags={"world_size": 2}, run_name="batched")
     t.log_params({"optim.lr": "0.1"})
@@ -66,7 +67,8 @@ def test_rows_logged_together_travel_together_and_none_is_lost(tmp_path: Path) -
     assert recorded["run_id"] == run.info.run_id
 
 
-def test_a_store_never_reached_leaves_a_file_that_creates_the_run_later(tmp_path: Path) -> None:
+def test_a_store_never_reached_leaves_a_file_that_creates_the_run_later(
+        tmp_path: Path, store_template: Path) -> None:
     """The server is gone before the run could even be created: everything waits in the unsent
     file, and the upload - pointed at where the store is now - creates the run with it all."""
     dead = f"http://127.0.0.1:{free_port()}"
@@ -95,7 +97,7 @@ def test_a_store_never_reached_leaves_a_file_that_creates_the_run_later(tmp_path
     assert waiting[3] == dataset and dataset.features_shape == [3, 1, 8, 8]
     assert len(rows.metrics) == 6 and rows.params == [("optim.lr", "0.1")]
 
-    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    store = new_store(tmp_path / "mlflow.db", store_template)
     unsent.upload(unsent_file, tracking_uri=store)
     [run] = runs_in(store, "unit")
     assert run.info.run_name == "late" and run.info.status == "FAILED"
@@ -110,8 +112,8 @@ def test_a_store_never_reached_leaves_a_file_that_creates_the_run_later(tmp_path
     assert unsent_file.with_suffix(".uploaded").exists() and not unsent_file.exists()
 
 
-def test_upload_adds_only_the_steps_the_run_lacks(tmp_path: Path) -> None:
-    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+def test_upload_adds_only_the_steps_the_run_lacks(tmp_path: Path, store_template: Path) -> None:
+    store = new_store(tmp_path / "mlflow.db", store_template)
     t = tracker(store, tmp_path / "job")
     t.start(tags={}, run_name="partial")
     t.begin_sending()
@@ -135,8 +137,8 @@ def test_batches_respect_mlflows_request_limits() -> None:
     assert Batch().chunks() == []
 
 
-def test_flush_returns_once_the_rows_are_in_the_store(tmp_path: Path) -> None:
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+def test_flush_returns_once_the_rows_are_in_the_store(tmp_path: Path, store_template: Path) -> None:
+    uri = new_store(tmp_path / "mlflow.db", store_template)
     # Rows would otherwise wait a minute for their batch: flush sends them at once.
     t = tracker(uri, tmp_path / "job", batch_interval_s=60.0, flush_timeout_s=60.0)
     t.start(tags={}, run_name="flushed")
@@ -157,7 +159,7 @@ def test_flush_returns_once_the_rows_are_in_the_store(tmp_path: Path) -> None:
     assert runs_in(uri, "unit")[0].info.status == "FINISHED"
 
 
-def test_the_sender_starts_no_process_to_create_the_run(tmp_path: Path,
+def test_the_sender_starts_no_process_to_create_the_run(tmp_path: Path, store_template: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A child process the sender thread starts waits for its exec on a pipe that a DataLoader
     worker forked meanwhile by the training thread holds open: the run was not created for
@@ -172,7 +174,7 @@ def test_the_sender_starts_no_process_to_create_the_run(tmp_path: Path,
         popen_init(self, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(subprocess.Popen, "__init__", recording)
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_store(tmp_path / "mlflow.db", store_template)
     t = tracker(uri, tmp_path / "job")
     t.start(tags={"world_size": "1"}, run_name="attributed")
     t.begin_sending()
