@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 
 from tests.cluster.conftest import listed_by_squeue, slurm_job
-from tests.conftest import REPO, command_line, history, runs_in, wait_until
+from tests.conftest import REPO, USER_PATH, command_line, history, runs_in, wait_until
 
 TWO_NODES = ("cluster.nodes=2", "cluster.tasks_per_node=1", "cluster.cpus_per_task=1",
              "data.batch_size=64")
@@ -196,21 +196,28 @@ def test_scancel_with_dataloader_workers_stops_with_a_checkpoint(
 def test_a_tracking_outage_on_slurm_loses_no_epoch(
         cluster: None, tmp_path: Path) -> None:
     """The tracking server away for 60 s mid-job: training goes on (no rank waits on MLflow
-    near the 120 s collective timeout), the run FINISHES with every epoch once."""
+    near the 120 s collective timeout), the run FINISHES with every epoch once.
+
+    The test sets the pace: each sample takes 0.02 s until the server is back (an epoch of
+    240 samples a rank >= 4.8 s, so the 20 epochs cannot end within the outage), then the job
+    runs at full speed."""
     from tests.servers import ServerProcess
 
     server = ServerProcess(tmp_path / "server")
     server.start()
-    epochs = 20
-    proc = _train(tmp_path, {"MLFLOW_TRACKING_URI": server.url}, *TWO_NODES,
-                  f"trainer.epochs={epochs}", "tracking.log_model=false")
+    epochs, release = 20, tmp_path / "release"
+    proc = _train(tmp_path, {"MLFLOW_TRACKING_URI": server.url, "PYTHONPATH": USER_PATH},
+                  *TWO_NODES, f"trainer.epochs={epochs}", "tracking.log_model=false",
+                  "data=custom", "data.num_workers=0", "data.train._target_=userpkg.data.HeldLines",
+                  "+data.train.length=480", f"+data.train.release={release}",
+                  "+data.train.delay=0.02")
     log = tmp_path / "sweep" / "0" / "train.log"
 
     def epochs_ended() -> int:
         return log.read_text().count(f"/{epochs}  train/loss") if log.exists() else 0
 
     try:
-        wait_until(lambda: epochs_ended() >= 2 or proc.poll() is not None, 300, "two epochs")
+        wait_until(lambda: epochs_ended() >= 2, 300, "two epochs", job=proc)
         server.stop()
         down_at, before = time.monotonic(), epochs_ended()
         wait_until(lambda: time.monotonic() - down_at >= 60 or proc.poll() is not None, 90,
@@ -220,6 +227,7 @@ def test_a_tracking_outage_on_slurm_loses_no_epoch(
             raise AssertionError(f"the command ended during the outage:\n{out}\n{err[-3000:]}")
         assert epochs_ended() > before  # trained on meanwhile
         server.start()
+        release.write_text("")
         stdout, stderr = proc.communicate(timeout=400)
         assert proc.returncode == 0, stdout + stderr[-3000:]
         [run] = runs_in(server.url)
@@ -228,6 +236,7 @@ def test_a_tracking_outage_on_slurm_loses_no_epoch(
             assert [s for s, _ in history(server.url, run.info.run_id, key)] == \
                 list(range(1, epochs + 1)), key
     finally:
+        release.write_text("")
         proc.kill()
         proc.wait()
         server.stop()
