@@ -46,6 +46,8 @@ COMMANDS: dict[str, Command] = {
                     "what differs between two runs: config, code, package versions"),
     "prepare-text": Command("train.prepare_text", "<text files or dirs> <out dir>",
                             "text to token files for data=tokens"),
+    "prepare-data": Command("train.prepare_data", "<image folder, tars or Dataset> <out dir>",
+                            "many files as a few Arrow shards for data=arrow"),
     "server": Command("train.server", "[--host H --port P ...]",
                       "an MLflow tracking server with logins, for a cluster"),
     "outbox": Command("train.outbox", "upload <mlflow_unsent.jsonl>",

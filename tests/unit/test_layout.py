@@ -34,12 +34,13 @@ one after it and never a root command. `errors` is the one wing that is a single
 package, train/<wing>/."""
 
 ROOT_COMMANDS = {"__init__", "__main__", "app", "load", "server", "outbox", "prepare_text",
-                 "status", "stacks", "sweep", "_moved"}
+                 "prepare_data", "status", "stacks", "sweep", "_moved"}
 """The only other modules at train/'s root: what users run or import (`python -m train` and
-its commands - `server`, `outbox`, `prepare-text`, `status`, `stacks`, `sweep`, each also
-`python -m train.<module>` - and `train.load.load_model`), and `_moved` (old pickled class
-paths). They may import any wing, and another root command only as ROOT_TO_ROOT lists
-(`__main__` runs a command's module by its name in its COMMANDS table, when it is asked for)."""
+its commands - `server`, `outbox`, `prepare-text`, `prepare-data`, `status`, `stacks`,
+`sweep`, each also `python -m train.<module>` - and `train.load.load_model`), and `_moved`
+(old pickled class paths). They may import any wing, and another root command only as
+ROOT_TO_ROOT lists (`__main__` runs a command's module by its name in its COMMANDS table, when
+it is asked for)."""
 
 ROOT_TO_ROOT = {("__main__", "app")}
 

@@ -75,7 +75,8 @@ class CustomModelConfig:
 class DataConfig:
     name: str = "digits"
     """The data set: digits, synthetic, mnist, fashion_mnist, cifar10 (held in memory); or
-    imagefolder, custom (streamed from disk by DataLoader workers). Set by the group option."""
+    imagefolder, arrow, custom, tokens (streamed from disk by DataLoader workers). Set by the
+    group option."""
     batch_size: int = 64
     """GLOBAL batch size, split evenly over all ranks."""
     val_fraction: float = 0.2
@@ -84,7 +85,8 @@ class DataConfig:
     """Seed of the train/val split; the same for every rank and every restart."""
     root: str = "${oc.env:TRAIN_DATA_ROOT,data}"
     """Where torchvision data sets live (env TRAIN_DATA_ROOT overrides); imagefolder: the folder
-    of class folders, or of train/ and val/ holding them."""
+    of class folders, or of train/ and val/ holding them; arrow: the directory prepare-data or
+    datasets' save_to_disk wrote."""
     download: bool = False
     """Download missing torchvision data sets (compute nodes are often offline)."""
     num_workers: int | None = None
@@ -128,6 +130,17 @@ class DataConfig:
     test: Any = None
     """custom: the test Dataset, as `train`, evaluated once after training
     (trainer.test_on); no _target_ = no test phase."""
+    input_column: str = "auto"
+    """arrow: the column the model reads; auto = the manifest's (prepare-data), else the first
+    image column, else image / input / pixel_values."""
+    target_column: str = "auto"
+    """arrow: the target's column; auto = the manifest's, else label / labels / target."""
+    shuffle: str = "shards"
+    """arrow: the training order. shards: the shards in a random order, then the samples of
+    each window of shuffle_window shards (reads stay in a few files); global: one permutation
+    of all samples (reads all over the set)."""
+    shuffle_window: int = 4
+    """arrow, shuffle=shards: shards whose samples are mixed together."""
 
 
 @dataclass

@@ -14,7 +14,7 @@ from train.errors import ConfigError
 MODEL_NAMES = ("cnn", "mlp", "resnet18")
 MODEL_SOURCES = ("builtin", "torchvision")
 DATASET_NAMES = ("digits", "synthetic", "mnist", "fashion_mnist", "cifar10")
-STREAMED_DATASET_NAMES = ("imagefolder", "custom", "tokens")
+STREAMED_DATASET_NAMES = ("imagefolder", "arrow", "custom", "tokens")
 """train/data/build.py's STREAMED: read from disk batch by batch (train/data/streaming.py)."""
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
 OPTIMIZERS = ("sgd", "adamw")
@@ -70,6 +70,10 @@ def _model_and_data(cfg: TrainConfig, p: list[str]) -> None:
     _require(cfg.data.name != "imagefolder" or len(cfg.data.mean) == len(cfg.data.std) == 3,
              "data.mean and data.std need 3 values (one per RGB channel).", p)
     _require(cfg.data.seq_len > 0, f"data.seq_len must be positive (got {cfg.data.seq_len}).", p)
+    _require(cfg.data.shuffle in ("shards", "global"),
+             f"data.shuffle={cfg.data.shuffle!r}; choose shards or global.", p)
+    _require(cfg.data.shuffle_window >= 1,
+             f"data.shuffle_window must be at least 1 (got {cfg.data.shuffle_window}).", p)
     _require(cfg.task.name != "language_model" or cfg.data.name in ("tokens", "custom"),
              f"task=language_model reads windows of token ids, not data={cfg.data.name}: use "
              "data=tokens (files from `python -m train prepare-text`) or data=custom.", p)

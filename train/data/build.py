@@ -33,7 +33,7 @@ from train.data.datasets import DATASETS, test_set
 from train.distributed import devices
 from train.distributed.env import DistEnv
 
-STREAMED = ("imagefolder", "custom", "tokens")
+STREAMED = ("imagefolder", "arrow", "custom", "tokens")
 """Data sets read from disk batch by batch (train/data/sources.py); the others are in memory."""
 
 

@@ -189,6 +189,8 @@ def build(cfg: DataConfig, env: DistEnv, device: torch.device, seed: int, per_ra
 def _source(cfg: DataConfig, workers: int, classes: bool) -> Source:
     if cfg.name == "imagefolder":
         return imagefolder_source(cfg)
+    if cfg.name == "arrow":
+        return arrow_source(cfg, classes)
     if cfg.name == "tokens":
         return tokens_source(cfg)
     return custom_source(cfg, workers, classes)
@@ -219,3 +221,57 @@ def tokens_source(cfg: DataConfig) -> Source:
                           f"validation tokens, vocabulary {meta.vocab_size} ({meta.tokenizer})",
                   vocab_size=meta.vocab_size, tokenizer=meta.tokenizer,
                   sampler=tokens.WindowSampler)
+
+
+def arrow_source(cfg: DataConfig, classes: bool = True) -> Source:
+    """data=arrow (train/data/arrow.py): the set's own validation split where it has one (and
+    then the shard-local training order of data.shuffle=shards), else data.val_fraction of the
+    training split; images decoded and transformed as imagefolder's, other inputs as stored."""
+    import functools
+
+    from train.data import arrow
+
+    layout = arrow.find(cfg.root)
+    input_column, target_column = arrow.columns(layout, cfg.input_column, cfg.target_column)
+    whole = arrow.ArrowSamples(layout.splits["train"], input_column, target_column,
+                               transforms(cfg, train=True))
+    images = whole.is_image
+    evaluation = transforms(cfg, train=False) if images else None
+    sampler: Any = DistributedSampler
+    if "val" in layout.splits:
+        train: Dataset = whole
+        val: Dataset = arrow.ArrowSamples(layout.splits["val"], input_column, target_column,
+                                          evaluation)
+        if cfg.shuffle == "shards":
+            sizes = arrow.shard_rows(arrow.shard_files(layout.splits["train"]))
+            sampler = functools.partial(arrow.ShardWindowSampler, shard_sizes=sizes,
+                                        window=cfg.shuffle_window)
+    else:
+        parts = batching.split(len(whole), cfg.val_fraction, cfg.split_seed)
+        train, val = Rows(whole, parts.train_idx), Rows(whole.with_transform(evaluation),
+                                                        parts.val_idx)
+    test = (arrow.ArrowSamples(layout.splits["test"], input_column, target_column, evaluation)
+            if "test" in layout.splits else None)
+    names = arrow.class_names(whole.data, target_column) if classes else None
+    if classes and names is None:
+        raise ConfigError(f"data=arrow: column {target_column!r} of {cfg.root} holds no class "
+                          "indices (a ClassLabel or integers): choose data.target_column, or a "
+                          "task for its targets (task=regression).")
+    sample = val[0] if not images else (_first_shape(val), None)
+    shape = tuple(map(int, sample[0].shape)) if not images else sample[0]
+    target_shape = () if images else tuple(np.shape(sample[1]))
+    rows, digest = len(train), arrow.digest(layout)  # type: ignore[arg-type]
+
+    def describe() -> DataDescription:
+        return DataDescription(digest=digest, num_rows=rows, features_shape=[rows, *shape],
+                               features_dtype="uint8" if images else str(sample[0].dtype)
+                               .removeprefix("torch."))
+
+    normalise = ({"mean": torch.tensor(cfg.mean).view(1, -1, 1, 1),
+                  "std": torch.tensor(cfg.std).view(1, -1, 1, 1), "scale": 255.0}
+                 if images else {})
+    return Source(train, val, names or [], shape, describe, test=test, normalise=normalise,
+                  collate=collate_readable if images else collate_pairs,
+                  target_shape=target_shape, sampler=sampler,
+                  summary=f"arrow {cfg.root}: {rows} training, {len(val)} validation samples "
+                          f"({input_column!r} -> {target_column!r}; shuffle={cfg.shuffle})")

@@ -62,6 +62,17 @@ def decode(path: str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1)))
 
 
+def decode_bytes(encoded: bytes) -> torch.Tensor:
+    """An encoded image (a JPEG's bytes as stored in an Arrow shard) as decode() gives it."""
+    import io
+
+    from PIL import Image
+
+    with Image.open(io.BytesIO(encoded)) as image:
+        pixels = np.asarray(image.convert("RGB"))
+    return torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1)))
+
+
 class ImageFiles(Dataset):
     """One ClassFolder's images, decoded and transformed when read (in a DataLoader worker)."""
 

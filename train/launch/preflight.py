@@ -136,6 +136,14 @@ def check_data(cfg: TrainConfig) -> int | None:
     if cfg.data.name == "tokens":
         check_token_data(cfg)
         return None
+    if cfg.data.name == "arrow":
+        from train.data import arrow  # the shards' headers and a sample of their checksums
+
+        try:
+            arrow.check(cfg.data.root)
+        except arrow.ArrowDataError as e:
+            raise LaunchError(str(e)) from None
+        return None
     if cfg.data.name == "custom":
         from train.data import userdata  # imports the user's package (and torch)
         from train.tasks import build as tasks

@@ -1,0 +1,200 @@
+"""Sharded Arrow data sets in process: `prepare-data`'s shards from an image folder, tars and a
+user's Dataset read back byte for byte, an interrupted preparation finished without rewriting
+what it had written, data=arrow's samples from a directory `datasets` itself wrote, the
+shard-local training order covering every sample once at any world size, and the bad-data
+cases named at pre-flight (train/data/shards.py, train/data/arrow.py)."""
+
+from __future__ import annotations
+
+import io
+import shutil
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import typed
+from tests.images import write_image_folder
+from train.data import arrow, imagefolder, shards
+
+
+def _stored(out: Path, split: str) -> list[tuple[bytes, int]]:
+
+    data = arrow.open_split(out / split)
+    return [(row["image"]["bytes"], row["label"]) for row in data]
+
+
+def _prepare(plan: shards.Plan, out: Path) -> dict:
+    return shards.prepare(plan, out, workers=1, command="test")
+
+
+def test_an_image_folder_becomes_shards_holding_each_files_bytes_and_imagefolders_classes(
+        tmp_path: Path) -> None:
+    import datasets
+
+    root = write_image_folder(tmp_path / "images", train_per_class=12, val_per_class=4)
+    layout = imagefolder.find(str(root))
+    manifest = _prepare(shards.plan_image_folder(root, limit=4000), tmp_path / "out")
+    assert manifest["classes"] == layout.train.classes
+    assert {s: i["samples"] for s, i in manifest["splits"].items()} == {"train": 36,
+                                                                       "validation": 12}
+    assert len(manifest["splits"]["train"]["shards"]) > 3  # ~4 KB a shard: several
+    for split, folder in (("train", layout.train), ("validation", layout.val)):
+        expected = [((folder.path / f).read_bytes(), label)
+                    for f, label in zip(folder.files, folder.labels, strict=True)]
+        assert _stored(tmp_path / "out", split) == expected  # as written: no re-encoding
+    loaded = datasets.load_from_disk(str(tmp_path / "out"))  # as any datasets user reads it
+    assert loaded["train"].features["label"].names == layout.train.classes
+    assert (tmp_path / "out" / "train" / "state.json").is_file()
+
+
+def test_an_interrupted_preparation_finishes_without_rewriting_finished_shards(
+        tmp_path: Path) -> None:
+    root = write_image_folder(tmp_path / "images", train_per_class=10)
+    plan = shards.plan_image_folder(root, limit=4000)
+    out = tmp_path / "out"
+    first = _prepare(plan, out)
+    files = sorted((out / "train").glob("data-*.arrow"))
+    # As a kill leaves it: one shard never renamed into place, its temporary file left, and
+    # no manifest (written last).
+    (out / "manifest.json").unlink()
+    lost = files[2]
+    lost.rename(lost.with_name(f".{lost.name}.dead.tmp"))
+    before = {f: f.stat().st_mtime_ns for f in files if f != lost}
+    again = _prepare(shards.plan_image_folder(root, limit=4000), out)
+    assert again["kept_shards"] == len(files) - 1
+    assert {f: f.stat().st_mtime_ns for f in before} == before  # not written again
+    assert lost.is_file() and not list(out.glob("*/.*.tmp"))
+    assert again["splits"] == first["splits"]  # the same rows, bytes and checksums
+    with pytest.raises(shards.PrepareError, match="holds a prepared data set already"):
+        _prepare(plan, out)
+    (out / "manifest.json").unlink()
+    other = write_image_folder(tmp_path / "other", num_classes=2, train_per_class=3)
+    with pytest.raises(shards.PrepareError, match="unfinished preparation of other data"):
+        _prepare(shards.plan_image_folder(other, limit=4000), out)
+
+
+def _tar(path: Path, samples: list[tuple[str, bytes, int]]) -> None:
+    with tarfile.open(path, "w") as tar:
+        for key, image, label in samples:
+            for name, data in ((f"{key}.jpg", image), (f"{key}.cls", str(label).encode())):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
+def test_webdataset_tars_become_shards_with_their_bytes_and_labels(tmp_path: Path) -> None:
+    images = sorted((write_image_folder(tmp_path / "images", num_classes=3,
+                                        train_per_class=4)).rglob("*.jpg"))
+    samples = [(f"s{i:03d}", p.read_bytes(), i % 3) for i, p in enumerate(images)]
+    (tmp_path / "tars" / "train").mkdir(parents=True)
+    _tar(tmp_path / "tars" / "train" / "shard-000.tar", samples[:7])
+    _tar(tmp_path / "tars" / "train" / "shard-001.tar", samples[7:])
+    manifest = _prepare(shards.plan_tars(tmp_path / "tars", limit=10_000), tmp_path / "out")
+    assert manifest["classes"] == ["0", "1", "2"]
+    assert _stored(tmp_path / "out", "train") == [(b, label) for _, b, label in samples]
+
+
+def test_a_users_dataset_becomes_shards_read_back_as_its_tensors(
+        tmp_path: Path, user_path: None) -> None:
+    from userpkg.data import Lines
+
+    spec = {"_target_": "userpkg.data.Lines", "length": 30, "size": 8}
+    manifest = _prepare(shards.plan_dataset(spec, limit=2000), tmp_path / "out")
+    assert manifest["classes"] == Lines.classes and manifest["splits"]["train"]["samples"] == 30
+    samples = arrow.ArrowSamples(tmp_path / "out" / "train", "input", "target")
+    original = Lines(30, 8)
+    for i in (0, 17, 29):
+        x, y = samples[i]
+        assert torch.equal(x, original[i][0]) and y == original[i][1]
+
+
+def test_a_directory_written_by_datasets_itself_is_read_with_its_columns(
+        tmp_path: Path) -> None:
+    """An image column and a label (found by themselves), and a regression table whose
+    columns are named; a column it lacks is named with those it has."""
+    import datasets
+
+    from train.data.sources import arrow_source
+
+    jpegs = sorted(write_image_folder(tmp_path / "images", train_per_class=5).rglob("*.jpg"))
+    datasets.Dataset.from_dict(
+        {"picture": [str(p) for p in jpegs], "label": [i % 3 for i in range(len(jpegs))]},
+        features=datasets.Features({"picture": datasets.Image(), "label": datasets.Value(
+            "int64")})).save_to_disk(str(tmp_path / "pictures"))
+    cfg = typed("data=arrow", f"data.root={tmp_path / 'pictures'}", "data.image_size=16")
+    source = arrow_source(cfg.data)
+    assert source.class_names == ["0", "1", "2"] and source.input_shape == (3, 16, 16)
+    assert len(source.train) + len(source.val) == len(jpegs)
+    rng = np.random.default_rng(0)
+    features = rng.normal(size=(40, 5)).astype(np.float32)
+    table_set = datasets.Dataset.from_dict({"x": features.tolist(),
+                                            "y": features.sum(1).tolist()})
+    table_set.save_to_disk(str(tmp_path / "table"))
+    table = typed("data=arrow", f"data.root={tmp_path / 'table'}", "data.input_column=x",
+                  "data.target_column=y", "task=regression")
+    source = arrow_source(table.data, classes=False)
+    x, y = source.train[0]
+    assert x.shape == (5,) and x.dtype == torch.float32 and isinstance(y, float)
+    assert source.input_shape == (5,) and source.target_shape == ()
+    wrong = typed("data=arrow", f"data.root={tmp_path / 'table'}", "data.input_column=z")
+    with pytest.raises(arrow.ArrowDataError, match=r"data.input_column='z' is not a column .*"
+                                                   r"\(its columns: x, y\)"):
+        arrow_source(wrong.data, classes=False)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_the_shard_local_order_covers_every_sample_once_at_any_world_size(world: int) -> None:
+    sizes = [30, 30, 30, 13]  # 103 samples: no world size above 1 divides them
+    data = list(range(sum(sizes)))
+
+    def sampler(rank: int, world: int) -> arrow.ShardWindowSampler:
+        s = arrow.ShardWindowSampler(data, world, rank, seed=5, shard_sizes=sizes, window=2)
+        s.set_epoch(3)
+        return s
+
+    order = sampler(0, 1).global_order().tolist()
+    assert sorted(order) == data  # one permutation of the set
+    # Reads stay local: the shards in a random order, each window of 2 read to its end before
+    # the next window's first sample.
+    shard_of = (np.searchsorted(np.cumsum([0, *sizes]), order, side="right") - 1).tolist()
+    shards = list(dict.fromkeys(shard_of))
+    assert shards != [0, 1, 2, 3] or shard_of != sorted(shard_of)
+    for w in range(0, len(shards) - 2, 2):
+        last_of_window = max(i for i, s in enumerate(shard_of) if s in shards[w:w + 2])
+        assert last_of_window < min(i for i, s in enumerate(shard_of) if s in shards[w + 2:])
+    seen = [i for rank in range(world) for i in sampler(rank, world)]
+    padding = -len(data) % world
+    assert sorted(set(seen)) == data and len(seen) == len(data) + padding
+    # Every rank takes its turns of the same global order, whatever the world size.
+    assert list(sampler(0, world))[:5] == order[:5 * world:world]
+
+
+def test_bad_shards_are_named_before_any_rank_starts(tmp_path: Path) -> None:
+    root = write_image_folder(tmp_path / "images", train_per_class=6, val_per_class=2)
+    out = tmp_path / "out"
+    _prepare(shards.plan_image_folder(root, limit=3000), out)
+    layout = arrow.check(out)
+    digest = arrow.digest(layout)
+    shutil.copytree(out, tmp_path / "copy")
+    files = sorted((out / "train").glob("data-*.arrow"))
+    # One byte changed in place (same size): the checksum names it.
+    data = bytearray(files[0].read_bytes())
+    data[-100] ^= 0xFF
+    files[0].write_bytes(bytes(data))
+    with pytest.raises(arrow.ArrowDataError, match=f"{files[0]} changed since it was prepared"):
+        arrow.check(out)
+    # Truncated, as an interrupted copy leaves it: named, with what to do.
+    files[-1].write_bytes(files[-1].read_bytes()[:200])
+    with pytest.raises(arrow.ArrowDataError, match=f"{files[-1]} is truncated or damaged"):
+        arrow.check(out)
+    files[-1].unlink()
+    with pytest.raises(arrow.ArrowDataError, match=f"{files[-1]} is missing"):
+        arrow.check(out)
+    (tmp_path / "copy" / "validation" / "state.json").unlink()
+    with pytest.raises(arrow.ArrowDataError, match=f"{tmp_path / 'copy' / 'validation'}: no "
+                                                   "state.json"):
+        arrow.check(tmp_path / "copy")
+    assert len(digest) == 8

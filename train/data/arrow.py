@@ -1,0 +1,289 @@
+"""data=arrow: a sharded Arrow data set - any directory Hugging Face `datasets` wrote with
+`save_to_disk` (a DatasetDict of splits, or one Dataset), among them those `python -m train
+prepare-data` writes (train/data/shards.py).
+
+Read as `datasets` users read it (`load_from_disk`: memory-mapped shards, random access), as a
+map-style data set through the service's own sampler - so every sample is seen once per epoch
+at any world size, validation and test are exact, and a mid-epoch checkpoint resumes on any
+world size, as for every streamed set (train/data/sources.py):
+- images (an `Image` column) are decoded from their stored bytes in the DataLoader workers and
+  go through the data group's transforms, as imagefolder's files do; other columns come back
+  as tensors (inputs; float64 as float32) and numbers or tensors (targets);
+- training order (data.shuffle): `shards` (default) shuffles the shard order, then the samples
+  within each window of data.shuffle_window shards - each worker reads a few files at a time
+  instead of seeking all over the data set; `global` is one permutation of every sample;
+- nothing is written beside the data or to ~/.cache: the directory may be read-only and shared
+  by every job on a node;
+- `check` (pre-flight, before any rank starts): the files the set names are there, whole, and -
+  where prepare-data wrote a manifest - of the recorded sizes, a sample of them with the
+  recorded checksums. `digest` names the data (the manifest's checksums) for the run and resume.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, DistributedSampler
+
+from train.errors import TrainError
+
+log = logging.getLogger("train")
+MANIFEST = "manifest.json"  # train/data/shards.py's
+SPLITS = {"train": ("train",), "val": ("validation", "val", "valid"), "test": ("test",)}
+CHECKED_SHARDS = 3
+"""Shards whose sha256 pre-flight compares with the manifest (the first, the last, one between):
+reading every shard of a large set would cost minutes on a parallel filesystem."""
+
+
+class ArrowDataError(TrainError, ValueError):
+    """One line naming the file that is missing, truncated or changed, and what to do."""
+
+
+@dataclass
+class Layout:
+    root: Path
+    splits: dict[str, Path]
+    """train / val / test: each a directory holding state.json and its shards"""
+    manifest: dict[str, Any] | None
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ArrowDataError(f"{path.parent}: no {path.name} ({what}); "
+                             "write the set with `python -m train prepare-data SOURCE OUT` or "
+                             "datasets' save_to_disk.") from None
+    except (OSError, ValueError) as e:
+        raise ArrowDataError(f"{path} cannot be read ({e}): the data set is damaged; write "
+                             "it again.") from None
+
+
+def find(root: str | Path) -> Layout:
+    """The splits under `root`: a DatasetDict's (dataset_dict.json) or one Dataset's."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ArrowDataError(f"data=arrow data.root={root}: no such directory.")
+    manifest = _read_json(root / MANIFEST, "") if (root / MANIFEST).exists() else None
+    if (root / "dataset_dict.json").exists():
+        names = _read_json(root / "dataset_dict.json", "the splits")["splits"]
+        found = {role: root / name for role, aliases in SPLITS.items()
+                 for name in aliases if name in names}
+    elif (root / "state.json").exists() or (root / "dataset_info.json").exists():
+        found = {"train": root}
+    else:
+        raise ArrowDataError(f"data=arrow data.root={root}: neither dataset_dict.json nor "
+                             "state.json is there: not a directory written by datasets' "
+                             "save_to_disk or `python -m train prepare-data`.")
+    if "train" not in found:
+        raise ArrowDataError(f"data=arrow data.root={root}: no training split (train) among "
+                             f"{sorted(p.name for p in found.values())}.")
+    return Layout(root, found, manifest)
+
+
+def shard_files(split: Path) -> list[Path]:
+    state = _read_json(split / "state.json", "the list of the split's shards")
+    return [split / f["filename"] for f in state["_data_files"]]
+
+
+def shard_rows(files: list[Path]) -> list[int]:
+    """Each shard's row count, from its Arrow stream (memory-mapped: nothing is copied); a
+    truncated or damaged shard is named."""
+    import pyarrow as pa
+
+    rows = []
+    for path in files:
+        if not path.is_file():
+            raise ArrowDataError(f"{path} is missing: the data set is incomplete; write it again.")
+        try:
+            with pa.memory_map(str(path)) as source:
+                rows.append(sum(b.num_rows for b in pa.ipc.open_stream(source)))
+        except (pa.ArrowInvalid, OSError) as e:
+            raise ArrowDataError(f"{path} is truncated or damaged ({e}); write the data set "
+                                 "again.") from None
+    return rows
+
+
+def check(root: str | Path) -> Layout:
+    """Pre-flight: every shard there and whole; against the manifest (where there is one) the
+    sizes of all and the sha256 of a sample."""
+    from train.data.shards import sha256
+
+    layout = find(root)
+    for split in layout.splits.values():
+        shard_rows(shard_files(split))
+    for info in (layout.manifest or {}).get("splits", {}).values():
+        shards = info["shards"]
+        for record in shards:
+            path = layout.root / record["file"]
+            if path.stat().st_size != record["bytes"]:
+                raise ArrowDataError(f"{path} changed since it was prepared ({path.stat().st_size}"
+                                     f" bytes, {MANIFEST} says {record['bytes']}): prepare the "
+                                     "data set again.")
+        for record in {id(r): r for r in (shards[0], shards[len(shards) // 2], shards[-1])
+                       }.values() if shards else ():
+            if sha256(layout.root / record["file"]) != record["sha256"]:
+                raise ArrowDataError(f"{layout.root / record['file']} changed since it was "
+                                     f"prepared (its sha256 is not {MANIFEST}'s): prepare the "
+                                     "data set again.")
+    return layout
+
+
+def digest(layout: Layout) -> str:
+    """8 hex digits naming the data: the manifest's shard checksums, else each shard's name
+    and size (a resume on other data is refused by the checkpoint's record of it)."""
+    h = hashlib.sha256()
+    if layout.manifest is not None:
+        for info in layout.manifest["splits"].values():
+            h.update("".join(r["sha256"] for r in info["shards"]).encode())
+    else:
+        for split in layout.splits.values():
+            for path in shard_files(split):
+                h.update(f"{path.relative_to(layout.root)}\0{path.stat().st_size}\0".encode())
+    return h.hexdigest()[:8]
+
+
+def is_image(feature: Any) -> bool:
+    return type(feature).__name__ == "Image"
+
+
+def columns(layout: Layout, input_column: str, target_column: str) -> tuple[str, str]:
+    """data.input_column and data.target_column, or (auto) the manifest's, else the first image
+    column and `label` (or `labels`, `target`); a column the set lacks is named with those it
+    has."""
+    features = open_split(layout.splits["train"]).features
+    names = list(features)
+    recorded = layout.manifest or {}
+    if target_column == "auto":
+        target_column = recorded.get("target_column") or next(
+            (n for n in ("label", "labels", "target", "targets") if n in names), "label")
+    if input_column == "auto":
+        images = [n for n in names if is_image(features[n])]
+        input_column = recorded.get("input_column") or (images[0] if images else next(
+            (n for n in ("image", "input", "pixel_values", "x") if n in names),
+            next((n for n in names if n != target_column), "input")))
+    for key, column in (("data.input_column", input_column), ("data.target_column",
+                                                               target_column)):
+        if column not in names:
+            raise ArrowDataError(f"{key}={column!r} is not a column of {layout.root} (its "
+                                 f"columns: {', '.join(names)}).")
+    return input_column, target_column
+
+
+def class_names(data: Any, target_column: str) -> list[str] | None:
+    """A ClassLabel's names; an integer column's 0..max; None for other targets (regression)."""
+    feature = data.features[target_column]
+    if type(feature).__name__ == "ClassLabel":
+        return list(feature.names)
+    dtype = getattr(feature, "dtype", "")
+    if dtype.startswith(("int", "uint")):
+        labels = data.with_format("numpy", columns=[target_column])[target_column]
+        return [str(k) for k in range(int(np.max(labels)) + 1)] if len(labels) else []
+    return None
+
+
+def open_split(path: Path) -> Any:
+    """One split as a `datasets.Dataset` (memory-mapped); its image columns left encoded."""
+    import datasets
+
+    dataset = datasets.load_from_disk(str(path), keep_in_memory=False)
+    for name, feature in dataset.features.items():
+        if isinstance(feature, datasets.Image):
+            dataset = dataset.cast_column(name, datasets.Image(decode=False))
+    return dataset
+
+
+class ArrowSamples(Dataset):
+    """One split's (input, target) samples; the split is opened in each process that reads it
+    (a DataLoader worker maps the shards itself)."""
+
+    def __init__(self, path: Path, input_column: str, target_column: str,
+                 transform: Any = None) -> None:
+        self.path, self.input_column, self.target_column = path, input_column, target_column
+        self.transform = transform
+        self._data: Any = None
+        self.length = len(self.data)
+        self.is_image = is_image(self.data.features[input_column])
+
+    @property
+    def data(self) -> Any:
+        if self._data is None:
+            self._data = open_split(self.path)
+        return self._data
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_data": None}  # reopened (memory-mapped) in each worker
+
+    def with_transform(self, transform: Any) -> ArrowSamples:
+        view = copy.copy(self)  # the same split, opened again where it is read
+        view._data, view.transform = None, transform
+        return view
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> Any:
+        from train.data.streaming import Unreadable, decode_bytes
+
+        row = self.data[int(index)]
+        value, target = row[self.input_column], _tensor_or_number(row[self.target_column])
+        if self.is_image:
+            try:
+                image = decode_bytes(value["bytes"])
+            except Exception as e:  # noqa: BLE001 - whatever PIL raises for broken bytes
+                return Unreadable(f"{self.path} row {index}", str(e).splitlines()[0])
+            return self.transform(image).as_subclass(torch.Tensor), target
+        return _tensor_or_number(value), target
+
+
+def _tensor_or_number(value: Any) -> Any:
+    """A stored value as the model and the task take it: numbers as they are, arrays as
+    tensors - float64 ones (pandas' and Python's floats, stored as written) as float32."""
+    if isinstance(value, (int, float)):
+        return value
+    tensor = torch.as_tensor(np.asarray(value))
+    return tensor.float() if tensor.dtype == torch.float64 else tensor
+
+
+class ShardWindowSampler(DistributedSampler):
+    """DistributedSampler's dealing (the same padding, every world-th sample to a rank, the
+    order fixed by seed and epoch, hence the same at any world size) over an order that keeps
+    reads local: the shards in a random order, then the samples of each window of `window`
+    consecutive (shuffled) shards in a random order. A worker reading a batch then touches a
+    few shards, not a page of every one."""
+
+    def __init__(self, dataset: Any, num_replicas: int, rank: int, shuffle: bool = True,
+                 seed: int = 0, drop_last: bool = False, *, shard_sizes: list[int],
+                 window: int = 4) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle,
+                         seed=seed, drop_last=drop_last)
+        self.starts = np.cumsum([0, *shard_sizes])
+        self.window = max(1, window)
+
+    def global_order(self) -> torch.Tensor:
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        shards = torch.randperm(len(self.starts) - 1, generator=g).tolist()
+        parts = []
+        for w in range(0, len(shards), self.window):
+            rows = torch.cat([torch.arange(int(self.starts[s]), int(self.starts[s + 1]))
+                              for s in shards[w:w + self.window]])
+            parts.append(rows[torch.randperm(len(rows), generator=g)])
+        return torch.cat(parts) if parts else torch.arange(0)
+
+    def __iter__(self) -> Any:
+        n = len(self.dataset)  # type: ignore[arg-type]
+        order = self.global_order() if self.shuffle else torch.arange(n)
+        if self.drop_last:
+            order = order[:self.total_size]
+        elif (missing := self.total_size - n) > 0:
+            order = torch.cat([order, order.repeat(-(-missing // n))[:missing]])
+        return iter(order[self.rank:self.total_size:self.num_replicas].tolist())
