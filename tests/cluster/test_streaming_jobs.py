@@ -38,3 +38,23 @@ def test_a_custom_dataset_from_pythonpath_on_slurm(cluster: None,
     assert result.returncode == 0, result.stdout + result.stderr
     the_run(store["MLFLOW_TRACKING_URI"], ["horizontal", "vertical", "diagonal"], num_val=19,
             epochs=1)
+
+
+def test_arrow_shards_on_two_nodes_staged_once_per_node(cluster: None, folders: dict[str, Path],
+                                                        store: dict[str, str],
+                                                        tmp_path: Path) -> None:
+    """prepare-data's shards in the shared directory; 2 nodes of 2 ranks each read their share
+    from a copy staged to node-local storage (one per node: `$SLURMD_NODENAME` tells the two
+    local nodes of this cluster apart), into one run with every validation sample once."""
+    from train.data import shards
+
+    out = tmp_path / "shards"
+    shards.prepare(shards.plan_image_folder(folders["split"], limit=20_000), out, workers=1,
+                   command="test")
+    result = slurm_job(tmp_path, "data=arrow", f"data.root={out}", *SMALL, "cluster.nodes=2",
+                       "cluster.tasks_per_node=2", "data.batch_size=16", "trainer.epochs=1",
+                       f"data.stage_to='{tmp_path}/local-$SLURMD_NODENAME'", env=store)
+    assert result.returncode == 0, result.stdout + result.stderr
+    the_run(store["MLFLOW_TRACKING_URI"], class_names(4), num_val=28, epochs=1)
+    copies = sorted(p.relative_to(tmp_path) for p in tmp_path.glob("local-*/shards-*"))
+    assert [str(p.parent) for p in copies] == ["local-node1", "local-node2"], copies

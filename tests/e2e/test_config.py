@@ -20,8 +20,8 @@ def test_help_lists_groups_without_importing_heavy_modules() -> None:
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     for line in ("== Config groups ==", "model: cnn, custom, gpt, mlp, resnet18, torchvision",
-                 "data: cifar10, custom, digits, fashion_mnist, imagefolder, mnist, synthetic, "
-                 "tokens",
+                 "data: arrow, cifar10, custom, digits, fashion_mnist, imagefolder, mnist, "
+                 "synthetic, tokens",
                  "optim: adamw, sgd"):
         assert line in out.stdout
     imported = {row.rsplit("|", 1)[-1].strip() for row in out.stderr.splitlines()

@@ -198,3 +198,58 @@ def test_bad_shards_are_named_before_any_rank_starts(tmp_path: Path) -> None:
                                                    "state.json"):
         arrow.check(tmp_path / "copy")
     assert len(digest) == 8
+
+
+def _stage(args: tuple[str, str]) -> str:
+    return str(arrow.staged(*args))
+
+
+def test_staging_copies_the_set_once_per_node_whatever_its_ranks(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch
+                                                                ) -> None:
+    """Three processes of one node stage at once: one copy, complete, under a name holding the
+    set's digest, read as the original; `$TMPDIR` is the node's."""
+    import multiprocessing
+
+    root = write_image_folder(tmp_path / "images", train_per_class=4)
+    out = tmp_path / "shards"
+    _prepare(shards.plan_image_folder(root, limit=3000), out)
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "node-local"))
+    with multiprocessing.get_context("spawn").Pool(3) as pool:
+        copies = set(pool.map(_stage, [(str(out), "$TMPDIR/stage")] * 3))
+    [copy] = copies
+    assert Path(copy).parent == tmp_path / "node-local" / "stage"
+    assert [p.name for p in (tmp_path / "node-local" / "stage").iterdir()
+            if not p.name.endswith(".lock")] == [Path(copy).name]
+    assert arrow.digest(arrow.check(copy)) == arrow.digest(arrow.find(out))
+    assert _stored(Path(copy), "train") == _stored(out, "train")
+
+
+def test_a_job_trains_on_shards_and_refuses_to_resume_on_other_ones(
+        tmp_path: Path, store_template: Path, no_launcher_env: None) -> None:
+    """One rank in process: a FINISHED run on prepared shards whose validation counted each
+    sample once; the shards prepared again from other images under the same directory, the
+    same job (more epochs) refuses to continue its checkpoint, naming both digests, before
+    its run is touched."""
+    from tests.conftest import composed, history, new_store, runs_in
+    from train.app import run
+    from train.errors import TrainError
+
+    uri = new_store(tmp_path / "mlflow.db", store_template)
+    out = tmp_path / "shards"
+    _prepare(shards.plan_image_folder(write_image_folder(tmp_path / "a", train_per_class=8,
+                                                         val_per_class=3), 4000), out)
+    args = ("data=arrow", f"data.root={out}", "data.image_size=16", "data.batch_size=8",
+            "data.num_workers=0", "model.width=8", "tracking.log_model=false",
+            f"tracking.uri={uri}", "tracking.batch_interval_s=0")
+    run(composed(*args, "trainer.epochs=1"), str(tmp_path / "job"), "python -m train (test)")
+    [first] = runs_in(uri)
+    assert first.info.status == "FINISHED"
+    assert history(uri, first.info.run_id, "val/samples") == [(1, 9.0)]
+    shutil.rmtree(out)
+    _prepare(shards.plan_image_folder(write_image_folder(tmp_path / "b", train_per_class=8,
+                                                         val_per_class=3, seed=9), 4000), out)
+    with pytest.raises(TrainError, match="written on data=arrow shards of digest .* now holds"):
+        run(composed(*args, "trainer.epochs=2"), str(tmp_path / "job"), "python -m train (test)")
+    [after] = runs_in(uri)
+    assert after.info.status == "FINISHED" and after.info.end_time == first.info.end_time

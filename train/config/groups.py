@@ -141,6 +141,9 @@ class DataConfig:
     of all samples (reads all over the set)."""
     shuffle_window: int = 4
     """arrow, shuffle=shards: shards whose samples are mixed together."""
+    stage_to: str | None = None
+    """arrow: node-local storage to copy the data set to before training, once per node
+    (e.g. '$TMPDIR', quoted: expanded on the node); null = read it where it is."""
 
 
 @dataclass

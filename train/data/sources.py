@@ -231,7 +231,7 @@ def arrow_source(cfg: DataConfig, classes: bool = True) -> Source:
 
     from train.data import arrow
 
-    layout = arrow.find(cfg.root)
+    layout = arrow.find(arrow.staged(cfg.root, cfg.stage_to) if cfg.stage_to else cfg.root)
     input_column, target_column = arrow.columns(layout, cfg.input_column, cfg.target_column)
     whole = arrow.ArrowSamples(layout.splits["train"], input_column, target_column,
                                transforms(cfg, train=True))
@@ -261,6 +261,7 @@ def arrow_source(cfg: DataConfig, classes: bool = True) -> Source:
     shape = tuple(map(int, sample[0].shape)) if not images else sample[0]
     target_shape = () if images else tuple(np.shape(sample[1]))
     rows, digest = len(train), arrow.digest(layout)  # type: ignore[arg-type]
+    where = f"{cfg.root} (staged to {layout.root})" if cfg.stage_to else cfg.root
 
     def describe() -> DataDescription:
         return DataDescription(digest=digest, num_rows=rows, features_shape=[rows, *shape],
@@ -273,5 +274,5 @@ def arrow_source(cfg: DataConfig, classes: bool = True) -> Source:
     return Source(train, val, names or [], shape, describe, test=test, normalise=normalise,
                   collate=collate_readable if images else collate_pairs,
                   target_shape=target_shape, sampler=sampler,
-                  summary=f"arrow {cfg.root}: {rows} training, {len(val)} validation samples "
+                  summary=f"arrow {where}: {rows} training, {len(val)} validation samples "
                           f"({input_column!r} -> {target_column!r}; shuffle={cfg.shuffle})")

@@ -95,7 +95,27 @@ def mismatch(state: dict[str, Any], config: dict[str, Any], world_size: int) -> 
         differences.append(
             f"it was written mid-epoch with data.batch_size={theirs_b} and this job has "
             f"{ours_b} (its place in the epoch counts global batches of that size)")
+    if problem := _other_shards(state, config):
+        differences.append(problem)
     return "; ".join(differences) or None
+
+
+def _other_shards(state: dict[str, Any], config: dict[str, Any]) -> str | None:
+    """data=arrow: the shards the checkpoint trained on are not those of data.root now (their
+    digest, from the manifest's checksums): its place in the epoch would point elsewhere."""
+    data = config.get("data") if isinstance(config.get("data"), dict) else {}
+    if not state.get("data_digest") or data.get("name") != "arrow":
+        return None
+    from train.data import arrow
+
+    try:
+        now = arrow.digest(arrow.find(data["root"]))
+    except arrow.ArrowDataError as e:
+        return str(e)
+    if now == state["data_digest"]:
+        return None
+    return (f"it was written on data=arrow shards of digest {state['data_digest']} and "
+            f"data.root={data['root']} now holds {now} (another or a changed data set)")
 
 
 def check_compatible(resumed: Resumed, config: dict[str, Any], world_size: int) -> None:

@@ -48,6 +48,8 @@ class RunLogger:
         """What the training loop reports (train/report/trainlog.py), over the same backend."""
         self.restarts = 0
         self.config_yaml = ""
+        self.data_digest: str | None = None
+        """data=arrow: the shards' digest (train/data/arrow.py), kept in checkpoints."""
         self._finished = False
         self._flushed = True
         self.output_dir = ""
@@ -123,6 +125,8 @@ class RunLogger:
         if not self.restarts:  # recorded by the first start
             self.run.log(records.DatasetInput(name=f"{self.cfg.data.name}-train",
                                               **asdict(bundle.description())))
+        if self.cfg.data.name == "arrow":  # its checkpoints name the shards they trained on
+            self.data_digest = bundle.description().digest
         self.model_card = modelcard.describe(bundle.val, self.cfg.data, bundle.input_shape,
                                              bundle.class_names, output_card)
         # The normalisation every batch got (the data set's own statistics, or data.mean/std
@@ -155,7 +159,11 @@ class RunLogger:
 
     def run_fields(self) -> dict[str, Any]:
         """What a checkpoint needs to continue this run."""
-        return {"run_id": self.run.run_id, "config": self.config_yaml, "restarts": self.restarts}
+        fields = {"run_id": self.run.run_id, "config": self.config_yaml,
+                  "restarts": self.restarts}
+        if self.data_digest is not None:  # data=arrow: checkpoint_match compares it
+            fields["data_digest"] = self.data_digest
+        return fields
 
     def log_outputs(self, files: Mapping[str, Path], model: Any, example: Any) -> None:
         """The job's final files (artifact path -> file) and the model (and its registration:
