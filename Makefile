@@ -59,15 +59,18 @@ mlflow-server: setup
 
 # `make bench`: the service against a plain DDP loop, on in-memory data, for task=regression and
 # task=segmentation (bench/task_data.py), and on an ImageFolder of JPEGs the bench writes itself
-# (docs/benchmarks.md); model=gpt against a nanoGPT-style loop (bench/lm.py); FSDP against
-# DDP on a 57 M-parameter GPT (bench/fsdp.py); the straggler check's own work
-# (bench/stragglers.py); and Optuna sweeps with each pruner against the same sweep without
-# (bench/sweep_pruning.py: four sweeps of 16 trials, minutes on an idle CPU).
+# (docs/benchmarks.md); data=arrow's shards against the same JPEGs as an image folder
+# (bench/arrow.py: 200,000 images and 800,000, files opened, first step, RSS); model=gpt
+# against a nanoGPT-style loop (bench/lm.py); FSDP against DDP on a 57 M-parameter GPT
+# (bench/fsdp.py); the straggler check's own work (bench/stragglers.py); and Optuna sweeps
+# with each pruner against the same sweep without (bench/sweep_pruning.py: four sweeps of 16
+# trials, minutes on an idle CPU).
 bench: setup
 	$(PY) -m bench.run $(BENCH_ARGS)
 	$(PY) -m bench.tasks
 	$(PY) -m bench.lm
 	$(PY) -m bench.imagefolder
+	$(PY) -m bench.arrow --out .bench/arrow.json
 	$(PY) -m bench.new_store --dirty-mb 1000
 	$(PY) -m bench.fsdp --out .bench/fsdp.json
 	$(PY) -m bench.sweep_pruning --out .bench/sweep_pruning.json

@@ -305,9 +305,10 @@ def test_a_time_limit_requeues_and_resumes_into_the_same_run(cluster: None,
     """USR2 60 s before a 2-minute limit: checkpoint, requeue (same job id), resume, finish.
 
     The test sets the job's pace, not the machine: every sample takes 0.1 s until the test
-    writes `release` (a step of 16 samples a rank >= 1.6 s, so the 72 steps cannot end before
-    Slurm's USR2, which comes 44-60 s after the start), and the file is written once the
-    first attempt's stop checkpoint is there: the rest runs at full speed in the next."""
+    writes `release` (a step of 32 samples a rank >= 3.2 s, so the 36 steps take >= 115 s and
+    cannot end before Slurm's USR2, which comes 44-60 s after the start), and the file is
+    written once the first attempt's stop checkpoint is there: the rest runs at full speed in
+    the next."""
     epochs, release = 6, tmp_path / "release"
     proc = subprocess.Popen(
         [*_train_argv(tmp_path), "cluster.tasks_per_node=2", "cluster.time_min=2",
@@ -331,7 +332,7 @@ def test_a_time_limit_requeues_and_resumes_into_the_same_run(cluster: None,
     for key in ("train/loss", "val/accuracy", "val/samples"):
         assert [s for s, _ in history(uri, run.info.run_id, key)] == list(range(1, epochs + 1)), key
     steps = [s for s, _ in history(uri, run.info.run_id, "train/step_loss")]
-    total_steps = epochs * 12  # 384 training samples (480, 20 % held out), 32 a step
+    total_steps = epochs * 6  # 384 training samples (480, 20 % held out), 64 a step
     assert steps == list(range(5, total_steps + 1, 5))
     assert "resumed from" in _attempts(tmp_path)
 

@@ -34,7 +34,6 @@ from tests.conftest import (
     USER_PATH,
     history,
     kill_job_after_checkpoints,
-    new_store,
     run_train,
     runs_in,
 )
@@ -211,11 +210,10 @@ def test_everything_at_once_on_resnet18(uri: str, tmp_path: Path) -> None:
     assert any("bn" in k or "running_mean" in k for k in state["model"])
 
 
-def test_sync_batchnorm_is_refused_without_cuda_before_any_rank(
-        tmp_path: Path, store_template: Path) -> None:
+def test_sync_batchnorm_is_refused_without_cuda_before_any_rank(tmp_path: Path) -> None:
     """What the issue's user met: both ranks started, a run was created, then a traceback. With
     device=cpu it is refused on any machine; without CUDA, with device=auto too."""
-    uri = new_store(tmp_path / "mlflow.db", store_template)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"  # not even the store is created
     cases = [("distributed.sync_batchnorm=true", "distributed.device=cpu")]
     if not torch.cuda.is_available():
         cases.append(("distributed.sync_batchnorm=true",))

@@ -215,7 +215,7 @@ def test_staging_copies_the_set_once_per_node_whatever_its_ranks(tmp_path: Path,
     out = tmp_path / "shards"
     _prepare(shards.plan_image_folder(root, limit=3000), out)
     monkeypatch.setenv("TMPDIR", str(tmp_path / "node-local"))
-    with multiprocessing.get_context("spawn").Pool(3) as pool:
+    with multiprocessing.get_context("fork").Pool(3) as pool:
         copies = set(pool.map(_stage, [(str(out), "$TMPDIR/stage")] * 3))
     [copy] = copies
     assert Path(copy).parent == tmp_path / "node-local" / "stage"
