@@ -110,10 +110,12 @@ def run_one(args: argparse.Namespace, variant: str, root: Path, tmp: Path, name:
     m = Measurement(variant, 0, cmd, rates[-1], summary["first_step_at"] - started,
                     summary["peak_rss_mb"], time.time() - started, {"set": name})
     opens = None
-    if trace:  # openat calls that succeeded on a file of the data set, by any process
-        pattern = re.compile(rf'openat\(.*"{re.escape(str(root))}/[^"]*\.(jpg|arrow)".* = \d+$')
+    if trace:  # openat calls of a file of the data set, by any process, that did not fail
+        # (a call another process interrupted is split: its path stands on the `<unfinished`
+        # line, its result on a later `resumed>` one)
+        pattern = re.compile(rf'openat\(.*"{re.escape(str(root))}/[^"]*\.(jpg|arrow)"')
         opens = sum(1 for line in (out / "opens").read_text().splitlines()
-                    if pattern.search(line))
+                    if pattern.search(line) and "= -1 " not in line)
     print(f"  {variant:<12} {name:<6} {m.samples_per_sec:8.0f} samples/s  first step "
           f"{m.time_to_first_step_s:5.1f} s  peak RSS "
           f"{', '.join(f'{v:.0f}' for v in m.peak_rss_mb)} MB"

@@ -259,17 +259,28 @@ class ArrowSamples(Dataset):
         return self.length
 
     def __getitem__(self, index: int) -> Any:
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        """A batch's samples from one read of the Arrow table (the DataLoader asks for a batch
+        at a time): reading rows one by one costs `datasets`' formatting per row."""
         from train.data.streaming import Unreadable, decode_bytes
 
-        row = self.data[int(index)]
-        value, target = row[self.input_column], _tensor_or_number(row[self.target_column])
-        if self.is_image:
+        rows = self.data[[int(i) for i in indices]]
+        samples: list[Any] = []
+        for index, value, target in zip(indices, rows[self.input_column],
+                                        rows[self.target_column], strict=True):
+            if not self.is_image:
+                samples.append((_tensor_or_number(value), _tensor_or_number(target)))
+                continue
             try:
                 image = decode_bytes(value["bytes"])
             except Exception as e:  # noqa: BLE001 - whatever PIL raises for broken bytes
-                return Unreadable(f"{self.path} row {index}", str(e).splitlines()[0])
-            return self.transform(image).as_subclass(torch.Tensor), target
-        return _tensor_or_number(value), target
+                samples.append(Unreadable(f"{self.path} row {index}", str(e).splitlines()[0]))
+                continue
+            samples.append((self.transform(image).as_subclass(torch.Tensor),
+                            _tensor_or_number(target)))
+        return samples
 
 
 def _tensor_or_number(value: Any) -> Any:
