@@ -31,8 +31,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, DistributedSampler
+from torch.utils.data import Dataset
 
+from train.data.tokens import WindowSampler
 from train.errors import TrainError
 
 log = logging.getLogger("train")
@@ -292,9 +293,10 @@ def _tensor_or_number(value: Any) -> Any:
     return tensor.float() if tensor.dtype == torch.float64 else tensor
 
 
-class ShardWindowSampler(DistributedSampler):
-    """DistributedSampler's dealing (the same padding, every world-th sample to a rank, the
-    order fixed by seed and epoch, hence the same at any world size) over an order that keeps
+class ShardWindowSampler(WindowSampler):
+    """data=tokens' WindowSampler - DistributedSampler's dealing: the same padding, every
+    world-th sample to a rank, the order fixed by seed and epoch, hence the same at any world
+    size - over an order that keeps
     reads local: the shards in a random order, then the samples of each window of `window`
     consecutive (shuffled) shards in a random order. A worker reading a batch then touches a
     few shards, not a page of every one."""
@@ -317,12 +319,3 @@ class ShardWindowSampler(DistributedSampler):
                               for s in shards[w:w + self.window]])
             parts.append(rows[torch.randperm(len(rows), generator=g)])
         return torch.cat(parts) if parts else torch.arange(0)
-
-    def __iter__(self) -> Any:
-        n = len(self.dataset)  # type: ignore[arg-type]
-        order = self.global_order() if self.shuffle else torch.arange(n)
-        if self.drop_last:
-            order = order[:self.total_size]
-        elif (missing := self.total_size - n) > 0:
-            order = torch.cat([order, order.repeat(-(-missing // n))[:missing]])
-        return iter(order[self.rank:self.total_size:self.num_replicas].tolist())

@@ -163,14 +163,16 @@ class WindowSampler(DistributedSampler):
 
     CHUNK = 1 << 16
 
+    def global_order(self) -> torch.Tensor:
+        """The epoch's order of every sample, before padding and dealing (a subclass may keep
+        reads local: train/data/arrow.py's ShardWindowSampler)."""
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        return torch.randperm(len(self.dataset), generator=g, dtype=torch.int32)  # type: ignore[arg-type]
+
     def __iter__(self) -> Any:
         n = len(self.dataset)  # type: ignore[arg-type]
-        if self.shuffle:
-            g = torch.Generator()
-            g.manual_seed(self.seed + self.epoch)
-            order = torch.randperm(n, generator=g, dtype=torch.int32)
-        else:
-            order = torch.arange(n, dtype=torch.int32)
+        order = self.global_order() if self.shuffle else torch.arange(n, dtype=torch.int32)
         if self.drop_last:
             order = order[:self.total_size]
         elif (missing := self.total_size - n) > 0:
