@@ -11,9 +11,10 @@ run) from each source tree given (default: this checkout), interleaved, --repeat
   kill-launcher  the launching process SIGKILLed instead: do its ranks end too?
 
 Every process started under the command is tracked; `left` counts those still alive 5 s after
-the command ended (the harness then kills them). Compare launchers by giving one tree per
-variant, e.g. an unpacked older revision (`git archive REV | tar -x -C DIR`), or a copy with
-bench/elastic_launch.py as its train/launch/local.py:
+the command ended (the harness then kills them). `cpu_s` is the CPU time of the whole tree (the
+harness is the subreaper of what the command leaves, and waits for it). Compare launchers by
+giving one tree per variant, e.g. an unpacked older revision (`git archive REV | tar -x -C
+DIR`), or a copy with bench/elastic_launch.py as its train/launch/local.py:
 
     python -m bench.launcher --tree hand=. --tree elastic=/tmp/elastic --repeats 5
 """
@@ -22,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
 import os
+import resource
 import signal
 import sqlite3
 import statistics
@@ -46,6 +49,7 @@ SCENARIOS: dict[str, list[str]] = {
     "kill-rank": ["trainer.epochs=200"],
     "kill-launcher": ["trainer.epochs=200"],
 }
+PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
 LEFT_AFTER_S = 5.0
 """How long after the command ended a process it started may still live before it counts as
 left behind (PDEATHSIG and SIGTERM handling take a moment)."""
@@ -70,6 +74,7 @@ def run_once(tree: Path, scenario: str, out: Path, timeout: float) -> dict[str, 
     # data.num_workers=0: the ranks are then the leaves of the process tree.
     cmd = [sys.executable, "-m", "train", "distributed.nproc_per_node=2", "data.num_workers=0",
            f"hydra.run.dir={out / 'job'}", *SCENARIOS[scenario], *drill]
+    cpu_before = _children_cpu_s()
     with (out / "stderr.log").open("w") as err, (out / "stdout.log").open("w") as std:
         started = time.time()
         proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=std, stderr=err,
@@ -82,6 +87,8 @@ def run_once(tree: Path, scenario: str, out: Path, timeout: float) -> dict[str, 
     if scenario == "kill-launcher":
         result["ranks_gone_after_s"] = _gone_after(seen)
     result["left"] = _left_behind(seen)
+    _reap_orphans()
+    result["cpu_s"] = _children_cpu_s() - cpu_before
     result.update(_what_user_sees(scenario, (out / "stderr.log").read_text()))
     result.update(_run_record(out / "mlflow.db"))
     if scenario == "start" and (summary := out / "job" / "summary.json").exists():
@@ -114,6 +121,19 @@ def _watch(proc: subprocess.Popen, scenario: str, job: Path,
                 break
         time.sleep(0.1)
     return seen, killed_at
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _reap_orphans() -> None:
+    """Wait for what the command left to this harness, its subreaper (a launcher's fork server
+    ends just after the launcher): their CPU time then counts in RUSAGE_CHILDREN."""
+    with contextlib.suppress(ChildProcessError):
+        while True:
+            os.waitpid(-1, 0)
 
 
 def _alive(p: psutil.Process) -> bool:
@@ -194,7 +214,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     summary = {}
     for key, mine in table.items():
         row: dict[str, Any] = {"runs": len(mine)}
-        for field in ("first_step_s", "wall_s", "exit_after_kill_s", "ranks_gone_after_s",
+        for field in ("first_step_s", "wall_s", "cpu_s", "exit_after_kill_s", "ranks_gone_after_s",
                       "stderr_lines"):
             values = [r[field] for r in mine if r.get(field) is not None]
             if values:
@@ -219,6 +239,7 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=REPO / ".bench" / "launcher.json")
     args = parser.parse_args()
     trees = dict(t.split("=", 1) for t in args.tree) or {"this": str(REPO)}
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)  # for cpu_s
     work = Path(tempfile.mkdtemp(prefix="bench-launcher-"))
     runs: list[dict[str, Any]] = []
     for repeat in range(args.repeats):

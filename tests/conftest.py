@@ -200,9 +200,10 @@ def command_line(p: psutil.Process) -> str:
 
 
 def rank_processes(launcher: psutil.Process) -> list[psutil.Process]:
-    """The local rank processes a launcher spawned and that still run."""
-    return [p for p in launcher.children()
-            if "spawn_main" in command_line(p) and not process_ended(p)]
+    """The local rank processes a launcher started and that still run: the children of its
+    fork server (multiprocessing's forkserver, the launcher's child)."""
+    return [p for server in launcher.children() if "forkserver" in command_line(server)
+            for p in server.children() if not process_ended(p)]
 
 
 def kill_job_after_checkpoints(out_dir: Path, env: dict[str, str], checkpoints: int,

@@ -1,6 +1,5 @@
 """The local launcher's processes, without a training job: it stays light at import, its ranks
-end with it, and a failed rank stops the others after the grace period. No torch in the
-processes started here."""
+end with it, and a failed rank stops the others after the grace period."""
 
 from __future__ import annotations
 
@@ -31,7 +30,7 @@ def test_the_launcher_imports_no_torch() -> None:
 ORPHAN = """
 import multiprocessing, os, sys, time
 from train.distributed import stopping
-from train.launch import rank_process
+from train.launch import local, rank_process
 
 def rank(launcher, report):
     rank_process.end_with(launcher)
@@ -44,7 +43,7 @@ def rank(launcher, report):
         f.write(str(stop.received))
 
 if __name__ == "__main__":
-    p = multiprocessing.get_context("spawn").Process(target=rank, args=(os.getpid(), sys.argv[1]))
+    p = local.rank_context().Process(target=rank, args=(os.getpid(), sys.argv[1]))
     p.start()
     p.join()
 """
@@ -65,8 +64,9 @@ def _ignore_stop_signals() -> None:
 
 
 def test_a_rank_stops_when_its_launcher_is_killed(tmp_path: Path) -> None:
-    """SIGKILL leaves the launcher no chance to stop its ranks: the kernel sends them TERM,
-    their coordinated stop, even from a launcher started with the stop signals ignored."""
+    """SIGKILL leaves the launcher no chance to stop its ranks: its fork server sees its pipe
+    close and exits, and the kernel sends the ranks TERM, their coordinated stop, even from a
+    launcher started with the stop signals ignored."""
     script, report = tmp_path / "launcher.py", tmp_path / "received"
     script.write_text(ORPHAN)
     env = {**os.environ, "PYTHONPATH": str(REPO)}

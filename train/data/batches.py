@@ -147,9 +147,9 @@ def crop_and_flip(x: torch.Tensor, pad: int = 4) -> torch.Tensor:
 
 
 WORKER_START = "fork" if sys.platform == "linux" else None
-"""Workers are forked, whatever started this rank: a local rank is a spawned process, whose
-default would spawn them too, and each would import torch again (seconds per worker, and its
-memory). They never touch CUDA; what they read (file lists, the data set) they share."""
+"""Workers are forked, whatever started this rank and whatever multiprocessing's default: a
+spawned worker would import torch again (seconds per worker, and its memory). They never touch
+CUDA; what they read (file lists, the data set) they share."""
 
 
 SOCKET_PATH_MAX = 107

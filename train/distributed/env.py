@@ -39,6 +39,9 @@ LAUNCHER_VAR = "TRAIN_LAUNCHER"
 node` / `submitit per node` for a Slurm node's task): the run's `launcher` tag then says what
 started them; torchrun-style variables without it are a user's torchrun."""
 LOCAL = "local"
+FORK_SERVER_VAR = "TRAIN_FORK_SERVER_OF"
+"""The launcher's pid, in the environment its rank fork server starts with alone
+(train/launch/fork_server.py): the server ends with that process."""
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
 """Local ranks: one rank in this process, or N rank processes started and supervised here.
 
 Light at import (no torch, torchvision or mlflow): `--help`, `--cfg` and a refused configuration
-answer in well under a second, and the N ranks import torch in parallel rather than after this
-process has. That is why torch's `elastic_launch` does not start them: it needs torch here
-first, which put the first training step 0.6-3.6 s later in each of 11 paired runs, and it
-reports only the first rank it sees exit (docs/benchmarks.md, "Local launcher"). What it does
+answer in well under a second. The ranks are forked from a fork server that imported torch once
+(train/launch/fork_server.py), not from this process, which holds mlflow's clients and threads.
+That is why torch's `elastic_launch` does not start them: it needs torch here first, which put
+the first training step 0.6-3.6 s later in each of 11 paired runs, and it reports only the
+first rank it sees exit (docs/benchmarks.md, "Local launcher"). What it does
 well is done here too: ranks end with their launcher, and the first failing rank's traceback
 is the error. A Slurm node's one task (cluster.ranks=per_node) starts its node's ranks here as
 well, for the same reasons and so that a per-node job stops, fails and reports as a local one.
@@ -94,14 +95,15 @@ def start_local_ranks(config: dict[str, Any], output_dir: str, command: str, npr
     JobStoppedError. `node`: this machine's share of a multi-node job (a Slurm node's one
     task, cluster.ranks=per_node); None = the whole job is here."""
     node = node or distenv.this_machine(nproc)
-    ctx = mp.get_context("spawn")  # a fresh interpreter: no state of this process carried over
-    _start_resource_tracker()
+    ctx = rank_context()
+    umask = os.umask(0)  # read, and put back at once: the ranks get this process's
+    os.umask(umask)
     outcomes: mp.Queue = ctx.Queue()
     ranks = [node.rank(local) for local in range(nproc)]
     ending = [ctx.Event() for _ in range(nproc)]  # set by rank 0 as it begins to end its run
     procs = [ctx.Process(target=rank_process.rank_entry, name=f"rank {ranks[local]}", args=(
-        config, output_dir, command, os.getpid(), node.env(local), outcomes, ending[local]))
-        for local in range(nproc)]
+        config, output_dir, command, os.getpid(), {**os.environ, **node.env(local)}, umask,
+        outcomes, ending[local])) for local in range(nproc)]
     started = time.time()
     with stopping.PassOn(procs) as forwarding:
         for p in procs:
@@ -150,6 +152,31 @@ def _only_silent_left(procs: list[mp.Process], ranks: list[int], outcomes: mp.Qu
     silent = {r for o in got if o.kind == "error" for r in o.silent}
     return bool(silent) and all(ranks[local] in silent
                                 for local, p in enumerate(procs) if p.is_alive())
+
+
+def rank_context() -> Any:
+    """Ranks are forked from multiprocessing's fork server (one per launching process, shared
+    by the jobs of a local sweep): a clean process that imported torch once
+    (train/launch/fork_server.py), rather than each rank a fresh interpreter importing it
+    again. Not a fork of this process: it may hold threads and locks (mlflow, a sweep's). What
+    the ranks need of this process's state comes with them: its environment and umask as
+    arguments, its working directory and sys.path from multiprocessing. The server starts with
+    the stop signals blocked - a TERM to the job's process group must not kill it, as the
+    ranks' exit codes come back through it - and each rank unblocks them once its own handlers
+    are in place (rank_process.end_with)."""
+    from multiprocessing import forkserver
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["train.launch.fork_server"])
+    _start_resource_tracker()
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, rank_process.HELD_SIGNALS)
+    os.environ[distenv.FORK_SERVER_VAR] = str(os.getpid())
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.environ.pop(distenv.FORK_SERVER_VAR, None)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    return ctx
 
 
 def _start_resource_tracker() -> None:

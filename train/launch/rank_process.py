@@ -1,8 +1,8 @@
 """A local rank's own process, from its first line to its outcome: what the local launcher
-(train/launch/local.py) starts with multiprocessing's spawn. It stops with its launcher (TERM as
-its death signal), sends C++'s stderr noise to train.log, runs the rank and sends back its
+(train/launch/local.py) forks from multiprocessing's fork server. It stops with its launcher
+(TERM as its death signal), sends C++'s stderr noise to train.log, runs the rank and sends back its
 outcome (a result, a stop, or an error with its traceback). Light at import, as the launcher
-that imports it: the rank imports torch here, in its own process (train.engine.job).
+that imports it: torch and train.engine.job are already imported in a rank (its fork server's).
 """
 
 from __future__ import annotations
@@ -30,10 +30,17 @@ if TYPE_CHECKING:
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
+HELD_SIGNALS = {*stopping.STOP_SIGNALS, rankfiles.STACKS_SIGNAL}
+"""Blocked from the fork server on (train/launch/local.py), unblocked once a rank handles them:
+a stop that comes while a rank starts is delivered then, not lost."""
+
+
 def rank_entry(config: dict[str, Any], output_dir: str, command: str, launcher: int,
-               env: dict[str, str], outcomes: mp.Queue, ending: Event) -> None:
+               env: dict[str, str], umask: int, outcomes: mp.Queue, ending: Event) -> None:
     end_with(launcher)
+    os.environ.clear()  # the launcher's environment now, not the fork server's when it started
     os.environ.update(env)
+    os.umask(umask)
     rank = int(env["RANK"])
     _native_noise_to_log(Path(output_dir) / "train.log")
     try:
@@ -83,7 +90,19 @@ def end_with(launcher: int) -> None:
     stopping.note_early()
     # Until its watch registers faulthandler for it, a stack request must not kill the rank.
     signal.signal(rankfiles.STACKS_SIGNAL, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_SIGNALS)  # held since the fork server
     with contextlib.suppress(AttributeError, OSError):  # Linux only; elsewhere: best effort
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != launcher:  # it died before the line above
+    # The parent is the fork server, which exits when the launcher does (its pipe closes).
+    parent = os.getppid()
+    if launcher not in (parent, _parent_of(parent)):  # either died before the line above
         raise SystemExit(1)
+
+
+def _parent_of(pid: int) -> int:
+    """The parent of process `pid`; -1 if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return -1
+    return int(stat.rsplit(")", 1)[1].split()[1])  # after the name, which may hold spaces
