@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 import pytest
@@ -125,7 +126,8 @@ def test_status_and_stacks_of_a_running_job(store: dict[str, str], tmp_path: Pat
     shows it in "data" while rank 0 is in its forward; train.stacks names both frames, and the
     job goes on."""
     out = tmp_path / "job"
-    job = _start(out, store, *STUCK[:-1], "distributed.timeout_s=120", "+data.train.after=20")
+    job = _start(out, store, *STUCK[:-1], "distributed.timeout_s=120", "+data.train.after=20",
+                 "trainer.log_every_n_steps=1")
     try:
         beat = out / "ranks" / "rank-1.json"
         wait_until(lambda: _beat(beat).get("phase") == "data" and _beat(beat)["step"] > 0
@@ -134,7 +136,8 @@ def test_status_and_stacks_of_a_running_job(store: dict[str, str], tmp_path: Pat
         status = _inspect("status", out)
         assert re.search(rf"^rank 1 on \S+ \(pid \d+\): step {step}, data for [\d.]+ s",
                          status, re.M), status
-        assert re.search(rf"^rank 0 on \S+ \(pid \d+\): step {step}, forward for", status,
+        assert re.search(rf"^rank 0 on \S+ \(pid \d+\): step {step}, forward for [\d.]+ s, "
+                         r"waited for data \d+% of the last logging interval", status,
                          re.M), status
         stacks = _inspect("stacks", out)
         assert (f"rank 1: userpkg/data.py:{_sleep_line()} __getitem__ (time.sleep), called "
@@ -229,6 +232,17 @@ def test_a_straggler_is_named_in_a_warning_and_a_tag(store: dict[str, str],
     [run] = runs_in(store["MLFLOW_TRACKING_URI"])
     assert run.data.tags["straggler"] == named.group(0)
     assert result.stderr.count("is a straggler") == 1  # named once, by rank 0
+    # The step-time breakdown names it too: the slowest rank, whose input holds the run back.
+    uri, run_id = store["MLFLOW_TRACKING_URI"], run.info.run_id
+    slowest = dict(history(uri, run_id, "time/slowest_rank"))
+    assert len(slowest) == 24 and set(slowest.values()) == {1.0}, slowest  # 96 / 8, twice
+    ours, theirs = (dict(history(uri, run_id, f"time/{who}data_share"))
+                    for who in ("", "slowest/"))
+    # Most intervals (the first ones also hold the run's creation, which both ranks wait for).
+    assert median(theirs.values()) > 0.5 > median(ours.values()), (ours, theirs)
+    assert run.data.tags["bottleneck"] == "input"
+    assert run.data.tags["bottleneck_hint"].startswith("rank 1 waited for data ")
+    assert "bottleneck: input - rank 1 waited for data" in result.stderr
 
 
 def _view(store: dict[str, str], run: Any) -> str:

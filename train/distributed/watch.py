@@ -64,6 +64,8 @@ class Beat:
     step: int = 0
     phase: str = "start"
     since: float = field(default_factory=time.time)
+    data_share: float | None = None
+    """The share of the last logging interval this rank waited for data (None before one)."""
 
 
 _beat = Beat()
@@ -82,6 +84,12 @@ def enter(phase: str, step: int | None = None) -> None:
         beat.phase, beat.since = phase, now
     if step is not None:
         beat.step = step
+
+
+def note_data_share(share: float) -> None:
+    """At a logging step: the share of the interval this rank waited for data, which its next
+    heartbeat carries (`train status`)."""
+    _beat.data_share = share
 
 
 def reading(batches: Iterable[Any]) -> Iterator[Any]:
@@ -143,7 +151,8 @@ class Watch:
     def beat(self) -> dict[str, Any]:
         b = _beat
         return {"rank": self.rank, "host": self.host, "pid": self.pid, "step": b.step,
-                "phase": b.phase, "since": b.since, "written": time.time(),
+                "phase": b.phase, "since": b.since, "data_share": b.data_share,
+                "written": time.time(),
                 "main_thread": f"0x{self.main:016x}"}
 
     def close(self) -> None:

@@ -9,8 +9,9 @@ what is recorded of them is the training log's business (train/report/trainlog.p
 from __future__ import annotations
 
 import math
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from train.engine.monitor import Monitor
 from train.engine.state import TrainState
 from train.engine.stragglers import Stragglers
 from train.engine.trial import TrialReporter
-from train.report import metrics, system_stats
+from train.report import breakdown, metrics, system_stats
 from train.report.trainlog import TrainingLog
 from train.tasks.base import Sums, Task
 
@@ -52,6 +53,8 @@ class Duties:
     stragglers: Stragglers | None = None
     trial: TrialReporter | None = None
     """An Optuna sweep's trial (train/engine/trial.py): reports and the pruner's verdict."""
+    breakdown: breakdown.Breakdown = field(default_factory=breakdown.Breakdown)
+    """Where the step time goes, over every logging interval of this start."""
 
 
 def _check_finite(value: float, rank: int, step: int, where: str) -> None:
@@ -114,7 +117,9 @@ def _optimiser_step(cfg: TrainConfig, state: TrainState, items: torch.Tensor | N
         # On the job's device, not the parameters' (in host memory with cpu_offload): nccl
         # reduces only GPU tensors.
         everywhere = torch.as_tensor(items, dtype=torch.float64, device=device).clone()
+        watch.enter("collective")
         torch.distributed.all_reduce(everywhere)
+        watch.enter("optimizer")
         # DDP averaged the ranks' summed gradients: times the world size, over every item.
         scale = (torch.distributed.get_world_size() / everywhere.clamp_min(1)).float()
         # FSDP: this rank's shards (offloaded: on the host). One foreach kernel per device and
@@ -138,20 +143,24 @@ def _optimiser_step(cfg: TrainConfig, state: TrainState, items: torch.Tensor | N
 
 
 def _log_step(state: TrainState, duties: Duties, totals: metrics.Totals, step_loss: torch.Tensor,
-              step_time_s: float, batches_done: int, batches: int) -> None:
-    """A logging step, the only one that waits for the device: the step loss, fp16's scaler,
-    and a checkpoint (then a stop) if any rank asks for one."""
-    shared = duties.stragglers.mine() if duties.stragglers is not None else []
-    watch.enter("collective")
+              step_time_s: float, steps: int, batches_done: int, batches: int) -> None:
+    """A logging step, the only one that waits for the device: the step loss, where the
+    interval's `steps` steps spent their time (train/report/breakdown.py), fp16's scaler, and a
+    checkpoint (then a stop) if any rank asks for one."""
+    watch.enter("collective")  # the interval's last phase ends here: it counts in take_spent
+    phases = breakdown.phase_seconds(watch.take_spent())
     sync = metrics.sync_step(step_loss, step_time_s, duties.stop.received is not None,
-                             duties.checkpointer.interval_due(), shared)
+                             duties.checkpointer.interval_due(), phases)
     if duties.stragglers is not None:  # every rank judges alike; rank 0 speaks
-        duties.stragglers.judge(sync.shared, state.step)
+        duties.stragglers.judge([duties.stragglers.own_work(row) for row in sync.shared],
+                                state.step)
+    watch.note_data_share(breakdown.share(phases, "data"))  # `train status` shows it
     _check_finite(sync.mean_loss, duties.rank, state.step, "train/step_loss (mean over ranks)")
     # The clipped step's norm, read only here (a host sync; under FSDP a collective, every
     # rank logs at the same steps).
     grad_norm = None if state.grad_norm is None else float(fsdp.whole(state.grad_norm))
-    duties.logger.step(state.step, sync, grad_norm)
+    duties.logger.step(state.step, sync, grad_norm,
+                       duties.breakdown.interval(sync.shared, steps) | {"time/step": step_time_s})
     _report_scaler(state, duties)
     if (sync.stop_requested or sync.checkpoint_due) and batches_done < batches:
         duties.checkpointer.save(state, totals, batches_done)  # the epoch end does anyway
@@ -175,6 +184,8 @@ def train_epoch(cfg: TrainConfig, state: TrainState, batches: Batches, device: t
     batches.set_epoch(state.epoch, start_batch=skip)
     every, k = cfg.trainer.log_every_n_steps, cfg.trainer.accumulate_grad_batches
     count = len(batches)
+    watch.enter("data")  # ends what came before (validation, a checkpoint, the set-up) ...
+    watch.take_spent()  # ... which the breakdown's first interval must not hold
     window_start, window_steps = time.perf_counter(), 0
     step_losses: list[torch.Tensor] = []
     step_items: Any = 0
@@ -203,9 +214,12 @@ def train_epoch(cfg: TrainConfig, state: TrainState, batches: Batches, device: t
             duties.logger.first_step()
         drill.check(duties.fail_at, state.step, duties.rank)
         if logs:  # (state.step is now the step `logs` was decided for)
-            _log_step(state, duties, totals, sum(step_losses[1:], step_losses[0]) / step_items,
-                      (time.perf_counter() - window_start) / window_steps, end, count)
+            # The next window starts now, as the breakdown's next interval: the logging step's
+            # own time counts in both.
+            step_time, steps = (time.perf_counter() - window_start) / window_steps, window_steps
             window_start, window_steps = time.perf_counter(), 0
+            _log_step(state, duties, totals, sum(step_losses[1:], step_losses[0]) / step_items,
+                      step_time, steps, end, count)
         if state.step == cfg.trainer.max_steps:  # the training ends with this step
             break
     return totals
@@ -259,4 +273,8 @@ def fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.dev
             break
         if stop and not last:
             raise duties.stop.preempted()
+    workers = data.train.loader.num_workers if data.train.loader is not None else 0
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if (verdict := duties.breakdown.verdict(workers, ranks_here)) is not None:
+        duties.logger.bottleneck(verdict)
     return val

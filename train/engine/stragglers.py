@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import logging
 import statistics
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from train.distributed import watch
+from train.report.breakdown import PHASES, phase_seconds
 
 log = logging.getLogger("train")
 OWN_WORK = ("data", "forward", "backward")
@@ -36,11 +37,14 @@ class Stragglers:
         self.named: set[int] = set()
 
     @staticmethod
+    def own_work(phases: Sequence[float]) -> list[float]:
+        """Waiting for data, and computing, from a rank's breakdown.phase_seconds."""
+        return [phases[PHASES.index("data")], sum(phases[PHASES.index(p)] for p in OWN_WORK[1:])]
+
+    @staticmethod
     def mine() -> list[float]:
-        """This rank's sums since the last logging step, to share: waiting for data, and
-        computing."""
-        spent = watch.take_spent()
-        return [spent.get("data", 0.0), sum(spent.get(p, 0.0) for p in OWN_WORK[1:])]
+        """This rank's sums since the last logging step: waiting for data, and computing."""
+        return Stragglers.own_work(phase_seconds(watch.take_spent()))
 
     def judge(self, ranks: list[list[float]], step: int) -> None:
         totals = [data for data, _ in ranks]

@@ -89,15 +89,18 @@ def beats(out: Path) -> dict[int, dict[str, Any]]:
 
 
 def status(out: Path) -> str:
-    """One line per rank: its step and phase, for how long, when its watchdog last wrote."""
+    """One line per rank: its step and phase, for how long, its wait for data in the last
+    logging interval, when its watchdog last wrote."""
     now, lines = time.time(), []
     for rank, b in beats(out).items():
         written = now - float(b["written"])
         silent = " - its watchdog is silent (frozen or dead?)" \
             if written > 3 * rankfiles.REFRESH_S else ""
+        waited = "" if b.get("data_share") is None else \
+            f", waited for data {float(b['data_share']):.0%} of the last logging interval"
         lines.append(f"rank {rank} on {b['host']} (pid {b['pid']}): step {b['step']}, "
-                     f"{b['phase']} for {now - float(b['since']):.1f} s, heartbeat written "
-                     f"{written:.1f} s ago{silent}{stacks.process_state(b)}")
+                     f"{b['phase']} for {now - float(b['since']):.1f} s{waited}, heartbeat "
+                     f"written {written:.1f} s ago{silent}{stacks.process_state(b)}")
     return "\n".join(lines) or f"no rank of {out} has written a heartbeat yet"
 
 

@@ -8,7 +8,8 @@ reports of training (the final metrics, each epoch's throughput, the first step'
 
 MLflow steps: an epoch's metrics (train/*, val/*, best/*, test/*, system/*) are logged at the
 epoch's 1-based number, as the log's `epoch 3/10` and the best_epoch tag; a logging step's
-(train/step_*, fp16's train/loss_scale) at its optimiser step. The loop counts epochs from 0.
+(train/step_*, time/* - where the step time went -, fp16's train/loss_scale) at its optimiser
+step. The loop counts epochs from 0.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any, TypeVar
 
 from train.config.groups import TrainConfig
 from train.report import flops, system_stats
+from train.report.breakdown import Verdict
 from train.report.metrics import Reduced, StepSync
 from train.report.progress import Progress
 from train.tracking import NullRun
@@ -48,15 +50,22 @@ class TrainingLog:
         self.first_step_at = time.time()
         self.run.begin_sending()  # training is under way: MLflow may take its share now
 
-    def step(self, step: int, sync: StepSync, grad_norm: float | None = None) -> None:
+    def step(self, step: int, sync: StepSync, grad_norm: float | None = None,
+             times: dict[str, float] | None = None) -> None:
         """A logging step; `grad_norm`: the total gradient norm before clipping
-        (optim.grad_clip), None without clipping."""
+        (optim.grad_clip), None without clipping; `times`: where the interval's step time
+        went (train/report/breakdown.py's time/* metrics)."""
         values = {"train/step_loss": sync.mean_loss, "train/step_time_max_s": sync.slowest_s,
-                  "train/step_time_min_s": sync.fastest_s}
+                  "train/step_time_min_s": sync.fastest_s, **(times or {})}
         if grad_norm is not None:
             values["train/grad_norm"] = grad_norm
         self.run.log_metrics(values, step)
         self.bar.show(loss=sync.mean_loss)
+
+    def bottleneck(self, verdict: Verdict) -> None:
+        """At the end of training: what held it back (the `bottleneck` tag) and what to try."""
+        self.run.set_tags({"bottleneck": verdict.bottleneck, "bottleneck_hint": verdict.line})
+        log.info("bottleneck: %s - %s", verdict.bottleneck, verdict.line)
 
     def grad_scaler(self, step: int, skipped_steps: int, loss_scale: float) -> None:
         """fp16: optimiser steps skipped so far (their gradients overflowed) and the loss scale."""
