@@ -167,6 +167,23 @@ def run_train(*overrides: str, env: dict[str, str] | None = None, timeout: float
                           capture_output=True, text=True, timeout=timeout)
 
 
+def profiled_ops(uri: str, run_id: str, dst: Path) -> dict[int, set[str]]:
+    """The names in each rank's trace (trainer.profile), as a user gets them: the run's
+    `profile/` artifacts downloaded and unzipped."""
+    import gzip
+    import json
+
+    from mlflow import MlflowClient
+
+    MlflowClient(tracking_uri=uri).download_artifacts(run_id, "profile", str(dst))
+    found = {}
+    for trace in sorted((dst / "profile").glob("rank-*.json.gz")):
+        with gzip.open(trace, "rt") as f:
+            events = json.load(f)["traceEvents"]
+        found[int(trace.name.split("-")[1].split(".")[0])] = {e.get("name", "") for e in events}
+    return found
+
+
 T = TypeVar("T")
 
 

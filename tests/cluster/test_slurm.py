@@ -13,13 +13,22 @@ import pytest
 from mlflow import MlflowClient
 
 from tests.cluster.conftest import listed_by_squeue, slurm_job, wait_for_job
-from tests.conftest import REPO, USER_PATH, history, run_train, runs_in, wait_until
+from tests.conftest import (
+    REPO,
+    USER_PATH,
+    history,
+    profiled_ops,
+    run_train,
+    runs_in,
+    wait_until,
+)
 
 
 def test_two_nodes_four_ranks_make_one_run(cluster: None, store: dict[str, str],
                                            tmp_path: Path) -> None:
     result = slurm_job(tmp_path, "cluster.nodes=2", "cluster.tasks_per_node=2",
-                       "trainer.epochs=2", "data.batch_size=64", env=store)
+                       "trainer.epochs=2", "data.batch_size=64", "trainer.profile.enabled=true",
+                       "trainer.profile.wait=2", "trainer.profile.active=1", env=store)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Submitted Slurm job" in result.stdout and "rank 0 logs:" in result.stdout
     assert ": RUNNING" in result.stdout and ": COMPLETED" in result.stdout
@@ -34,6 +43,14 @@ def test_two_nodes_four_ranks_make_one_run(cluster: None, store: dict[str, str],
     assert "slurm.array_task_id" not in tags or tags["slurm.array_task_id"] == "0"
     assert history(uri, run.info.run_id, "val/samples") == [(1, 359.0), (2, 359.0)]
     assert history(uri, run.info.run_id, "train/samples") == [(1, 1440.0), (2, 1440.0)]
+    # trainer.profile on both nodes: every rank's trace of step 4, its forward and backward.
+    assert tags["profile.steps"] == "4"
+    traces = profiled_ops(uri, run.info.run_id, tmp_path / "artifacts")
+    assert sorted(traces) == [0, 1, 2, 3]
+    for names in traces.values():
+        assert {"ProfilerStep#3", "aten::conv2d"} <= names
+        assert any(n.startswith("autograd::engine::evaluate_function: ConvolutionBackward")
+                   for n in names)
 
 
 def test_the_plain_sbatch_template_runs_the_same_code(cluster: None, store: dict[str, str],

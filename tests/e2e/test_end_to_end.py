@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from tests.conftest import history, run_train, runs_in
+from tests.conftest import history, profiled_ops, run_train, runs_in
+from train.report.breakdown import PHASES
 
 EPOCH_METRICS = ("train/loss", "train/accuracy", "train/samples", "train/samples_per_sec",
                  "train/tflops_per_sec", "val/loss", "val/accuracy", "val/samples", "lr",
@@ -22,7 +23,8 @@ def test_two_rank_run_is_one_complete_mlflow_run(store: dict[str, str], tmp_path
     epochs, every = 3, 5
     result = run_train("distributed.nproc_per_node=2", f"trainer.epochs={epochs}",
                        f"trainer.log_every_n_steps={every}", "tracking.run_name=e2e",
-                       "trainer.peak_tflops=0.05",
+                       "trainer.peak_tflops=0.05", "trainer.profile.enabled=true",
+                       "trainer.profile.wait=3", "trainer.profile.active=2",
                        f"hydra.run.dir={out_dir}", env=store)
     assert result.returncode == 0, result.stderr
     uri = store["MLFLOW_TRACKING_URI"]
@@ -58,6 +60,23 @@ def test_two_rank_run_is_one_complete_mlflow_run(store: dict[str, str], tmp_path
         assert rate > 0 and share == pytest.approx(rate / (2 * 0.05))
     val_acc = history(uri, run.info.run_id, "val/accuracy")
     assert val_acc[-1][1] > 0.9
+    # trainer.profile: steps 5 and 6 (3 waited, 1 warm-up) on each rank, forward and backward.
+    assert tags["profile.steps"] == "5-6"
+    traces = profiled_ops(uri, run.info.run_id, tmp_path / "artifacts")
+    assert sorted(traces) == [0, 1]
+    for names in traces.values():
+        assert {"ProfilerStep#4", "ProfilerStep#5", "aten::conv2d"} <= names
+        assert "ProfilerStep#3" not in names  # the warm-up step
+        assert any(n.startswith("autograd::engine::evaluate_function: ConvolutionBackward")
+                   for n in names)
+    # Where the step time went, at each logging step; shares of rank 0's step summing to 1.
+    shares = [dict(history(uri, run.info.run_id, f"time/{p}_share")) for p in PHASES]
+    assert all(sum(s[step] for s in shares) == pytest.approx(1.0) for step, _ in step_losses)
+    assert tags["bottleneck"] in ("input", "compute", "communication")
+    artifacts = {a.path for a in MlflowClient(uri).list_artifacts(run.info.run_id)}
+    assert "step_time.svg" in artifacts
+    figure = (out_dir / "step_time.svg").read_text()
+    assert figure.count(">rank 0 data: ") == figure.count(">rank 1 data: ") == 1
 
     client = MlflowClient(tracking_uri=uri)
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}

@@ -243,6 +243,11 @@ def test_a_straggler_is_named_in_a_warning_and_a_tag(store: dict[str, str],
     assert run.data.tags["bottleneck"] == "input"
     assert run.data.tags["bottleneck_hint"].startswith("rank 1 waited for data ")
     assert "bottleneck: input - rank 1 waited for data" in result.stderr
+    # The run's picture of it: rank 1's bar mostly waiting for data, rank 0's not.
+    figure = (tmp_path / "job" / "step_time.svg").read_text()
+    waited = {int(rank): int(share) for rank, share in
+              re.findall(r"<title>rank (\d) data: [\d.]+ s \((\d+)%\)</title>", figure)}
+    assert waited[1] > 50 > waited[0], waited
 
 
 def _view(store: dict[str, str], run: Any) -> str:

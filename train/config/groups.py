@@ -147,6 +147,33 @@ class DataConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """trainer.profile's keys: torch.profiler over a window of training steps on every rank
+    (train/engine/profiling.py)."""
+
+    enabled: bool = False
+    """Profile this start of the job: after `wait` optimiser steps, `warmup` steps with the
+    profiler on but nothing kept, then `active` steps recorded."""
+    wait: int = 5
+    """Optimiser steps from this start's first before the profiler warms up (the DataLoader's
+    workers, caches and compile settle)."""
+    warmup: int = 1
+    active: int = 3
+    """Steps recorded: each rank's trace (profile/rank-<N>.json.gz, for Perfetto or
+    chrome://tracing) and its top operators by self time (profile/rank-<N>.txt), as run
+    artifacts; the steps are the run's `profile.steps` tag, and their throughput is left out of
+    train/samples_per_sec."""
+    record_shapes: bool = True
+    """The operators' input shapes, in the trace and the summary."""
+    profile_memory: bool = True
+    """Tensor allocations and frees, in the trace."""
+    with_stack: bool = False
+    """Python and C++ stacks for each operator (a larger trace, slower steps)."""
+    top: int = 25
+    """Operators in each rank's text summary."""
+
+
+@dataclass
 class TrainerConfig:
     epochs: int = 10
     """Passes over the training set."""
@@ -192,7 +219,9 @@ class TrainerConfig:
     and the run's `straggler` tag (train/engine/stragglers.py)."""
     straggler_intervals: int = 3
     """How many logging intervals in a row a straggler must be slow before it is named; 0 =
-    never: no check, and no sharing of the ranks' times at logging steps."""
+    never (the ranks' times are shared at logging steps all the same, for the time/* metrics)."""
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    """torch.profiler over a window of steps: trainer.profile.enabled=true."""
     channels_last: bool = False
     """Use channels_last memory format (faster convolutions on recent GPUs)."""
     compile: bool = False

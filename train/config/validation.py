@@ -137,6 +137,10 @@ def _training(cfg: TrainConfig, p: list[str]) -> None:
              p)
     _require(cfg.trainer.straggler_intervals >= 0,
              "trainer.straggler_intervals cannot be negative (0 turns the check off).", p)
+    prof = cfg.trainer.profile
+    _require(not prof.enabled or (prof.wait >= 0 and prof.warmup >= 0 and prof.active > 0),
+             f"trainer.profile: wait={prof.wait} and warmup={prof.warmup} must be 0 or more "
+             f"and active={prof.active} positive (the steps recorded).", p)
     _require(cfg.data.batch_size > 0,
              f"data.batch_size must be positive (got {cfg.data.batch_size}).", p)
     _require(cfg.data.num_workers is None or cfg.data.num_workers >= 0,

@@ -36,17 +36,22 @@ from train.distributed import devices, watch
 from train.distributed import env as distenv
 from train.distributed import process_group as distributed
 from train.distributed.stopping import Preempted, StopSignals
-from train.engine import checkpoint_folder, drill, evaluation, fsdp, loop
+from train.engine import checkpoint_folder, drill, evaluation, fsdp, loop, profiling
 from train.engine import state as train_state
 from train.engine.ending import JobEnding
 from train.engine.prepare import Job, Prepared, prepare
 from train.engine.ranklog import setup_logging
+from train.report import figures
+from train.report.breakdown import PHASES
 from train.report.metrics import Reduced
 from train.report.progress import Progress
 from train.report.runlog import RunLogger
 from train.tasks.base import Task
+from train.tracking import records
 
 log = logging.getLogger("train")
+STEP_TIME_FIGURE = "step_time.svg"
+"""Each rank's stacked bar of where its training time went (train/report/breakdown.py)."""
 
 
 def peak_rss_mb() -> float:
@@ -126,6 +131,14 @@ def _fit_and_finish(job: Job, logger: RunLogger, ending: JobEnding,
     tested = _final_model_and_test(cfg, job.out, state, bundle, job.device, logger, task)
     prepared.outputs.write_final(state, bundle, final_val,
                                  distributed.gather_to_all(peak_rss_mb()), tested)
+    breakdown = prepared.duties.breakdown
+    if job.env.is_main and breakdown.totals:
+        svg = figures.render_breakdown(breakdown.totals, PHASES, job.out / STEP_TIME_FIGURE,
+                                       "where each rank's training time went (this start)")
+        logger.run.log(records.ArtifactFile(str(svg)))
+    if prepared.duties.profiler is not None:  # after write_final's gather: every rank wrote
+        for path in sorted((job.out / profiling.FOLDER).glob("rank-*")):
+            logger.run.log(records.ArtifactFile(str(path), artifact_path=profiling.FOLDER))
     logger.finish()
     if reporter is not None:
         reporter.tell(logger.training.final_metrics)

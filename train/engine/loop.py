@@ -26,6 +26,7 @@ from train.engine import drill, fsdp, optim
 from train.engine.checkpoint import Checkpointer
 from train.engine.evaluation import autocast, check_output, evaluate
 from train.engine.monitor import Monitor
+from train.engine.profiling import StepProfiler
 from train.engine.state import TrainState
 from train.engine.stragglers import Stragglers
 from train.engine.trial import TrialReporter
@@ -55,6 +56,8 @@ class Duties:
     """An Optuna sweep's trial (train/engine/trial.py): reports and the pruner's verdict."""
     breakdown: breakdown.Breakdown = field(default_factory=breakdown.Breakdown)
     """Where the step time goes, over every logging interval of this start."""
+    profiler: StepProfiler | None = None
+    """trainer.profile's (train/engine/profiling.py); None = not profiled."""
 
 
 def _check_finite(value: float, rank: int, step: int, where: str) -> None:
@@ -186,6 +189,8 @@ def train_epoch(cfg: TrainConfig, state: TrainState, batches: Batches, device: t
     count = len(batches)
     watch.enter("data")  # ends what came before (validation, a checkpoint, the set-up) ...
     watch.take_spent()  # ... which the breakdown's first interval must not hold
+    if duties.profiler is not None:
+        duties.profiler.epoch_begins()
     window_start, window_steps = time.perf_counter(), 0
     step_losses: list[torch.Tensor] = []
     step_items: Any = 0
@@ -210,6 +215,8 @@ def train_epoch(cfg: TrainConfig, state: TrainState, batches: Batches, device: t
             continue
         _optimiser_step(cfg, state, None if task.fixed_items else step_items, device)
         window_steps += 1
+        if duties.profiler is not None:
+            duties.profiler.step()
         if state.step == 1:
             duties.logger.first_step()
         drill.check(duties.fail_at, state.step, duties.rank)
@@ -230,6 +237,17 @@ def fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.dev
     """Train from `state` to trainer.epochs (or trainer.max_steps), or until early stopping;
     returns the last validation (with what the task keeps for the final one), or None when
     this start had no epoch left."""
+    if duties.profiler is None:
+        return _fit(cfg, state, data, device, duties, task)
+    duties.profiler.start(state.step)
+    try:
+        return _fit(cfg, state, data, device, duties, task)
+    finally:
+        duties.profiler.stop()
+
+
+def _fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.device,
+         duties: Duties, task: Task) -> metrics.Reduced | None:
     epochs, limit, val = cfg.trainer.epochs, cfg.trainer.max_steps, None
     while state.epoch < epochs and (limit is None or state.step < limit):
         started, cpu_started = time.perf_counter(), time.process_time()
@@ -259,9 +277,11 @@ def fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.dev
         nodes = None
         if cfg.tracking.system_metrics:  # one more small gather per epoch
             nodes = distributed.gather_to_all(system_stats.node_sample(duties.local_rank, device))
+        profiled = (0, 0.0) if duties.profiler is None else duties.profiler.take_excluded()
         duties.logger.epoch(state.epoch, train=train, val=val, train_time_s=train_time,
                             epoch_time_s=time.perf_counter() - started, train_cpu_s=train_cpu,
-                            lrs=state.learning_rates(cfg.optim.lr), nodes=nodes)
+                            lrs=state.learning_rates(cfg.optim.lr), nodes=nodes,
+                            profiled=(profiled[0] * cfg.data.batch_size, profiled[1]))
         optim.step_at_epoch_end(state.scheduler, state.scheduler_interval, val,
                                 cfg.trainer.monitor)  # before the epoch's checkpoint
         state.epoch += 1

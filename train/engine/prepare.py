@@ -24,7 +24,7 @@ from train.distributed import process_group as distributed
 from train.distributed import slurm, watch
 from train.distributed.devices import device_name
 from train.distributed.stopping import StopSignals
-from train.engine import checkpoint, checkpoint_folder, checkpoint_match, fsdp, loop
+from train.engine import checkpoint, checkpoint_folder, checkpoint_match, fsdp, loop, profiling
 from train.engine import monitor as monitor_lib
 from train.engine import state as train_state
 from train.engine.outputs import JobOutputs
@@ -173,6 +173,10 @@ def prepare(job: Job, logger: RunLogger, stop: StopSignals) -> Prepared:
     if cfg.trainer.trial is not None and cfg.trainer.study:
         reporter = TrialReporter(cfg, env.rank)
         reporter.check_params(job.config)
+    profiler = None
+    if cfg.trainer.profile.enabled:
+        profiler = profiling.StepProfiler(cfg.trainer.profile, out, env.rank, device,
+                                          logger.run.set_tags)
     duties = loop.Duties(logger.training, checkpointer, stop, env.rank, env.local_rank, monitor,
-                         job.fail_at, stragglers, reporter)
+                         job.fail_at, stragglers, reporter, profiler=profiler)
     return Prepared(state, bundle, task, outputs, duties)

@@ -92,3 +92,40 @@ def render_scatter(points: list[tuple[float, float]], path: Path, title: str,
     out.append("</svg>")
     path.write_text("\n".join(out) + "\n")
     return path
+
+
+PHASE_COLOURS = {"data": "#d62728", "forward": "#1f77b4", "backward": "#6baed6",
+                 "optimizer": "#2ca02c", "collective": "#ff7f0e", "other": "#bdbdbd"}
+"""Waiting for data in red: the share to look for first."""
+
+
+def render_breakdown(totals: list[list[float]], phases: tuple[str, ...], path: Path,
+                     title: str) -> Path:
+    """One stacked bar per rank of where its training time went (`totals`: each rank's
+    seconds per phase, in `phases` order), as SVG: a starving or straggling rank stands out."""
+    left, bar, row, top = 64, 480, 20, 56
+    width, height = left + bar + 96, top + row * len(totals) + 16
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">',
+           f'<rect width="{width}" height="{height}" fill="white"/>',
+           f'<text x="{width / 2}" y="16" text-anchor="middle" font-size="13">'
+           f'{escape(title)}</text>']
+    x = left
+    for phase in phases:  # the legend
+        out += [f'<rect x="{x}" y="28" width="10" height="10" fill="{PHASE_COLOURS[phase]}"/>',
+                f'<text x="{x + 14}" y="37">{phase}</text>']
+        x += 14 + 7 * len(phase) + 16
+    for rank, seconds in enumerate(totals):
+        y, total = top + rank * row, sum(seconds) or 1.0
+        out.append(f'<text x="{left - 6}" y="{y + 13}" text-anchor="end">rank {rank}</text>')
+        x = float(left)
+        for phase, spent in zip(phases, seconds, strict=True):
+            w = bar * spent / total
+            out.append(f'<rect x="{x:.1f}" y="{y + 2}" width="{w:.1f}" height="{row - 4}" '
+                       f'fill="{PHASE_COLOURS[phase]}"><title>rank {rank} {phase}: '
+                       f'{spent:.2f} s ({spent / total:.0%})</title></rect>')
+            x += w
+        out.append(f'<text x="{left + bar + 6}" y="{y + 13}">{sum(seconds):.1f} s</text>')
+    out.append("</svg>")
+    path.write_text("\n".join(out) + "\n")
+    return path

@@ -74,15 +74,19 @@ class TrainingLog:
 
     def epoch(self, epoch: int, *, train: Reduced, val: Reduced | None, train_time_s: float,
               epoch_time_s: float, lrs: dict[str, float], train_cpu_s: float = 0.0,
-              nodes: list[Any] | None = None) -> None:
+              nodes: list[Any] | None = None, profiled: tuple[int, float] = (0, 0.0)) -> None:
         """`lrs`: `lr` and each optim.param_groups group's `lr/<prefix>` (TrainState);
-        `train_cpu_s`: this process's CPU time while it trained (summary.json only)."""
+        `train_cpu_s`: this process's CPU time while it trained (summary.json only);
+        `profiled`: the samples and seconds of the steps trainer.profile watched, left out of
+        the rates (profiling slows them)."""
+        rate_samples, rate_s = train.samples - profiled[0], train_time_s - profiled[1]
+        if rate_samples <= 0 or rate_s <= 0:  # the whole epoch was profiled
+            rate_samples, rate_s = train.samples, train_time_s
         values = {**_named("train", train.values), "train/samples": float(train.samples),
-                  "train/samples_per_sec": train.samples / train_time_s,
+                  "train/samples_per_sec": rate_samples / rate_s,
                   **lrs, "epoch_time_s": epoch_time_s,
-                  **(self.throughput.metrics(train.samples, train_time_s)
-                     if self.throughput else {})}
-        values.update(_items(train, "train", train_time_s))
+                  **(self.throughput.metrics(rate_samples, rate_s) if self.throughput else {})}
+        values.update(_items(train, "train", rate_s * train.samples / rate_samples))
         if val is not None:
             values.update({**_named("val", val.values), "val/samples": float(val.samples),
                            **_items(val, "val")})
