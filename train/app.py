@@ -204,7 +204,9 @@ def _check_without_preflight(typed: TrainConfig, world_size: int) -> None:
     from train.launch.preflight import validate
 
     validate(typed, world_size)
-    if problem := devices.refuse_without_cuda(typed.distributed):
+    if problem := devices.refuse_without_cuda(typed.distributed) or \
+            devices.refuse_memory_snapshot(typed.trainer.memory_snapshot,
+                                           typed.distributed.device):
         raise ConfigError(problem)
 
 

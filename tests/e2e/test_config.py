@@ -89,6 +89,8 @@ def test_cfg_job_prints_the_composed_config() -> None:
     # These two import torch or torchvision before refusing (seconds each).
     (("distributed.backend=nccl", "distributed.nproc_per_node=2"), "need as many GPUs"),
     (("model=torchvision", "model.name=not_a_net"), "not a torchvision classification model"),
+    (("trainer.memory_snapshot=true",), "trainer.memory_snapshot=true records the CUDA "
+                                        "allocator's history, but this machine has no GPU"),
 ])
 def test_cli_refuses_bad_input_before_anything_starts(store: dict[str, str],
                                                       overrides: tuple[str, ...],

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import textwrap
@@ -19,13 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, history, run_train, runs_in
+from tests.conftest import REPO, USER_PATH, history, run_train, runs_in
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(),
                                  reason="CUDA-only branch: this machine has no CUDA device")]
 
 
+USERPKG = {"PYTHONPATH": os.pathsep.join([USER_PATH, str(REPO), os.environ.get("PYTHONPATH", "")])}
 SMALL_TEXT = Path(textwrap.__file__)
 """A 20 KB standard-library module: the language model's text."""
 
@@ -107,3 +109,30 @@ def test_fsdp_jobs_on_the_gpus(store: dict[str, str], tmp_path: Path) -> None:
     assert run.data.params["distributed.fsdp.cpu_offload"] == "True"
     assert metrics["val/loss"] < math.log(256)  # better than a uniform guess over the bytes
     assert sorted((tmp_path / "lm" / "checkpoints").glob("step-*.dcp"))
+
+
+def test_a_rank_out_of_gpu_memory_leaves_its_allocator_snapshot(store: dict[str, str],
+                                                                tmp_path: Path) -> None:
+    """trainer.memory_snapshot=true: rank 0 asks for twice its GPU's memory at its third step;
+    the job fails with CUDA's error, its snapshot is where the failure block says and in the
+    run, and it is the allocator's history (a pickle of PyTorch's, read here: our own)."""
+    import pickle
+
+    from mlflow import MlflowClient
+
+    out = tmp_path / "job"
+    result = run_train(f"distributed.nproc_per_node={_ranks()}", "model=custom",
+                       "model._target_=userpkg.models.GreedyOnRank", "trainer.epochs=1",
+                       "trainer.memory_snapshot=true", "tracking.log_model=false",
+                       f"hydra.run.dir={out}", env={**store, **USERPKG}, timeout=600)
+    assert result.returncode != 0 and "OutOfMemoryError" in result.stderr, result.stderr
+    snapshot = out / "memory" / "rank-0.pickle"
+    assert f"GPU memory snapshots: {out / 'memory'}" in result.stderr
+    with snapshot.open("rb") as f:
+        history_of = pickle.load(f)  # noqa: S301 - the file this test's job just wrote
+    assert history_of["segments"] and history_of["device_traces"]
+    [run] = runs_in(store["MLFLOW_TRACKING_URI"])
+    assert run.info.status == "FAILED"
+    artifacts = MlflowClient(store["MLFLOW_TRACKING_URI"]).list_artifacts(run.info.run_id,
+                                                                          "memory")
+    assert [a.path for a in artifacts] == ["memory/rank-0.pickle"]

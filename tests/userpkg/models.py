@@ -133,3 +133,19 @@ class ScaledBigramLM(BigramLM):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return super().forward(tokens) / self.temperature
+
+
+class GreedyOnRank(TinyConvNet):
+    """TinyConvNet whose forward asks one rank's GPU for far more memory than it has after
+    `after` calls: CUDA's out-of-memory error, as an oversized batch or model gives it."""
+
+    def __init__(self, num_classes: int, in_channels: int, rank: int = 0, after: int = 2) -> None:
+        super().__init__(num_classes, in_channels, width=8)
+        self.rank, self.after, self.calls = rank, after, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if int(os.environ.get("RANK", "0")) == self.rank and self.calls > self.after:
+            total = torch.cuda.get_device_properties(x.device).total_memory
+            x = x + torch.empty(2 * total // 4, dtype=torch.float32, device=x.device).sum()
+        return super().forward(x)

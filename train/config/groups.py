@@ -222,6 +222,10 @@ class TrainerConfig:
     never (the ranks' times are shared at logging steps all the same, for the time/* metrics)."""
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     """torch.profiler over a window of steps: trainer.profile.enabled=true."""
+    memory_snapshot: bool = False
+    """GPU only: record the CUDA allocator's history (torch.cuda.memory) and, when a rank runs
+    out of GPU memory, write its snapshot (memory/rank-<N>.pickle, for pytorch.org/memory_viz)
+    beside the failure and as a run artifact. Refused at pre-flight without CUDA."""
     channels_last: bool = False
     """Use channels_last memory format (faster convolutions on recent GPUs)."""
     compile: bool = False

@@ -210,6 +210,17 @@ def local_gpu_problem(cfg: DistributedConfig) -> str | None:
     return refuse_without_cuda(cfg)
 
 
+MEMORY_SNAPSHOT_REFUSED = (
+    "trainer.memory_snapshot=true records the CUDA allocator's history, but this machine has no "
+    "GPU: drop it (trainer.profile.enabled=true records tensor memory on the CPU as well).")
+
+
+def refuse_memory_snapshot(wanted: bool, device: str) -> str | None:
+    """trainer.memory_snapshot needs a CUDA device to record."""
+    return MEMORY_SNAPSHOT_REFUSED if wanted and (device == "cpu" or not cuda_available()) \
+        else None
+
+
 def refuse_without_cuda(cfg: DistributedConfig) -> str | None:
     """One line for pre-flight when `cfg` asks for CUDA this machine (or device=cpu) lacks."""
     wanted = cuda_only_requests(cfg)

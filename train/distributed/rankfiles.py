@@ -17,6 +17,9 @@ from typing import Any
 
 RANKS_DIR = "ranks"
 STACKS_DIR = "stacks"
+MEMORY_DIR = "memory"
+"""trainer.memory_snapshot: each rank's CUDA allocator snapshot, written when it ran out of GPU
+memory (train/engine/profiling.py)."""
 STACKS_SIGNAL = signal.SIGUSR1
 """Asks a rank for its stacks (faulthandler answers in C); not a stop or requeue signal."""
 POLL_S = 0.5

@@ -92,6 +92,9 @@ class JobEnding:
             (self.out / FAILURE_FILE).write_text(json.dumps(record) + "\n")
         if (self.out / "train.log").exists():
             self.logger.run.log(records.ArtifactFile(str(self.out / "train.log")))
+        for path in sorted((self.out / rankfiles.MEMORY_DIR).glob("rank-*.pickle")):
+            self.logger.run.log(records.ArtifactFile(str(path),
+                                                     artifact_path=rankfiles.MEMORY_DIR))
 
     def _log_stacks(self) -> None:
         """The ranks' stacks (dumped after a collective timed out) as the run's artifacts."""

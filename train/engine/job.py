@@ -182,6 +182,7 @@ def run_rank(config: dict[str, Any], output_dir: str, command: str, own_process:
     device = distributed.select_device(cfg.distributed.device, env.local_rank,
                                          env.local_world_size)
     backend = distributed.select_backend(cfg.distributed.backend, device)
+    profiling.record_memory_history(cfg.trainer.memory_snapshot, device)
     progress = Progress(env.is_main and sys.stderr.isatty(), cfg.trainer.epochs,
                         cfg.data.batch_size)
     logger = RunLogger(cfg, tracking.open_run(cfg.tracking, out, env.is_main), progress)
@@ -203,6 +204,8 @@ def run_rank(config: dict[str, Any], output_dir: str, command: str, own_process:
         ending.stopped(stopped)
         raise
     except BaseException as exc:
+        if cfg.trainer.memory_snapshot:
+            profiling.keep_memory_snapshot(exc, out, env.rank)
         ending.failed(exc, ending_run)
         raise
     finally:

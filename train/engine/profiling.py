@@ -11,6 +11,11 @@ and rank 0 logs the folder as the run's `profile/` artifacts at the end (train/e
 ending.py). The recorded steps are the run's `profile.steps` tag. Profiling slows the steps it
 watches (warm-up included), so the time and samples of those steps are left out of the epoch's
 rates (train/samples_per_sec and the like).
+
+trainer.memory_snapshot (GPU only): the CUDA allocator records its history from the rank's
+start, and a rank that runs out of GPU memory writes its snapshot to <output dir>/memory/
+rank-<N>.pickle, for pytorch.org/memory_viz, as torchtitan does; the failure block names the
+folder and rank 0 logs what is there with the failure.
 """
 
 from __future__ import annotations
@@ -24,9 +29,30 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from train.config.groups import ProfileConfig
+from train.distributed.rankfiles import MEMORY_DIR
 
 log = logging.getLogger("train")
 FOLDER = "profile"
+MEMORY_ENTRIES = 100_000
+"""Allocator events kept (the newest), as torchtitan's default."""
+
+
+def record_memory_history(wanted: bool, device: torch.device) -> None:
+    """trainer.memory_snapshot: the allocator keeps its history from here on."""
+    if wanted and device.type == "cuda":
+        torch.cuda.memory._record_memory_history(max_entries=MEMORY_ENTRIES)
+
+
+def keep_memory_snapshot(error: BaseException, out: Path, rank: int) -> Path | None:
+    """After `error`: where it is CUDA's out-of-memory, this rank's snapshot; None otherwise."""
+    if not isinstance(error, torch.cuda.OutOfMemoryError):
+        return None
+    path = out / MEMORY_DIR / f"rank-{rank}.pickle"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.cuda.memory._dump_snapshot(str(path))
+    log.error("rank %d ran out of GPU memory: its allocator's history is in %s (open it at "
+              "pytorch.org/memory_viz)", rank, path)
+    return path
 
 
 class StepProfiler:

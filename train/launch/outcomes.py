@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from train.distributed import rankfiles
+
 
 @dataclass(frozen=True)
 class RankOutcome:
@@ -127,6 +129,10 @@ def failure(cause: str, out: Path, command: str, trace: str | None = None,
     `logs`: where its ranks' own logs are, besides train.log; `since`: when this start of the
     job began (the run it recorded since then is named)."""
     where = f"tracebacks: {out / 'train.log'}" + (f"; each rank's log: {logs}" if logs else "")
+    snapshots = [p.stat().st_mtime for p in (out / rankfiles.MEMORY_DIR).glob("rank-*.pickle")]
+    if snapshots and max(snapshots) >= (since or 0.0):  # trainer.memory_snapshot, this start's
+        where += (f"; GPU memory snapshots: {out / rankfiles.MEMORY_DIR} (open them at "
+                  "pytorch.org/memory_viz)")
     run = _run_line(out, since) if since is not None else None
     tail = (where,) if run is None else (run, where)
     kept = newest_checkpoint(out)

@@ -204,11 +204,13 @@ def check_local_devices(cfg: TrainConfig) -> None:
             f"distributed.nproc_per_node={d.nproc_per_node} local ranks, but this machine lets "
             f"this process use {cpus} CPUs (at most {RANKS_PER_CPU} ranks per CPU). Lower "
             "nproc_per_node, or run on more nodes (+cluster=slurm cluster.nodes=N).")
-    if d.backend != "nccl" and d.device != "cuda" and not d.sync_batchnorm:
+    if d.backend != "nccl" and d.device != "cuda" and not d.sync_batchnorm \
+            and not cfg.trainer.memory_snapshot:
         return  # no torch import
     from train.distributed import devices
 
-    if problem := devices.local_gpu_problem(d):
+    if problem := devices.local_gpu_problem(d) or devices.refuse_memory_snapshot(
+            cfg.trainer.memory_snapshot, d.device):
         raise LaunchError(problem)
 
 
