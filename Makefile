@@ -75,6 +75,7 @@ bench: setup
 	$(PY) -m bench.fsdp --out .bench/fsdp.json
 	$(PY) -m bench.sweep_pruning --out .bench/sweep_pruning.json
 	$(PY) -m bench.stragglers
+	$(PY) -m bench.profiling --results .bench/profiling.json
 
 cluster-up:
 	bash slurm/cluster-up.sh

@@ -1,7 +1,8 @@
-"""The straggler check's own work at a logging step, timed in one process (docs/benchmarks.md,
-"The straggler check"): a step's phase marks with and without `Stragglers.mine` and `judge`
-over `--ranks` ranks' numbers. The best of --rounds rounds: a busy machine's noise is not the
-check's cost.
+"""The straggler check's and the step-time breakdown's own work at a logging step, timed in
+one process (docs/benchmarks.md, "The straggler check", "Where the step time goes"): a step's
+phase marks with and without `Stragglers.mine` and `judge`, and with the breakdown's
+(`phase_seconds` of the rank's sums, `Breakdown.interval` over `--ranks` ranks' rows). The
+best of --rounds rounds: a busy machine's noise is not their cost.
 
     python -m bench.stragglers
 """
@@ -15,6 +16,7 @@ import time
 
 from train.distributed import watch
 from train.engine.stragglers import Stragglers
+from train.report.breakdown import Breakdown, phase_seconds
 
 
 def per_step(check: Stragglers | None, ranks: int, steps: int) -> float:
@@ -29,6 +31,20 @@ def per_step(check: Stragglers | None, ranks: int, steps: int) -> float:
     return (time.perf_counter() - started) / steps
 
 
+def per_step_breakdown(ranks: int, steps: int) -> float:
+    """The loop's logging-step work for the breakdown: its row, then every rank's metrics."""
+    breakdown = Breakdown()
+    started = time.perf_counter()
+    for step in range(steps):
+        watch.enter("data")
+        watch.enter("forward")
+        watch.enter("optimizer", step)
+        watch.enter("collective")
+        row = phase_seconds(watch.take_spent())
+        breakdown.interval([row] * ranks, 1)
+    return (time.perf_counter() - started) / steps
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=2)
@@ -38,8 +54,10 @@ def main() -> None:
     check = Stragglers(0.5, 3, lambda rank: f"node{rank}", lambda tags: None, speaks=True)
     marks = min(per_step(None, args.ranks, args.steps) for _ in range(args.rounds))
     both = min(per_step(check, args.ranks, args.steps) for _ in range(args.rounds))
+    timed = min(per_step_breakdown(args.ranks, args.steps) for _ in range(args.rounds))
     print(json.dumps({"ranks": args.ranks, "marks_us": round(marks * 1e6, 2),
                       "check_us_per_logging_step": round((both - marks) * 1e6, 2),
+                      "breakdown_us_per_logging_step": round((timed - marks) * 1e6, 2),
                       "load_average_1min": os.getloadavg()[0]}))
 
 

@@ -118,3 +118,24 @@ def test_a_rank_ending_its_run_gets_longer_than_the_grace_period(
     launch._supervise(procs, ending, 30.0)
     assert launch._stop(procs) == set()
     assert [p.exitcode for p in procs] == [0, 3]
+
+
+def test_the_fork_servers_imports_leave_cuda_alone() -> None:
+    """Ranks are forked after train/launch/fork_server.py's imports: none of them may ask
+    CUDA anything (a driver initialised before a fork is unusable in the child). The calls
+    that would are counted while the fork server's module is imported."""
+    code = """
+import torch
+calls = []
+for module, names in ((torch._C, ("_cuda_getDeviceCount", "_cuda_init")),
+                      (torch.cuda, ("is_available", "device_count", "init", "_lazy_init"))):
+    for name in names:  # the C entry points, and torch.cuda's (a CPU build answers in Python)
+        original = getattr(module, name)
+        setattr(module, name, lambda *a, _o=original, _n=name: calls.append(_n) or _o(*a))
+import train.launch.fork_server
+import sys
+print(sorted(calls), "torch._dynamo" in sys.modules, "train.engine.job" in sys.modules)
+"""
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                            text=True, timeout=120, check=True)
+    assert result.stdout.split() == ["[]", "True", "True"]
