@@ -91,6 +91,9 @@ def test_cfg_job_prints_the_composed_config() -> None:
     (("model=torchvision", "model.name=not_a_net"), "not a torchvision classification model"),
     (("trainer.memory_snapshot=true",), "trainer.memory_snapshot=true records the CUDA "
                                         "allocator's history, but this machine has no GPU"),
+    (("model.activation_checkpointing=sometimes",), "choose none, blocks or a number N"),
+    (("model=mlp", "model.activation_checkpointing=blocks"),
+     "model.activation_checkpointing=blocks: the model has no blocks"),
 ])
 def test_cli_refuses_bad_input_before_anything_starts(store: dict[str, str],
                                                       overrides: tuple[str, ...],

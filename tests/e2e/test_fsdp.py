@@ -54,10 +54,14 @@ def tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 VARIANTS = {"single": ("distributed.nproc_per_node=1",),
             # Clipping at a bound no step reaches, for train/grad_norm (DDP's to compare with).
-            "ddp2": ("distributed.nproc_per_node=2", "optim.grad_clip=1000"),
+            # Activation checkpointing of every second block (the first of the two) here, and
+            # of every block under FSDP at world 3: the losses of a model that keeps them.
+            "ddp2": ("distributed.nproc_per_node=2", "optim.grad_clip=1000",
+                     "model.activation_checkpointing=2"),
             # FSDP with its defaults (init_on=auto): the whole model built as DDP builds it.
             "fsdp2": ("distributed.nproc_per_node=2", "distributed.strategy=fsdp"),
-            "fsdp3": ("distributed.nproc_per_node=3", "distributed.strategy=fsdp"),
+            "fsdp3": ("distributed.nproc_per_node=3", "distributed.strategy=fsdp",
+                      "model.activation_checkpointing=blocks"),
             # Micro-batches of 5 (no gradient sync but on the last) and the clipping path on
             # sharded gradients (a bound no step reaches: the reference is not clipped).
             "fsdp2-accumulate": ("distributed.nproc_per_node=2", "distributed.strategy=fsdp",
@@ -105,6 +109,9 @@ def test_fsdp_trains_in_parity_with_ddp_and_one_process(trained: dict[str, dict]
         # The same seed, the same initial weights: the model was built whole, as DDP's is.
         assert run["tags"].get("fsdp.init_on") == ("cpu" if "fsdp" in name else None), name
     assert "FSDP2: 2 Block blocks sharded over 3 ranks" in trained["fsdp3"]["log"]
+    assert trained["ddp2"]["tags"]["activation_checkpointing"] == "1 of 2 Block blocks"
+    assert trained["fsdp3"]["tags"]["activation_checkpointing"] == "2 of 2 Block blocks"
+    assert "activation_checkpointing" not in trained["fsdp2"]["tags"]
     # The norm clipping saw, at each logging step: under FSDP the whole gradient's (its shards'
     # norms combined), the same as DDP's; none logged without clipping.
     ddp_norms, fsdp_norms = trained["ddp2"]["grad_norm"], trained["fsdp2-accumulate"]["grad_norm"]

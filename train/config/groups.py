@@ -49,6 +49,12 @@ class ModelConfig:
     freeze: list[str] = field(default_factory=list)
     """Module-name prefixes (layer1, features.0, fc.weight) whose parameters are not trained:
     requires_grad=False and left out of the optimiser."""
+    activation_checkpointing: str = "none"
+    """Recompute blocks' activations in backward instead of keeping them (memory for time):
+    none, blocks (every block), or a number N (every N-th block). The blocks are those FSDP
+    shards one by one (distributed.fsdp.shard_modules; by default the modules held in the
+    model's ModuleLists: model=gpt's transformer blocks). torch's composable checkpoint, so
+    parameter names, checkpoints and the logged model stay as without."""
 
 
 @dataclass
@@ -69,6 +75,8 @@ class CustomModelConfig:
     """As ModelConfig.weights_strict (reserved)."""
     freeze: list[str] = field(default_factory=list)
     """As ModelConfig.freeze (reserved)."""
+    activation_checkpointing: str = "none"
+    """As ModelConfig.activation_checkpointing (reserved)."""
 
 
 @dataclass

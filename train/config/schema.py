@@ -110,8 +110,10 @@ def typed_model(model: Any) -> ModelConfig | CustomModelConfig:
 
 
 RESERVED = {"weights": "a file path, a weights name or null", "weights_strict": "true or false",
-            "freeze": "a list of module-name prefixes"}
-"""model=custom keys the service takes (pretrained weights, freezing), not the constructor."""
+            "freeze": "a list of module-name prefixes",
+            "activation_checkpointing": "none, blocks or a number N (every N-th block)"}
+"""model=custom keys the service takes (pretrained weights, freezing, activation
+checkpointing), not the constructor."""
 
 
 def _reserved(model: dict[str, Any]) -> dict[str, Any]:
@@ -119,9 +121,12 @@ def _reserved(model: dict[str, Any]) -> dict[str, Any]:
     taken = {key: model.pop(key) for key in RESERVED if key in model}
     ok = {"weights": lambda v: v is None or isinstance(v, str),
           "weights_strict": lambda v: isinstance(v, bool),
-          "freeze": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)}
+          "freeze": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+          "activation_checkpointing": lambda v: isinstance(v, str | int)}
     for key, value in taken.items():
         if not ok[key](value):
             raise ConfigError(f"model.{key}={value!r} must be {RESERVED[key]} (a key the "
                               "service takes, not your model's constructor).")
+    if "activation_checkpointing" in taken:  # a number from the command line: its text
+        taken["activation_checkpointing"] = str(taken["activation_checkpointing"])
     return taken

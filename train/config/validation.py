@@ -64,6 +64,10 @@ def _model_and_data(cfg: TrainConfig, p: list[str]) -> None:
     from train.config.prefixes import group_problems
 
     p += group_problems(cfg.optim.param_groups, cfg.model.freeze)
+    mode = cfg.model.activation_checkpointing
+    _require(mode in ("none", "blocks") or (mode.isdigit() and int(mode) > 0),
+             f"model.activation_checkpointing={mode!r}: choose none, blocks or a number N "
+             "(every N-th block).", p)
     datasets = [*DATASET_NAMES, *STREAMED_DATASET_NAMES]
     _require(cfg.data.name in datasets,
              f"data={cfg.data.name!r} is not a data set; choose one of {datasets}.", p)

@@ -17,7 +17,7 @@ import torch
 from train.config.groups import TrainConfig
 from train.data.build import DataBundle
 from train.distributed.env import DistEnv
-from train.engine import checkpoint_folder, fsdp
+from train.engine import checkpoint_folder, fsdp, recompute
 from train.engine import monitor as monitor_lib
 from train.engine.state import TrainState
 from train.report.metrics import Reduced
@@ -70,12 +70,15 @@ class JobOutputs:
                     peaks: list[float], tested: Reduced | None = None) -> None:
         """model.pt, the task's pictures and tables of the final validation and of the test,
         summary.json; the same in the run. FSDP: every rank gathers the weights; rank 0 then
-        works on a plain copy holding them (train/engine/fsdp.py)."""
+        works on a plain copy holding them (train/engine/fsdp.py), as it does for a model whose
+        blocks recompute (train/engine/recompute.py)."""
         module = state.module
         if fsdp.is_sharded(module):
             weights = fsdp.full_state_dict(module)[0]
             if self.writes:
                 module = fsdp.plain_copy(self.cfg, self.spec, weights)
+        elif recompute.applied(module) and self.writes:  # its hooks do not pickle
+            module = fsdp.plain_copy(self.cfg, self.spec, module.state_dict())
         if not self.writes:
             return
         for reduced, prefix in ((final_val, ""), (tested, "test_")):

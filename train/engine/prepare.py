@@ -24,7 +24,15 @@ from train.distributed import process_group as distributed
 from train.distributed import slurm, watch
 from train.distributed.devices import device_name
 from train.distributed.stopping import StopSignals
-from train.engine import checkpoint, checkpoint_folder, checkpoint_match, fsdp, loop, profiling
+from train.engine import (
+    checkpoint,
+    checkpoint_folder,
+    checkpoint_match,
+    fsdp,
+    loop,
+    profiling,
+    recompute,
+)
 from train.engine import monitor as monitor_lib
 from train.engine import state as train_state
 from train.engine.outputs import JobOutputs
@@ -147,6 +155,8 @@ def prepare(job: Job, logger: RunLogger, stop: StopSignals) -> Prepared:
     logger.log_model_params(shapes)
     if state.initialised_on is not None:  # whether its initial weights are a DDP job's
         logger.run.set_tags({"fsdp.init_on": state.initialised_on})
+    if recomputed := recompute.applied(state.module):
+        logger.run.set_tags({"activation_checkpointing": recomputed})
     logger.training.throughput = flops.Throughput(
         shapes, bundle.input_shape, device, cfg.trainer.precision, cfg.trainer.peak_tflops,
         env.world_size, tokens=bundle.vocab_size is not None)

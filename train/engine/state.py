@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from train.config.groups import TrainConfig
 from train.distributed import devices
-from train.engine import fsdp, optim
+from train.engine import fsdp, optim, recompute
 from train.engine.monitor import direction
 from train.errors import ConfigError
 from train.models import build as models
@@ -123,6 +123,8 @@ def build(cfg: TrainConfig, spec: models.InputSpec, steps_per_epoch: int,
     elif cfg.model.weights:
         pretrained.load(module, cfg.model, spec.num_classes)
     finetune.freeze(module, cfg.model.freeze)
+    recompute.apply(module, cfg.model.activation_checkpointing,
+                    list(cfg.distributed.fsdp.shard_modules))
     module = devices.sync_batchnorm(module, cfg.distributed.sync_batchnorm)
     module = module.to(device)
     if cfg.trainer.channels_last:
@@ -157,6 +159,8 @@ def _build_sharded(cfg: TrainConfig, spec: models.InputSpec, steps_per_epoch: in
         module = models.build(cfg.model, spec)
         if cfg.model.weights:
             pretrained.load(module, cfg.model, spec.num_classes)
+    recompute.apply(module, cfg.model.activation_checkpointing,  # before fully_shard's hooks
+                    list(cfg.distributed.fsdp.shard_modules))
     module = fsdp.shard(module, cfg, device)
     if place == "meta":
         fsdp.materialise(module, device, cfg.distributed.fsdp.cpu_offload)

@@ -50,17 +50,20 @@ def check_model(cfg: TrainConfig,
         if cfg.model.name not in (builders := torchvision_builders()):
             raise ConfigError(f"model=torchvision model.name={cfg.model.name!r} is not a "
                               f"torchvision classification model; choose one of {builders}.")
-    if not custom and cfg.trainer.loss == DEFAULT_LOSS:
+    checkpointing = cfg.model.activation_checkpointing != "none"
+    if not custom and cfg.trainer.loss == DEFAULT_LOSS and not checkpointing:
         return
     from train.config import usercode
     from train.models import build as models
 
     known = data_input or known_input(cfg.data)
+    if not custom and checkpointing and known is not None:  # its blocks, before any rank
+        check_fsdp_init(cfg, models.build_on_meta(cfg.model, models.InputSpec.of(*known)))
     classifying = cfg.task.name == "classification"  # other tasks' outputs: at step 1
     try:
         if custom and known is not None and classifying:
             models.check_output(cfg.model, models.InputSpec.of(*known))
-            if cfg.distributed.strategy == "fsdp":
+            if cfg.distributed.strategy == "fsdp" or cfg.model.activation_checkpointing != "none":
                 check_fsdp_init(cfg, models.build_on_meta(cfg.model, models.InputSpec.of(*known)))
         elif custom:
             models.custom_target(cfg.model)
@@ -189,9 +192,15 @@ def check_token_data(cfg: TrainConfig) -> None:
 
 
 def check_fsdp_init(cfg: TrainConfig, model: object) -> None:
-    """distributed.fsdp.init_on=meta: the model (built on the meta device) can be initialised
-    shard by shard, or one line saying which module cannot and what to do (auto builds such a
-    model whole where it fits, on every rank: train/engine/fsdp.py init_place)."""
+    """The model built on the meta device: its blocks, where model.activation_checkpointing
+    asks for them; and under distributed.fsdp.init_on=meta, that it can be initialised shard by
+    shard, or one line saying which module cannot and what to do (auto builds such a model
+    whole where it fits, on every rank: train/engine/fsdp.py init_place)."""
+    if cfg.model.activation_checkpointing != "none":  # blocks to recompute, before any rank
+        from train.engine import recompute
+
+        recompute.chosen_blocks(model, cfg.model.activation_checkpointing,  # type: ignore[arg-type]
+                                list(cfg.distributed.fsdp.shard_modules))
     if cfg.distributed.strategy != "fsdp":
         return
     from train.engine import fsdp

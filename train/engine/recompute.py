@@ -1,0 +1,66 @@
+"""model.activation_checkpointing: blocks whose activations are recomputed in backward instead
+of kept from forward - the first thing to try when a model almost fits.
+
+torch's composable `checkpoint` (torch.distributed._composable), as torchtitan's per-block
+choice: hooks on each chosen block, non-reentrant, so parameter names, state dicts,
+checkpoints and optimiser groups are those of the model without it, and it composes with
+FSDP2's fully_shard (applied first, on the same blocks FSDP shards) and torch.compile. The
+hooks do not pickle, so the model logged at the end is a plain copy of the weights
+(train/engine/outputs.py).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed._composable import checkpoint
+
+from train.engine import fsdp
+from train.errors import ConfigError
+
+APPLIED = "_train_activation_checkpointing"
+"""Set on a model whose blocks recompute, to what does (train/engine/outputs.py then logs a
+plain copy)."""
+
+
+def every(mode: str) -> int | None:
+    """Every how many blocks recompute: None for none; 1 for blocks; N for "N"."""
+    if mode == "none":
+        return None
+    if mode == "blocks":
+        return 1
+    if mode.isdigit() and int(mode) > 0:
+        return int(mode)
+    raise ConfigError(f"model.activation_checkpointing={mode!r}: choose none, blocks or a "
+                      "number N (every N-th block).")
+
+
+def chosen_blocks(module: nn.Module, mode: str, shard_modules: list[str]) -> list[nn.Module]:
+    """The blocks that will recompute; a model without blocks is refused in one line."""
+    step = every(mode)
+    if step is None:
+        return []
+    try:
+        found = fsdp.blocks(module, shard_modules)
+    except ConfigError:
+        found = []
+    if not found:
+        raise ConfigError(
+            f"model.activation_checkpointing={mode}: the model has no blocks - the modules "
+            "held in its ModuleLists, or the classes distributed.fsdp.shard_modules names "
+            "(e.g. distributed.fsdp.shard_modules=[BasicBlock] for a torchvision ResNet).")
+    return found[::step]
+
+
+def apply(module: nn.Module, mode: str, shard_modules: list[str]) -> None:
+    """Make the chosen blocks of `module` recompute in backward."""
+    chosen = chosen_blocks(module, mode, shard_modules)
+    for block in chosen:
+        checkpoint(block)
+    if chosen:
+        total = len(fsdp.blocks(module, shard_modules))
+        setattr(module, APPLIED, f"{len(chosen)} of {total} {type(chosen[0]).__name__} blocks")
+
+
+def applied(module: nn.Module) -> str | None:
+    """What recomputes in `module` ("2 of 4 Block blocks", the run's tag); None: nothing."""
+    return getattr(module, APPLIED, None)
