@@ -76,6 +76,7 @@ bench: setup
 	$(PY) -m bench.sweep_pruning --out .bench/sweep_pruning.json
 	$(PY) -m bench.stragglers
 	$(PY) -m bench.profiling --results .bench/profiling.json
+	$(PY) -m bench.recompute --results .bench/recompute.json
 
 cluster-up:
 	bash slurm/cluster-up.sh

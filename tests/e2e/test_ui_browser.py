@@ -130,6 +130,12 @@ def test_a_run_shows_its_name_params_metrics_and_artifacts(chromium: str, tmp_pa
 
             # The metrics tab: one chart per metric, in sections by prefix (train/, val/).
             page.get_by_text("Model metrics").first.click()
+            # Where the step time went, before train/: rank 0's 6 phases (seconds, share), the
+            # step and the slowest rank, then that rank's 6 shares.
+            page.get_by_text("ui-check (time/backward)").first.wait_for(timeout=WAIT_MS)
+            body = page.inner_text("body")
+            assert re.search(r"time\s*\(14\)", body) and re.search(r"time/slowest\s*\(6\)", body)
+            page.get_by_text("train", exact=True).last.scroll_into_view_if_needed()  # the section
             page.get_by_text("ui-check (train/loss)").first.wait_for(timeout=WAIT_MS)
             settled_screenshot(page, screenshots / "ui-charts.png")
             # One chart per train/ metric of the run, in the train section.
@@ -148,6 +154,11 @@ def test_a_run_shows_its_name_params_metrics_and_artifacts(chromium: str, tmp_pa
             preview.wait_for(timeout=WAIT_MS)
             assert preview.evaluate("img => img.naturalWidth") > 300
             settled_screenshot(page, screenshots / "ui-confusion.png")
+            # Where each rank's time went, as a picture on the run's page.
+            page.get_by_text("step_time.svg").first.click()
+            page.wait_for_function(  # its own width, not the confusion matrix's
+                "() => [...document.images].some(i => i.src.startsWith('blob:') "
+                "&& i.naturalWidth === 640)", timeout=WAIT_MS)
             browser.close()
 
     for name in SCREENSHOT_NAMES:

@@ -49,7 +49,8 @@ def test_freed_step_memory_is_kept_for_the_next_step_unless_turned_off() -> None
     kept, default = _faults(True), _faults(False)
     assert kept["applied"] is True and default["applied"] is False
     # glibc's defaults give (much of) the step's 80 MiB back when it is freed and fault it in
-    # again (measured: 5,600-20,500 of its 20,480 pages a step; kept: ~500, the tensors' own).
+    # again (measured: 5,600-20,500 of its 20,480 pages a step; kept: ~500, the tensors' own,
+    # and 1,024 once in a full suite run on a loaded machine).
     assert default["faults_per_step"] > PAGES_PER_STEP / 8, (default, kept)
-    assert kept["faults_per_step"] < PAGES_PER_STEP / 20, (default, kept)
+    assert kept["faults_per_step"] < PAGES_PER_STEP / 10, (default, kept)
     assert default["faults_per_step"] > 5 * kept["faults_per_step"], (default, kept)

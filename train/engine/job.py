@@ -197,7 +197,10 @@ def run_rank(config: dict[str, Any], output_dir: str, command: str, own_process:
             final = _train(job, logger, stop, ending)
         # Every rank is done with the group before any takes it down: a rank destroying it
         # while a peer still used it ended that peer in C++'s terminate() at exit (an srun step
-        # FAILED after its run FINISHED, under load).
+        # FAILED after its run FINISHED, under load). Watchdogs first: one still asking rank
+        # 0's store for stack requests once rank 0 has taken it down fills train.log with
+        # c10d's "recvValue failed".
+        watch.stop()
         distributed.barrier()
         return final
     except Preempted as stopped:

@@ -218,6 +218,7 @@ def train_epoch(cfg: TrainConfig, state: TrainState, batches: Batches, device: t
         if duties.profiler is not None:
             duties.profiler.step()
         if state.step == 1:
+            watch.enter("tracking")  # rank 0 starts its MLflow sender: not the optimiser's
             duties.logger.first_step()
         drill.check(duties.fail_at, state.step, duties.rank)
         if logs:  # (state.step is now the step `logs` was decided for)
