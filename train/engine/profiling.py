@@ -94,15 +94,17 @@ class StepProfiler:
         self.step_began = time.perf_counter()
 
     def step(self) -> None:
-        """After an optimiser step."""
-        now = time.perf_counter()
-        if self.watching:
-            self.excluded_s += now - self.step_began
-            self.excluded_steps += 1
+        """After an optimiser step. The step that closes the window also writes the trace:
+        that time is left out of the rates too."""
+        watched = self.watching
         self.steps_done += 1
         if self.steps_done <= self.cfg.wait + self.cfg.warmup + self.cfg.active:
             self.prof.step()
-        self.step_began = time.perf_counter()
+        now = time.perf_counter()
+        if watched:
+            self.excluded_s += now - self.step_began
+            self.excluded_steps += 1
+        self.step_began = now
 
     def take_excluded(self) -> tuple[int, float]:
         """The profiled steps and their seconds since the last call (an epoch's)."""
