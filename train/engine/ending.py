@@ -92,14 +92,11 @@ class JobEnding:
             (self.out / FAILURE_FILE).write_text(json.dumps(record) + "\n")
         if (self.out / "train.log").exists():
             self.logger.run.log(records.ArtifactFile(str(self.out / "train.log")))
-        for path in sorted((self.out / rankfiles.MEMORY_DIR).glob("rank-*.pickle")):
-            self.logger.run.log(records.ArtifactFile(str(path),
-                                                     artifact_path=rankfiles.MEMORY_DIR))
+        self.logger.rank_files(self.out / rankfiles.MEMORY_DIR, "rank-*.pickle")
 
     def _log_stacks(self) -> None:
         """The ranks' stacks (dumped after a collective timed out) as the run's artifacts."""
-        for path in sorted((self.out / rankfiles.STACKS_DIR).glob("rank-*.txt")):
-            self.logger.run.log(records.ArtifactFile(str(path), artifact_path=rankfiles.STACKS_DIR))
+        self.logger.rank_files(self.out / rankfiles.STACKS_DIR, "rank-*.txt")
 
     def finished(self) -> None:
         """After the run ended FINISHED: an earlier start's cause (FAILURE_FILE) is no longer

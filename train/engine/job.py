@@ -137,8 +137,7 @@ def _fit_and_finish(job: Job, logger: RunLogger, ending: JobEnding,
                                        "where each rank's training time went (this start)")
         logger.run.log(records.ArtifactFile(str(svg)))
     if prepared.duties.profiler is not None:  # after write_final's gather: every rank wrote
-        for path in sorted((job.out / profiling.FOLDER).glob("rank-*")):
-            logger.run.log(records.ArtifactFile(str(path), artifact_path=profiling.FOLDER))
+        logger.rank_files(job.out / profiling.FOLDER, "rank-*")
     logger.finish()
     if reporter is not None:
         reporter.tell(logger.training.final_metrics)

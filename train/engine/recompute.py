@@ -37,8 +37,10 @@ def every(mode: str) -> int | None:
 def chosen_blocks(module: nn.Module, mode: str, shard_modules: list[str]) -> list[nn.Module]:
     """The blocks that will recompute; a model without blocks is refused in one line."""
     step = every(mode)
-    if step is None:
-        return []
+    return [] if step is None else _all_blocks(module, mode, shard_modules)[::step]
+
+
+def _all_blocks(module: nn.Module, mode: str, shard_modules: list[str]) -> list[nn.Module]:
     try:
         found = fsdp.blocks(module, shard_modules)
     except ConfigError:
@@ -48,17 +50,18 @@ def chosen_blocks(module: nn.Module, mode: str, shard_modules: list[str]) -> lis
             f"model.activation_checkpointing={mode}: the model has no blocks - the modules "
             "held in its ModuleLists, or the classes distributed.fsdp.shard_modules names "
             "(e.g. distributed.fsdp.shard_modules=[BasicBlock] for a torchvision ResNet).")
-    return found[::step]
+    return found
 
 
 def apply(module: nn.Module, mode: str, shard_modules: list[str]) -> None:
     """Make the chosen blocks of `module` recompute in backward."""
-    chosen = chosen_blocks(module, mode, shard_modules)
-    for block in chosen:
+    if (step := every(mode)) is None:
+        return
+    found = _all_blocks(module, mode, shard_modules)
+    for block in found[::step]:
         checkpoint(block)
-    if chosen:
-        total = len(fsdp.blocks(module, shard_modules))
-        setattr(module, APPLIED, f"{len(chosen)} of {total} {type(chosen[0]).__name__} blocks")
+    setattr(module, APPLIED,
+            f"{len(found[::step])} of {len(found)} {type(found[0]).__name__} blocks")
 
 
 def applied(module: nn.Module) -> str | None:

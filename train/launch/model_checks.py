@@ -58,13 +58,13 @@ def check_model(cfg: TrainConfig,
 
     known = data_input or known_input(cfg.data)
     if not custom and checkpointing and known is not None:  # its blocks, before any rank
-        check_fsdp_init(cfg, models.build_on_meta(cfg.model, models.InputSpec.of(*known)))
+        check_on_meta(cfg, models.build_on_meta(cfg.model, models.InputSpec.of(*known)))
     classifying = cfg.task.name == "classification"  # other tasks' outputs: at step 1
     try:
         if custom and known is not None and classifying:
             models.check_output(cfg.model, models.InputSpec.of(*known))
-            if cfg.distributed.strategy == "fsdp" or cfg.model.activation_checkpointing != "none":
-                check_fsdp_init(cfg, models.build_on_meta(cfg.model, models.InputSpec.of(*known)))
+            if cfg.distributed.strategy == "fsdp" or checkpointing:
+                check_on_meta(cfg, models.build_on_meta(cfg.model, models.InputSpec.of(*known)))
         elif custom:
             models.custom_target(cfg.model)
         if cfg.trainer.loss != DEFAULT_LOSS:
@@ -180,7 +180,7 @@ def check_token_data(cfg: TrainConfig) -> None:
         except (usercode.UserCodeError, ValueError) as e:
             raise ConfigError(str(e)) from None
         vocab, context = _vocabulary(model), getattr(model, "block_size", None)
-        check_fsdp_init(cfg, model)
+        check_on_meta(cfg, model)
     if isinstance(context, int) and seq_len > context:
         raise ConfigError(f"data.seq_len={seq_len} is longer than the model's context "
                           f"(block_size={context}): lower data.seq_len, or raise "
@@ -191,7 +191,7 @@ def check_token_data(cfg: TrainConfig) -> None:
         raise LaunchError(str(e)) from None
 
 
-def check_fsdp_init(cfg: TrainConfig, model: object) -> None:
+def check_on_meta(cfg: TrainConfig, model: object) -> None:
     """The model built on the meta device: its blocks, where model.activation_checkpointing
     asks for them; and under distributed.fsdp.init_on=meta, that it can be initialised shard by
     shard, or one line saying which module cannot and what to do (auto builds such a model

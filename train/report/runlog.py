@@ -157,6 +157,12 @@ class RunLogger:
         for name, table in tables.items():
             self.run.log(records.Table(table, name))
 
+    def rank_files(self, folder: Path, pattern: str) -> None:
+        """Each rank's files in `folder` (stacks, profiles, memory snapshots) as the run's
+        `<folder name>/` artifacts."""
+        for path in sorted(folder.glob(pattern)):
+            self.run.log(records.ArtifactFile(str(path), artifact_path=folder.name))
+
     def run_fields(self) -> dict[str, Any]:
         """What a checkpoint needs to continue this run."""
         fields = {"run_id": self.run.run_id, "config": self.config_yaml,
