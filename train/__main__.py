@@ -44,6 +44,8 @@ COMMANDS: dict[str, Command] = {
                      "a new job from a run's recorded config and code, overrides on top"),
     "diff": Command("train.launch.rerun", "<run a> <run b>",
                     "what differs between two runs: config, code, package versions"),
+    "eval": Command("train.launch.evaluate", "<run id> [overrides]",
+                    "a finished run's weights evaluated on any data set, logged to the run"),
     "prepare-text": Command("train.prepare_text", "<text files or dirs> <out dir>",
                             "text to token files for data=tokens"),
     "prepare-data": Command("train.prepare_data", "<image folder, tars or Dataset> <out dir>",

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from train.config.cluster import ClusterConfig
+from train.config.evaluate import EvalConfig
 from train.config.optim import OptimConfig as OptimConfig  # re-exported: its group's home
 from train.config.task import TaskConfig
 from train.config.tracking import TrackingConfig as TrackingConfig  # re-exported
@@ -332,6 +333,8 @@ class TrainConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     cluster: ClusterConfig | None = None
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """`python -m train eval <run_id>`: which weights, split and name (train/config/evaluate.py)."""
 
 
 DATASETS_WITHOUT_FILES = frozenset({"digits", "synthetic"})

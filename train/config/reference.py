@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from train.config.cluster import ClusterConfig
+from train.config.evaluate import EvalConfig
 from train.config.groups import (
     CustomModelConfig,
     DataConfig,
@@ -39,6 +40,8 @@ GROUPS: tuple[tuple[str, type, str], ...] = (
     ("distributed", DistributedConfig, "ranks, backend, DDP"),
     ("tracking", TrackingConfig, "MLflow"),
     ("cluster", ClusterConfig, "Slurm (`+cluster=slurm`); not a default group"),
+    ("eval", EvalConfig, "`python -m train eval <run_id>`: a finished run evaluated "
+     "(docs/evaluation.md)"),
 )
 
 

@@ -46,6 +46,8 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     _training(cfg, p)
     _tracking_and_ranks(cfg, world_size, p)
     _registry(cfg.tracking, p)
+    if problem := cfg.eval.problem():
+        p.append(problem)
     from train.config.safe_text import control_character_problems  # reaches a job script
 
     p += control_character_problems(cfg)
@@ -265,6 +267,10 @@ def _batch_split(cfg: TrainConfig, world_size: int, p: list[str]) -> None:
              "distributed.static_graph=true (DDP's no_sync fails on a static graph); set "
              "distributed.static_graph=false.", p)
     if cfg.data.batch_size <= 0 or world_size <= 0 or k < 1:
+        return
+    if cfg.eval.run_id is not None:  # evaluating: each rank's batch only chunks its shard
+        _require(cfg.data.batch_size >= world_size, f"data.batch_size={cfg.data.batch_size} "
+                 f"gives {world_size} ranks no sample each: use at least {world_size}.", p)
         return
     unit = world_size * k
     if cfg.data.batch_size % unit == 0:

@@ -12,6 +12,7 @@ from torch import nn
 
 from train.data.build import Batches
 from train.distributed import watch
+from train.engine import fsdp
 from train.report import metrics
 from train.tasks.base import Task
 
@@ -48,6 +49,9 @@ def evaluate(model: nn.Module, batches: Batches, device: torch.device, precision
     model.eval()
     watch.enter("validation")
     totals = metrics.Totals(device, task.layout(detailed))
+    # One model on every rank: rank 0's BatchNorm statistics, which its checkpoints and final
+    # weights hold (each rank's own moved with its last training batch, under DDP as well).
+    fsdp.share_rank0_buffers(model)
     if filler is not None:
         _lockstep(model, len(batches), filler, device, precision)
     for index, (inputs, target) in enumerate(batches):

@@ -220,6 +220,21 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
     return full_tensor() if callable(full_tensor) else tensor
 
 
+def share_rank0_buffers(module: nn.Module) -> None:
+    """Collective: every rank takes rank 0's buffers (BatchNorm's running statistics). Each
+    rank's statistics follow its own batches - under FSDP, which shards parameters, not
+    buffers, always; under DDP since its last forward (DDP broadcasts rank 0's buffers before
+    each) - so without this the ranks would validate, test and checkpoint different models.
+    Taken before each evaluation and sharded checkpoint, they are the model rank 0's weights
+    files hold (BatchNorm in training mode uses each batch's own statistics, not these)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    for buffer in module.buffers():
+        dist.broadcast(buffer, src=0)
+
+
 def full_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer | None = None
                     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Collective (every rank, same point): the consolidated model state dict, and the

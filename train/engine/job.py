@@ -102,7 +102,12 @@ def finished_already(cfg: TrainConfig, out: Path) -> dict[str, Any] | None:
 def _train(job: Job, logger: RunLogger, stop: StopSignals,
            ending: JobEnding) -> dict[str, float]:
     """Every rank: a job this output directory finished already is left as it is; any other is
-    set up (train/engine/prepare.py), trained and finished."""
+    set up (train/engine/prepare.py), trained and finished. A job of `python -m train eval`
+    evaluates a finished run instead (train/engine/evaluate.py)."""
+    if job.cfg.eval.run_id is not None:
+        from train.engine.evaluate import evaluate_run
+
+        return evaluate_run(job)
     if (done := _final_metrics_if_done(job.cfg, job.out, logger)) is not None:
         return done
     return _fit_and_finish(job, logger, ending, prepare(job, logger, stop))

@@ -114,7 +114,7 @@ def _start_run(job: Job, logger: RunLogger) -> checkpoint_folder.Resumed | None:
     return resumed
 
 
-def _set_up(cfg: TrainConfig, task: Task, bundle: data_lib.DataBundle,
+def set_up_task(cfg: TrainConfig, task: Task, bundle: data_lib.DataBundle,
             device: torch.device) -> models.InputSpec:
     """The task set up with the data (its loss as a SUM, the classes) and the model's input
     and output sizes; a monitor the task never logs is refused here, where a custom data set's
@@ -143,7 +143,7 @@ def prepare(job: Job, logger: RunLogger, stop: StopSignals) -> Prepared:
     bundle = data_lib.build(cfg.data, env, device, cfg.trainer.seed,
                             channels_last=cfg.trainer.channels_last, micro_batches=accumulate,
                             classes=task.name == "classification")
-    spec = _set_up(cfg, task, bundle, device)
+    spec = set_up_task(cfg, task, bundle, device)
     logger.log_data(bundle, spec.num_classes,
                     task.output_card(bundle.target_shape, bundle.input_shape))
     torch.manual_seed(cfg.trainer.seed)  # identical initial weights on every rank

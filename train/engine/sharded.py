@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from train.engine import fsdp
+
 META = "meta.pt"
 SUFFIX = ".dcp"
 
@@ -76,6 +78,7 @@ def begin(folder: Path, step: int, module: nn.Module, optimizer: torch.optim.Opt
         folder.mkdir(parents=True, exist_ok=True)
         clear_leftovers(folder)
     dist.barrier()  # the folder is clean before anyone writes
+    fsdp.share_rank0_buffers(module)  # one model in the checkpoint, as DDP's
     model_sd, optim_sd = get_state_dict(module, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     room(folder, unfinished.final, local_bytes(state), expendable if meta is not None else None)
@@ -189,6 +192,17 @@ def load(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> Non
     dcp.load(state, checkpoint_id=path)
     set_state_dict(module, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
+
+
+def load_model(path: Path, module: nn.Module) -> None:
+    """Collective: the checkpoint's model weights alone into `module` (sharded or not),
+    resharded for this world size (`python -m train eval`)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    state = {"model": get_model_state_dict(module)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(module, state["model"])
 
 
 def remove(path: Path) -> None:

@@ -105,9 +105,11 @@ class Failure:
     cause: str
     trace: str | None
     after: tuple[str, ...]
+    job: str = "training"
+    """What the job did: training, or evaluating (`python -m train eval`)."""
 
     def block(self) -> str:
-        lines = [f"the training job failed; {self.cause}"]
+        lines = [f"the {self.job} job failed; {self.cause}"]
         lines += ["  " + line for line in (self.trace or "").splitlines()]
         return "\n".join([*lines, *("  " + line for line in self.after)])
 
@@ -140,6 +142,9 @@ def failure(cause: str, out: Path, command: str, trace: str | None = None,
         return Failure(cause, trace, (f"kept: the finished training: {out / 'summary.json'}, "
                                       "the weights and checkpoints beside it", *tail))
     words = [w for w in command.split()[3:] if not w.startswith(_PLACING)]
+    if words[:1] == ["eval"]:  # an evaluation keeps nothing to resume: it starts again
+        again = " ".join(["python -m train", *map(shlex.quote, words)])
+        return Failure(cause, trace, (f"start again: {again}", *tail), job="evaluating")
     if kept is not None:  # it resumes from its own checkpoint, not from where it began
         words = [w for w in words if not w.startswith("trainer.resume=")]
     again = " ".join(["python -m train", *map(shlex.quote, words),

@@ -63,6 +63,8 @@ def preflight(cfgs: Sequence[TrainConfig], on_slurm: bool = False, dry_run: bool
             if cfg.task.name != "classification":  # the input shape is not all of its data
                 known = None
                 check_task(cfg)
+            if known and (problem := cfg.eval.data_problem(cfg.data.name, *known)):
+                raise ConfigError(problem)  # python -m train eval on data of another shape
             check_model(cfg)
             check_finetuning(cfg, resuming, known)
             check_optimiser(cfg, known)

@@ -1,0 +1,140 @@
+"""One rank of an evaluating job (`python -m train eval <run_id>`: train/launch/evaluate.py):
+the run's model rebuilt as training built it (DDP or FSDP, at this job's world size), its
+weights loaded from the checkpoint the command found, one pass over the split's strided shard
+(each sample on exactly one rank: train/engine/evaluation.py), and on rank 0 the result logged
+to the evaluated run as eval/<name>/<metric> - its status left as it is - and kept in
+eval-<name>.json beside the job's other files.
+
+Loading: a checkpoint file (step-<N>.pt, best.pt) or final weights (model.pt) is read with
+`torch.load(weights_only=True)` and loaded whole (FSDP: each rank keeps its shards); a sharded
+step-<N>.dcp directory is resharded for this world size by torch.distributed.checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from train.config.groups import TrainConfig
+from train.data import build as data_lib
+from train.distributed import watch
+from train.engine import evaluation, fsdp, sharded
+from train.engine import state as train_state
+from train.engine.prepare import Job, set_up_task
+from train.errors import ConfigError
+from train.report.metrics import Reduced
+from train.tasks import build as tasks
+
+log = logging.getLogger("train")
+RESULT_FILE = "eval-{name}.json"
+"""What rank 0 writes in the job's output directory, and logs to the run under eval/."""
+
+
+def _weights_and_epoch(path: Path) -> tuple[dict[str, Any], int | None]:
+    """A weights file's state dict and the epoch it was saved after (None: not recorded)."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if isinstance(state, dict) and isinstance(state.get("model"), dict):  # a checkpoint
+        return state["model"], state.get("epoch")
+    summary = path.parent / "summary.json"  # model.pt: its job's summary says how far
+    epochs = json.loads(summary.read_text()).get("epochs") if summary.is_file() else None
+    return state, epochs
+
+
+def load_weights(module: nn.Module, path: Path) -> int | None:
+    """Collective under FSDP: the checkpoint's model weights into `module`; returns their
+    epoch. Weights of another model are a ConfigError naming the first difference."""
+    try:
+        if sharded.is_checkpoint_dir(path):
+            sharded.load_model(path, module)
+            return sharded.load_meta(path).get("epoch")
+        weights, epoch = _weights_and_epoch(path)
+        if fsdp.is_sharded(module):
+            fsdp.load_full(module, None, weights)
+        else:
+            module.load_state_dict(weights)
+        return epoch
+    except (RuntimeError, KeyError, ValueError) as e:
+        first = str(e).strip().splitlines()[0:2]
+        raise ConfigError(f"eval.weights: {path} does not hold this run's model "
+                          f"({' '.join(first)[:300]}): give a checkpoint of the run.") from None
+
+
+def results(name: str, reduced: Reduced) -> dict[str, float]:
+    """The evaluation's metrics as the run records them: eval/<name>/<metric>."""
+    values = {f"eval/{name}/{key}": float(value) for key, value in reduced.values.items()}
+    values[f"eval/{name}/samples"] = float(reduced.samples)
+    if reduced.items_name is not None:
+        values[f"eval/{name}/{reduced.items_name}"] = float(reduced.items)
+    return values
+
+
+def evaluate_run(job: Job) -> dict[str, float]:
+    """Every rank: the run's weights evaluated on the split; returns eval/<name>/<metric>."""
+    cfg, env, device = job.cfg, job.env, job.device
+    if cfg.eval.run_id is None or cfg.eval.checkpoint is None:  # as pre-flight refuses it
+        raise ConfigError(str(cfg.eval.problem()))
+    task = tasks.build(cfg.task)
+    watch.enter("data")
+    bundle = data_lib.build(cfg.data, env, device, cfg.trainer.seed,
+                            channels_last=cfg.trainer.channels_last,
+                            classes=task.name == "classification")
+    spec = set_up_task(cfg, task, bundle, device)
+    if problem := cfg.eval.data_problem(cfg.data.name, bundle.input_shape, spec.num_classes):
+        raise ConfigError(problem)
+    batches = bundle.test if cfg.eval.split == "test" else bundle.val
+    if batches is None:
+        raise ConfigError(f"data={cfg.data.name} has no test split: evaluate eval.split=val, "
+                          "or give a data set with one.")
+    watch.enter("model")
+    torch.manual_seed(cfg.trainer.seed)
+    state = train_state.build(cfg, spec, 1, device, resuming=True)
+    epoch = load_weights(state.module, Path(cfg.eval.checkpoint))
+    started = time.perf_counter()
+    reduced = evaluation.test(state.module, batches, device, cfg.trainer.precision, task,
+                              filler=state.filler)
+    seconds = time.perf_counter() - started
+    name = cfg.eval.default_name(cfg.data.name)
+    metrics = results(name, reduced)
+    if env.is_main:
+        record = {"run_id": cfg.eval.run_id, "name": name, "weights": cfg.eval.weights,
+                  "checkpoint": cfg.eval.checkpoint, "epoch": epoch, "data": cfg.data.name,
+                  "split": cfg.eval.split, "samples": reduced.samples,
+                  "world_size": env.world_size, "seconds": seconds,
+                  "samples_per_sec": reduced.samples / seconds if seconds else None,
+                  "metrics": metrics}
+        result_file = job.out / RESULT_FILE.format(name=name)
+        result_file.write_text(json.dumps(record, indent=2))
+        log.info("eval %s: %s", name, "  ".join(f"{k}={v:.6g}" for k, v in metrics.items()))
+        _log_to_run(cfg, record, result_file)
+    return metrics
+
+
+def _log_to_run(cfg: TrainConfig, record: dict[str, Any], result_file: Path) -> None:
+    """Rank 0: the metrics (at the weights' epoch), the data set and weights as tags, and the
+    result file, into the evaluated run; its status is left as it is."""
+    from mlflow.entities import Metric, RunTag
+
+    from train.tracking import TrackingError, resolve_uri
+    from train.tracking.client import one_try_client
+
+    client = one_try_client(resolve_uri(cfg.tracking))
+    run_id, name = str(cfg.eval.run_id), record["name"]
+    step, stamp = int(record["epoch"] or 0), int(time.time() * 1000)
+    metrics = [Metric(key, value, stamp, step) for key, value in record["metrics"].items()]
+    tags = [RunTag(f"eval/{name}/data", f"data={record['data']} split={record['split']} "
+                                        f"samples={record['samples']}"),
+            RunTag(f"eval/{name}/weights", f"{record['weights']}: {record['checkpoint']}")]
+    try:
+        client.log_batch(run_id, metrics=metrics, tags=tags)
+        client.log_artifact(run_id, str(result_file), artifact_path="eval")
+    except Exception as e:  # noqa: BLE001 - the result is kept in the file either way
+        raise TrackingError(f"the evaluation's result could not be logged to run {run_id} "
+                          f"({type(e).__name__}: {str(e)[:200]}); it is in {result_file}.") \
+            from None
+    log.info("logged to run %s as eval/%s/*", run_id, name)

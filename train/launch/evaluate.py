@@ -1,0 +1,155 @@
+"""`python -m train eval <run_id> [overrides]`: a finished run's weights evaluated on any data.
+
+The command checks what it can before anything starts - the run exists and FINISHED, it has a
+model, its weights are where `eval.weights` says - and then runs an ordinary job (the same
+launching as training: local ranks, torchrun, `+cluster=slurm`) from the run's recorded config
+with the overrides on top and `eval.run_id` set: such a job evaluates instead of training
+(train/engine/evaluate.py) and logs `eval/<name>/<metric>` to the same run, whose status it
+leaves as it is. `data=<option>` swaps the run's data set for another (of the same shape and
+number of classes; a different one is refused in one line).
+
+The code that evaluates is today's (as `rerun --current-code`): the architecture is rebuilt
+from the recorded config, so a run whose model code changed since gives a clear mismatch.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from train.config.evaluate import WEIGHTS_WORDS, EvalConfig
+from train.errors import ConfigError
+from train.launch.rerun import rerun_config, store_uri
+from train.tracking import REPO_ROOT
+from train.tracking.recorded import RecordedRun, read_run
+
+CHECKPOINT_NAME = r"step-(\d+)\.(pt|dcp)$"
+USAGE = """usage: python -m train eval RUN_ID [hydra flags] [key=value ...]
+
+Evaluates the finished run's weights on its own test split or any data set, at any world size,
+locally or on Slurm, and records eval/<name>/<metric> in the same run:
+  eval.weights=last|best|<checkpoint path>   which weights (default: last)
+  eval.split=test|val                        which split (default: test)
+  eval.name=<name>                           the metrics' name (default: <data>_<split>)
+  data=<option> data.<key>=...               another data set of the same shape
+  distributed.nproc_per_node=N, +cluster=slurm, ...   as for training
+Reads MLFLOW_TRACKING_URI, else the embedded store. docs/evaluation.md"""
+
+
+def _override(overrides: list[str], key: str) -> str | None:
+    """The value the command line gives `key` (the last one wins, as in Hydra)."""
+    found = None
+    for item in overrides:
+        name, eq, value = item.lstrip("+").partition("=")
+        if eq and name == key:
+            found = value.strip("'\"")
+    return found
+
+
+def check_run(run: RecordedRun) -> tuple[str, int]:
+    """(input shape, outputs) the run's model was trained for; ConfigError for a run that is
+    not finished or has no model."""
+    if run.status != "FINISHED":
+        state = "is still RUNNING" if run.status == "RUNNING" else f"ended {run.status}"
+        raise ConfigError(f"run {run.run_id} {state}: only a run that finished training is "
+                          "evaluated (a stopped one finishes with `python -m train rerun "
+                          f"{run.run_id}` or by starting its job again).")
+    shape, outputs = run.params.get("data.input_shape"), (
+        run.params.get("model.outputs") or run.params.get("data.classes"))
+    if not shape or not outputs or "final_weights" not in run.tags:
+        raise ConfigError(f"run {run.run_id} has no trained model (no input shape, outputs or "
+                          "final weights recorded): it is not a training run of this service.")
+    return shape, int(outputs)
+
+
+def _newest_checkpoint(folder: Path) -> Path | None:
+    import re
+
+    found = [(int(m.group(1)), p) for p in folder.glob("step-*")
+             if (m := re.search(CHECKPOINT_NAME, p.name))]
+    return max(found)[1] if found else None
+
+
+def find_weights(run: RecordedRun, weights: str) -> Path:
+    """The file or directory `eval.weights` names for this run: its final model.pt or newest
+    checkpoint (last), its best.pt (best), or a path; ConfigError if there is none."""
+    if weights not in WEIGHTS_WORDS:
+        path = Path(weights).expanduser().resolve()
+        if not path.exists():
+            raise ConfigError(f"eval.weights={weights}: no such file or directory; give a "
+                              "checkpoint (step-<N>.pt, step-<N>.dcp, best.pt or model.pt), "
+                              "or best or last.")
+        return path
+    out = Path(run.tags.get("output_dir", ""))
+    final = out / "model.pt" if run.tags.get("final_weights") == weights else None
+    if weights == "best":
+        found = out / "checkpoints" / "best.pt"
+        found = found if found.is_file() else final
+    else:
+        found = final if final is not None and final.is_file() else \
+            _newest_checkpoint(out / "checkpoints")
+    if found is None or not found.exists():
+        what = ("best weights (trainer.save_best=true keeps them)" if weights == "best"
+                else "final weights or checkpoint")
+        raise ConfigError(f"eval.weights={weights}: run {run.run_id} left no {what} in its "
+                          f"output directory {out}; give a checkpoint's path with "
+                          "eval.weights=<path>.")
+    return found.resolve()
+
+
+def eval_config(run: RecordedRun, uri: str, conf_dir: Path, overrides: list[str],
+                checkpoint: Path, shape: str, outputs: int) -> dict[str, Any]:
+    """The primary config of the evaluating job: the run's recorded config (as a rerun's),
+    without its cluster (`+cluster=slurm` adds one) and, under `data=<option>`, without its
+    data set; tracking off (the job logs to the evaluated run itself, once, at its end)."""
+    config = rerun_config(run, uri, conf_dir)
+    config["tracking"] = {**config["tracking"], "rerun_of": None, "enabled": False}
+    config.pop("cluster", None)
+    defaults = [d for d in config["defaults"] if d != {"cluster": "slurm"}]
+    if (data := _override(overrides, "data")) is not None:
+        config.pop("data", None)
+        defaults.insert(defaults.index("_self_"), {"data": data})
+    config["defaults"] = defaults
+    config["eval"] = {**(config.get("eval") or {}), "run_id": run.run_id,
+                      "checkpoint": str(checkpoint), "trained_shape": shape,
+                      "trained_outputs": outputs}
+    return config
+
+
+def evaluate(run_id: str, overrides: list[str]) -> int:
+    uri = store_uri()
+    run = read_run(uri, run_id)
+    shape, outputs = check_run(run)
+    settings = EvalConfig(split=_override(overrides, "eval.split") or "test",
+                          name=_override(overrides, "eval.name"))
+    if problem := settings.problem():
+        raise ConfigError(problem)
+    checkpoint = find_weights(run, _override(overrides, "eval.weights") or
+                              str(run.config.get("eval", {}).get("weights") or "last"))
+    print(f"evaluating run {run_id} with {checkpoint}", file=sys.stderr, flush=True)
+    config_dir = Path(tempfile.mkdtemp(prefix="train-eval-"))  # private (0700)
+    try:
+        (config_dir / "eval.yaml").write_text(yaml.safe_dump(
+            eval_config(run, uri, REPO_ROOT / "conf", overrides, checkpoint, shape, outputs),
+            sort_keys=False))
+        command = [sys.executable, "-m", "train", "--config-dir", str(config_dir),
+                   "--config-name", "eval", *overrides]
+        env = {**os.environ, "MLFLOW_TRACKING_URI": uri}
+        return subprocess.run(command, env=env).returncode
+    finally:
+        shutil.rmtree(config_dir, ignore_errors=True)
+
+
+def main(argv: list[str]) -> int:
+    """`eval RUN_ID [overrides]` (argv without `python -m train eval`); the exit code."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, file=sys.stderr if not argv else sys.stdout)
+        return 2 if not argv else 0
+    return evaluate(argv[0], argv[1:])
