@@ -14,7 +14,6 @@ import math
 import os
 import signal
 import sys
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler
 
+from train.data.tempdir import temp_dir_problem
 from train.distributed import devices
 from train.distributed.stopping import ignore_in_worker
 from train.errors import ConfigError
@@ -150,27 +150,6 @@ WORKER_START = "fork" if sys.platform == "linux" else None
 """Workers are forked, whatever started this rank and whatever multiprocessing's default: a
 spawned worker would import torch again (seconds per worker, and its memory). They never touch
 CUDA; what they read (file lists, the data set) they share."""
-
-
-SOCKET_PATH_MAX = 107
-"""The longest Unix socket path Linux takes (sun_path: 108 bytes with the closing NUL)."""
-MP_SOCKET_SUFFIX = len("/pymp-12345678/listener-12345678")
-"""What Python's multiprocessing adds to the temporary directory for the socket through which
-a DataLoader worker hands its batch's shared memory to the rank."""
-
-
-def temp_dir_problem(workers: int) -> str | None:
-    """Why `workers` DataLoader workers cannot work here, if they cannot: they hand batches over
-    through a Unix socket made under the temporary directory; with a longer path the socket
-    cannot be made, the worker's batch is lost (a traceback in a background thread) and the
-    rank waits for it forever (measured: a TMPDIR of 85 characters hung the default job)."""
-    temp = tempfile.gettempdir()
-    if workers == 0 or len(temp) + MP_SOCKET_SUFFIX <= SOCKET_PATH_MAX:
-        return None
-    return (f"the temporary directory {temp} ({len(temp)} characters, from TMPDIR) is too long "
-            f"for the sockets DataLoader workers pass batches through (at most "
-            f"{SOCKET_PATH_MAX - MP_SOCKET_SUFFIX} characters): set TMPDIR to a shorter "
-            "directory, e.g. TMPDIR=/tmp, or use data.num_workers=0.")
 
 
 def check_temp_dir(workers: int) -> None:

@@ -181,10 +181,10 @@ def check_image_folder(data: DataConfig) -> None:
 
 
 def check_temp_dir(cfg: TrainConfig) -> None:
-    """A TMPDIR too long for the DataLoader workers' sockets (batches.temp_dir_problem), for
+    """A TMPDIR too long for the DataLoader workers' sockets (data/tempdir.py), for
     local jobs; a Slurm node's own TMPDIR is checked by its ranks as they make their workers.
     data.num_workers=null may come to 0 workers on a small machine: refused all the same."""
-    from train.data.batches import temp_dir_problem
+    from train.data.tempdir import temp_dir_problem
 
     workers = 1 if cfg.data.num_workers is None else cfg.data.num_workers
     if (problem := temp_dir_problem(workers)) is not None:
