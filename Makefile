@@ -64,7 +64,8 @@ mlflow-server: setup
 # against a nanoGPT-style loop (bench/lm.py); FSDP against DDP on a 57 M-parameter GPT
 # (bench/fsdp.py); the straggler check's own work (bench/stragglers.py); and Optuna sweeps
 # with each pruner against the same sweep without (bench/sweep_pruning.py: four sweeps of 16
-# trials, minutes on an idle CPU).
+# trials, minutes on an idle CPU); `python -m train eval` against the same evaluation inside
+# training (bench/evaluate.py).
 bench: setup
 	$(PY) -m bench.run $(BENCH_ARGS)
 	$(PY) -m bench.tasks
@@ -77,6 +78,7 @@ bench: setup
 	$(PY) -m bench.stragglers
 	$(PY) -m bench.profiling --results .bench/profiling.json
 	$(PY) -m bench.recompute --results .bench/recompute.json
+	$(PY) -m bench.evaluate --results .bench/evaluate.json
 
 cluster-up:
 	bash slurm/cluster-up.sh

@@ -1,8 +1,9 @@
 """`python -m train` (and the `train` command): one command line.
 
 `python -m train [overrides]` composes and runs a job (train/app.py); `python -m train COMMAND
-...` runs one of COMMANDS, each a root module that also answers as `python -m train.<module>`
-(the older form, kept). `python -m train --help` lists the commands before Hydra's help.
+...` runs one of COMMANDS: a root module that also answers as `python -m train.<module>` (the
+older form, kept), or for the newer commands (rerun, diff, eval, predict) a module of
+train/launch/. `python -m train --help` lists the commands before Hydra's help.
 
 Two things happen before anything else, so that they hold for every file and record the job or
 command makes (and for Slurm jobs, which inherit both the umask and the environment):
@@ -46,6 +47,8 @@ COMMANDS: dict[str, Command] = {
                     "what differs between two runs: config, code, package versions"),
     "eval": Command("train.launch.evaluate", "<run id> [overrides]",
                     "a finished run's weights evaluated on any data set, logged to the run"),
+    "predict": Command("train.launch.predict", "<run id> [overrides]",
+                       "a finished run's outputs for every sample of a data set, in one file"),
     "prepare-text": Command("train.prepare_text", "<text files or dirs> <out dir>",
                             "text to token files for data=tokens"),
     "prepare-data": Command("train.prepare_data", "<image folder, tars or Dataset> <out dir>",

@@ -50,8 +50,9 @@ def job(cfg: DictConfig) -> float | None:
         # What the user typed (also inside a Slurm job, where argv is submitit's).
         overrides = config_lib.typed_by_user(hydra_cfg.overrides.task)
         rerun_of = cfg.get("tracking", {}).get("rerun_of")  # python -m train rerun <run_id>
-        evaluated = cfg.get("eval", {}).get("run_id")  # python -m train eval <run_id>
-        verb = ["rerun", rerun_of] if rerun_of else ["eval", evaluated] if evaluated else []
+        used = cfg.get("eval", {})  # python -m train eval|predict <run_id>
+        verb = (["rerun", rerun_of] if rerun_of else
+                [used.get("purpose"), used.get("run_id")] if used.get("run_id") else [])
         command = " ".join(["python -m train", *verb, *overrides])
         return run(cfg, hydra_cfg.runtime.output_dir, command,
                    preflighted=launched_by_us(hydra_cfg))

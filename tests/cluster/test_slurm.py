@@ -52,6 +52,19 @@ def test_two_nodes_four_ranks_make_one_run(cluster: None, store: dict[str, str],
         assert any(n.startswith("autograd::engine::evaluate_function: ConvolutionBackward")
                    for n in names)
 
+    # `python -m train eval` of that run on Slurm, 2 nodes: its last validation, exactly.
+    evaluated = run_train("eval", run.info.run_id, "eval.split=val", "+cluster=slurm",
+                          "cluster.partition=debug", "cluster.time_min=10", "cluster.nodes=2",
+                          "cluster.tasks_per_node=2", f"hydra.sweep.dir={tmp_path}/eval",
+                          env=store, timeout=420)
+    assert evaluated.returncode == 0, evaluated.stdout + evaluated.stderr
+    after = MlflowClient(tracking_uri=uri).get_run(run.info.run_id)
+    assert after.info.status == "FINISHED"
+    assert after.data.metrics["eval/digits_val/samples"] == 359
+    last_val = history(uri, run.info.run_id, "val/loss")[-1]
+    assert history(uri, run.info.run_id, "eval/digits_val/loss") == [
+        (2, pytest.approx(last_val[1], abs=1e-6))]
+
 
 def test_the_plain_sbatch_template_runs_the_same_code(cluster: None, store: dict[str, str],
                                                       tmp_path: Path) -> None:

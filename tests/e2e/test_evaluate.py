@@ -153,3 +153,58 @@ def test_a_run_still_training_or_missing_or_without_a_model_is_refused_in_one_li
     assert "is not a run id" in _refusal(run_train("eval", "not/a-run", out, env=store))
     assert not (tmp_path / "out").exists()  # nothing made
     assert client.get_run(run_id).data.metrics == {}
+
+
+def test_predictions_at_world_size_3_are_one_file_in_order_equal_to_the_loaded_model(
+        store: dict[str, str], tmp_path: Path) -> None:
+    """23 test samples over 3 ranks (8, 8, 7): one Parquet file, 23 rows in the data set's
+    order, each the output of train.load.load_model's model on one process."""
+    import sys
+
+    import pyarrow.parquet as pq
+    import torch
+
+    uri = store["MLFLOW_TRACKING_URI"]
+    trained = run_train(*LINES, "distributed.nproc_per_node=1", f"hydra.run.dir={tmp_path}/job",
+                        env={**store, **USERPKG})
+    assert trained.returncode == 0, trained.stderr
+    [run] = runs_in(uri)
+    out = tmp_path / "predictions" / "lines.parquet"
+    command = ("predict", run.info.run_id, "data.test.length=23", f"predict.out={out}",
+               "distributed.nproc_per_node=3")
+    result = run_train(*command, f"hydra.run.dir={tmp_path}/predict", env={**store, **USERPKG})
+    assert result.returncode == 0, result.stderr
+    table = pq.read_table(out)
+    assert table.column("index").to_pylist() == list(range(23))
+    assert set(table.column_names) == {"index", "prediction", "class", "probabilities",
+                                       "target"}
+    about = json.loads(out.with_name("lines.parquet.json").read_text())
+    assert (about["run_id"], about["rows"], about["split"]) == (run.info.run_id, 23, "test")
+    assert json.loads(table.schema.metadata[b"train.run_id"]) == run.info.run_id
+    assert not (tmp_path / "predict" / "predict-parts").exists()  # the parts are gone
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from userpkg.data import Lines
+
+    from train.load import load_model
+
+    test = Lines(length=23, seed=2)
+    images = torch.stack([test[i][0] for i in range(23)])
+    with torch.no_grad():
+        expected = load_model(run.info.run_id, uri)(images).softmax(-1)
+    got = torch.tensor(table.column("probabilities").to_pylist())
+    assert torch.allclose(got, expected, atol=1e-6)
+    assert table.column("prediction").to_pylist() == expected.argmax(-1).tolist()
+    assert table.column("target").to_pylist() == [test[i][1] for i in range(23)]
+    assert table.column("class").to_pylist() == [Lines.classes[i]
+                                                 for i in expected.argmax(-1).tolist()]
+
+    # The file exists: refused before anything starts, unless predict.overwrite=true.
+    again = run_train(*command, f"hydra.run.dir={tmp_path}/again", env={**store, **USERPKG})
+    assert "exists: give another path, or predict.overwrite=true" in _refusal(again)
+    assert not (tmp_path / "again").exists()
+    replaced = run_train(*command, "predict.overwrite=true", "predict.split=val",
+                         f"hydra.run.dir={tmp_path}/again", env={**store, **USERPKG})
+    assert replaced.returncode == 0, replaced.stderr
+    assert pq.read_table(out).column("index").to_pylist() == list(range(30))  # val: 30
+    assert sorted(p.name for p in out.parent.iterdir()) == ["lines.parquet", "lines.parquet.json"]

@@ -5,6 +5,7 @@ refusals of bad token data before any rank starts."""
 
 from __future__ import annotations
 
+import json
 import math
 import pydoc_data.topics
 import subprocess
@@ -94,6 +95,23 @@ def test_two_ranks_learn_a_text_and_the_run_holds_tokens_samples_and_the_model(
 
     model = load_model(run.info.run_id, uri)
     assert model(torch.zeros(3, 64, dtype=torch.long)).shape == (3, 64, 256)
+
+    # Continuations of two prompts, greedy: those of the loaded model, token for token.
+    predictions = tmp_path / "continued.jsonl"
+    prompts = ["def ", "The "]
+    predicted = run_train("predict", run.info.run_id, f"predict.out={predictions}",
+                          f"predict.prompts={json.dumps(prompts)}", "predict.max_new_tokens=12",
+                          f"hydra.run.dir={tmp_path}/predict", env=store)
+    assert predicted.returncode == 0, predicted.stderr
+    lines = [json.loads(line) for line in predictions.read_text().splitlines()]
+    assert [line["prompt"] for line in lines] == prompts
+    for line in lines:
+        ids = torch.tensor([list(line["prompt"].encode())])
+        with torch.no_grad():
+            for _ in range(12):
+                ids = torch.cat([ids, model(ids[:, -64:])[:, -1].argmax(-1, keepdim=True)], 1)
+        assert line["continuation"] == bytes(ids[0, len(line["prompt"]):].tolist()).decode(
+            "utf-8", errors="replace")
 
 
 def test_validation_tokens_do_not_depend_on_the_world_size(

@@ -20,8 +20,10 @@ from train.launch.local import root_cause
 
 
 def test_the_launcher_imports_no_torch() -> None:
-    """`--help` and refused configurations answer fast: torch is imported by the ranks."""
-    code = "import sys, train.launch.local; print('torch' in sys.modules)"
+    """`--help` and refused configurations answer fast: torch is imported by the ranks. So do
+    the commands that check a run before starting a job (rerun, eval, predict)."""
+    code = ("import sys, train.launch.local, train.launch.rerun, train.launch.evaluate, "
+            "train.launch.predict; print('torch' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                             text=True, timeout=60, check=True)
     assert result.stdout.strip() == "False"

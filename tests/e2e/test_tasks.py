@@ -191,6 +191,23 @@ def test_a_torchvision_segmentation_model_on_shapes(store: dict[str, str],
     # Every pixel inside the 255 frame, of both validation images, counted once.
     assert sum(pixels for _, pixels in rows.values()) == 2 * 30 * 30
 
+    # Its predicted masks, one PNG per validation image, named in the Parquet file's rows.
+    import numpy as np
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    out = tmp_path / "masks.parquet"
+    predicted = run_train("predict", run.info.run_id, "predict.split=val", f"predict.out={out}",
+                          f"hydra.run.dir={tmp_path}/predict", env=_env(store))
+    assert predicted.returncode == 0, predicted.stderr
+    table = pq.read_table(out)
+    assert table.column("index").to_pylist() == [0, 1]
+    for name in table.column("mask").to_pylist():
+        mask = np.asarray(Image.open(tmp_path / name))
+        assert mask.shape == (32, 32) and set(np.unique(mask)) <= {0, 1, 2}
+    assert sorted(p.name for p in (tmp_path / "masks_masks").iterdir()) == [
+        "00000000.png", "00000001.png"]
+
 
 def test_a_regression_sweep_picks_the_lowest_val_mse(store: dict[str, str],
                                                      tmp_path: Path) -> None:

@@ -1,14 +1,16 @@
-"""The `eval` settings: `python -m train eval <run_id> [overrides]` evaluates a finished run's
-weights on any data set. A dataclass with a docstring per field, like train/config/groups.py's
-(whose TrainConfig holds it). A job whose `eval.run_id` is set evaluates instead of training
-(train/engine/evaluate.py); the command (train/launch/evaluate.py) sets it, with the fields below
-it marks as its own, after checking the run and finding its weights.
+"""What a finished run's model does after training: `python -m train eval <run_id>` evaluates
+its weights on any data set (`eval.*`), `python -m train predict <run_id>` writes its outputs
+(`predict.*`). Dataclasses with a docstring per field, like train/config/groups.py's (whose
+TrainConfig holds them). A job whose `eval.run_id` is set evaluates or predicts instead of
+training (train/engine/evaluate.py, predict.py); the commands (train/launch/evaluate.py,
+predict.py) set it, with the fields below they mark as theirs, after checking the run and
+finding its weights.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 WEIGHTS_WORDS = ("best", "last")
 SPLITS = ("test", "val")
@@ -36,6 +38,8 @@ class EvalConfig:
     refused)."""
     trained_outputs: int | None = None
     """The run's number of outputs, e.g. 10 classes (set by the command)."""
+    purpose: str = "eval"
+    """What the job does with the run's model: eval or predict (set by the command)."""
 
     def problem(self) -> str | None:
         """What is wrong with the user's settings, in one line; None if nothing."""
@@ -62,3 +66,33 @@ class EvalConfig:
 
     def default_name(self, data_name: str) -> str:
         return self.name or f"{data_name}_{self.split}"
+
+
+@dataclass
+class PredictConfig:
+    out: str | None = None
+    """Where the predictions go: a Parquet file (one row per sample, in the data set's order),
+    or for a language model's prompts a JSON-lines file; default: predictions.parquet (or
+    .jsonl) in the job's output directory. Segmentation masks go beside it as PNGs."""
+    overwrite: bool = False
+    """Replace an existing predict.out; otherwise one is refused before anything starts."""
+    weights: str = "last"
+    """Which weights of the run, as eval.weights: last, best, or a checkpoint's path."""
+    split: str = "test"
+    """The data set's split predicted: test or val."""
+    prompts: list[str] = field(default_factory=list)
+    """A language model's prompts: each one's continuation is written instead of the split's
+    outputs."""
+    max_new_tokens: int = 64
+    """How many tokens each prompt's continuation has."""
+    temperature: float = 0.0
+    """0: the most likely token each time (the same text on every run); above 0: sampled."""
+
+    def problem(self) -> str | None:
+        """What is wrong with these settings, in one line; None if nothing."""
+        if self.split not in SPLITS:
+            return f"predict.split={self.split} must be one of {', '.join(SPLITS)}."
+        if self.max_new_tokens < 1 or self.temperature < 0:
+            return ("predict.max_new_tokens must be 1 or more and predict.temperature 0 or more "
+                    f"(got {self.max_new_tokens} and {self.temperature}).")
+        return None

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from train.config.cluster import ClusterConfig
-from train.config.evaluate import EvalConfig
+from train.config.evaluate import EvalConfig, PredictConfig
 from train.config.optim import OptimConfig as OptimConfig  # re-exported: its group's home
 from train.config.task import TaskConfig
 from train.config.tracking import TrackingConfig as TrackingConfig  # re-exported
@@ -335,6 +335,8 @@ class TrainConfig:
     cluster: ClusterConfig | None = None
     eval: EvalConfig = field(default_factory=EvalConfig)
     """`python -m train eval <run_id>`: which weights, split and name (train/config/evaluate.py)."""
+    predict: PredictConfig = field(default_factory=PredictConfig)
+    """`python -m train predict <run_id>`: where the outputs go, which weights and split."""
 
 
 DATASETS_WITHOUT_FILES = frozenset({"digits", "synthetic"})

@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 from train.config.cluster import ClusterConfig
-from train.config.evaluate import EvalConfig
+from train.config.evaluate import EvalConfig, PredictConfig
 from train.config.groups import (
     CustomModelConfig,
     DataConfig,
@@ -42,6 +42,8 @@ GROUPS: tuple[tuple[str, type, str], ...] = (
     ("cluster", ClusterConfig, "Slurm (`+cluster=slurm`); not a default group"),
     ("eval", EvalConfig, "`python -m train eval <run_id>`: a finished run evaluated "
      "(docs/evaluation.md)"),
+    ("predict", PredictConfig, "`python -m train predict <run_id>`: a finished run's outputs "
+     "written (docs/evaluation.md)"),
 )
 
 

@@ -46,8 +46,9 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     _training(cfg, p)
     _tracking_and_ranks(cfg, world_size, p)
     _registry(cfg.tracking, p)
-    if problem := cfg.eval.problem():
-        p.append(problem)
+    for problem in (cfg.eval.problem(), cfg.predict.problem()):
+        if problem:
+            p.append(problem)
     from train.config.safe_text import control_character_problems  # reaches a job script
 
     p += control_character_problems(cfg)

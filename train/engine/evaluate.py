@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +24,16 @@ from torch import nn
 
 from train.config.groups import TrainConfig
 from train.data import build as data_lib
+from train.data.batches import Batches
 from train.distributed import watch
 from train.engine import evaluation, fsdp, sharded
 from train.engine import state as train_state
 from train.engine.prepare import Job, set_up_task
 from train.errors import ConfigError
+from train.models import build as models
 from train.report.metrics import Reduced
 from train.tasks import build as tasks
+from train.tasks.base import Task
 
 log = logging.getLogger("train")
 RESULT_FILE = "eval-{name}.json"
@@ -74,8 +78,25 @@ def results(name: str, reduced: Reduced) -> dict[str, float]:
     return values
 
 
-def evaluate_run(job: Job) -> dict[str, float]:
-    """Every rank: the run's weights evaluated on the split; returns eval/<name>/<metric>."""
+@dataclass
+class Loaded:
+    """The evaluated run's model on this rank, with its weights, and the data it is run on."""
+
+    task: Task
+    bundle: data_lib.DataBundle
+    spec: models.InputSpec
+    state: train_state.TrainState
+    batches: Batches | None
+    """This rank's strided shard of the split (rank r: samples r, r+W, ...); None: no split
+    was asked for (a language model's prompts)."""
+    epoch: int | None
+    """The epoch the weights were saved after (None: not recorded)."""
+
+
+def load_run_model(job: Job, split: str | None) -> Loaded:
+    """Every rank: the task set up with the data, data of the run's shape checked, the model
+    built as training built it (DDP or FSDP at this world size) with the run's weights, and the
+    split's shard. Used by `eval` and `predict` (train/engine/predict.py)."""
     cfg, env, device = job.cfg, job.env, job.device
     if cfg.eval.run_id is None or cfg.eval.checkpoint is None:  # as pre-flight refuses it
         raise ConfigError(str(cfg.eval.problem()))
@@ -87,24 +108,32 @@ def evaluate_run(job: Job) -> dict[str, float]:
     spec = set_up_task(cfg, task, bundle, device)
     if problem := cfg.eval.data_problem(cfg.data.name, bundle.input_shape, spec.num_classes):
         raise ConfigError(problem)
-    batches = bundle.test if cfg.eval.split == "test" else bundle.val
-    if batches is None:
-        raise ConfigError(f"data={cfg.data.name} has no test split: evaluate eval.split=val, "
-                          "or give a data set with one.")
+    batches = bundle.test if split == "test" else bundle.val if split == "val" else None
+    if batches is None and split is not None:
+        raise ConfigError(f"data={cfg.data.name} has no test split: use the val split "
+                          f"({cfg.eval.purpose}.split=val), or give a data set with one.")
     watch.enter("model")
     torch.manual_seed(cfg.trainer.seed)
     state = train_state.build(cfg, spec, 1, device, resuming=True)
     epoch = load_weights(state.module, Path(cfg.eval.checkpoint))
+    return Loaded(task, bundle, spec, state, batches, epoch)
+
+
+def evaluate_run(job: Job) -> dict[str, float]:
+    """Every rank: the run's weights evaluated on the split; returns eval/<name>/<metric>."""
+    cfg, env = job.cfg, job.env
+    loaded = load_run_model(job, cfg.eval.split)
     started = time.perf_counter()
-    reduced = evaluation.test(state.module, batches, device, cfg.trainer.precision, task,
-                              filler=state.filler)
+    assert loaded.batches is not None
+    reduced = evaluation.test(loaded.state.module, loaded.batches, job.device,
+                              cfg.trainer.precision, loaded.task, filler=loaded.state.filler)
     seconds = time.perf_counter() - started
     name = cfg.eval.default_name(cfg.data.name)
     metrics = results(name, reduced)
     if env.is_main:
         record = {"run_id": cfg.eval.run_id, "name": name, "weights": cfg.eval.weights,
-                  "checkpoint": cfg.eval.checkpoint, "epoch": epoch, "data": cfg.data.name,
-                  "split": cfg.eval.split, "samples": reduced.samples,
+                  "checkpoint": cfg.eval.checkpoint, "epoch": loaded.epoch,
+                  "data": cfg.data.name, "split": cfg.eval.split, "samples": reduced.samples,
                   "world_size": env.world_size, "seconds": seconds,
                   "samples_per_sec": reduced.samples / seconds if seconds else None,
                   "metrics": metrics}

@@ -53,7 +53,7 @@ def evaluate(model: nn.Module, batches: Batches, device: torch.device, precision
     # weights hold (each rank's own moved with its last training batch, under DDP as well).
     fsdp.share_rank0_buffers(model)
     if filler is not None:
-        _lockstep(model, len(batches), filler, device, precision)
+        lockstep(model, len(batches), filler, device, precision)
     for index, (inputs, target) in enumerate(batches):
         with autocast(device, precision):
             output = model(inputs)
@@ -66,7 +66,7 @@ def evaluate(model: nn.Module, batches: Batches, device: torch.device, precision
     return totals
 
 
-def _lockstep(model: nn.Module, batches: int, filler: torch.Tensor, device: torch.device,
+def lockstep(model: nn.Module, batches: int, filler: torch.Tensor, device: torch.device,
               precision: str) -> None:
     """Every rank learns the most batches any rank holds (one small all-reduce) and runs the
     forwards it lacks first, on `filler`, outputs dropped: then all run as many forwards."""

@@ -102,8 +102,13 @@ def finished_already(cfg: TrainConfig, out: Path) -> dict[str, Any] | None:
 def _train(job: Job, logger: RunLogger, stop: StopSignals,
            ending: JobEnding) -> dict[str, float]:
     """Every rank: a job this output directory finished already is left as it is; any other is
-    set up (train/engine/prepare.py), trained and finished. A job of `python -m train eval`
-    evaluates a finished run instead (train/engine/evaluate.py)."""
+    set up (train/engine/prepare.py), trained and finished. A job of `python -m train eval` or
+    `predict` evaluates a finished run or writes its outputs instead (train/engine/evaluate.py,
+    predict.py)."""
+    if job.cfg.eval.run_id is not None and job.cfg.eval.purpose == "predict":
+        from train.engine.predict import predict_run
+
+        return predict_run(job)
     if job.cfg.eval.run_id is not None:
         from train.engine.evaluate import evaluate_run
 

@@ -263,7 +263,7 @@ def _fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.de
         train_cpu = time.process_time() - cpu_started
         train = metrics.reduce(train_totals, task.finalize, task.items_name)
         last = state.epoch + 1 == epochs or state.step == limit
-        val = None
+        val, val_started = None, time.perf_counter()
         if last or (state.epoch + 1) % cfg.trainer.eval_every == 0:
             # With early stopping any evaluation may be the last: each keeps the details.
             detailed = last or duties.monitor.patience is not None
@@ -272,6 +272,7 @@ def _fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.de
                                           filler=state.filler),
                                  task.finalize, task.items_name)
             duties.monitor.observe(state.epoch, state.step, val)
+        val_time = time.perf_counter() - val_started
         # Collective at each evaluation, like early stopping: no rank leaves the loop alone.
         pruned = (val is not None and duties.trial is not None
                   and duties.trial.should_stop(state.epoch + 1, train, val, last))
@@ -281,6 +282,7 @@ def _fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.de
         profiled = (0, 0.0) if duties.profiler is None else duties.profiler.take_excluded()
         duties.logger.epoch(state.epoch, train=train, val=val, train_time_s=train_time,
                             epoch_time_s=time.perf_counter() - started, train_cpu_s=train_cpu,
+                            val_time_s=val_time,
                             lrs=state.learning_rates(cfg.optim.lr), nodes=nodes,
                             profiled=(profiled[0] * cfg.data.batch_size, profiled[1]))
         optim.step_at_epoch_end(state.scheduler, state.scheduler_interval, val,

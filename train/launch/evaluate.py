@@ -43,7 +43,7 @@ locally or on Slurm, and records eval/<name>/<metric> in the same run:
 Reads MLFLOW_TRACKING_URI, else the embedded store. docs/evaluation.md"""
 
 
-def _override(overrides: list[str], key: str) -> str | None:
+def given_value(overrides: list[str], key: str) -> str | None:
     """The value the command line gives `key` (the last one wins, as in Hydra)."""
     found = None
     for item in overrides:
@@ -113,7 +113,7 @@ def eval_config(run: RecordedRun, uri: str, conf_dir: Path, overrides: list[str]
     config["tracking"] = {**config["tracking"], "rerun_of": None, "enabled": False}
     config.pop("cluster", None)
     defaults = [d for d in config["defaults"] if d != {"cluster": "slurm"}]
-    if (data := _override(overrides, "data")) is not None:
+    if (data := given_value(overrides, "data")) is not None:
         config.pop("data", None)
         defaults.insert(defaults.index("_self_"), {"data": data})
     config["defaults"] = defaults
@@ -123,24 +123,27 @@ def eval_config(run: RecordedRun, uri: str, conf_dir: Path, overrides: list[str]
     return config
 
 
-def evaluate(run_id: str, overrides: list[str]) -> int:
+def start(purpose: str, run_id: str, overrides: list[str]) -> int:
+    """`eval` or `predict` (`purpose`) of run `run_id`: the run checked and its weights found,
+    then the job started with them; its exit code."""
     uri = store_uri()
     run = read_run(uri, run_id)
     shape, outputs = check_run(run)
-    settings = EvalConfig(split=_override(overrides, "eval.split") or "test",
-                          name=_override(overrides, "eval.name"))
-    if problem := settings.problem():
-        raise ConfigError(problem)
-    checkpoint = find_weights(run, _override(overrides, "eval.weights") or
-                              str(run.config.get("eval", {}).get("weights") or "last"))
-    print(f"evaluating run {run_id} with {checkpoint}", file=sys.stderr, flush=True)
-    config_dir = Path(tempfile.mkdtemp(prefix="train-eval-"))  # private (0700)
+    if purpose == "eval":
+        settings = EvalConfig(split=given_value(overrides, "eval.split") or "test",
+                              name=given_value(overrides, "eval.name"))
+        if problem := settings.problem():
+            raise ConfigError(problem)
+    checkpoint = find_weights(run, given_value(overrides, f"{purpose}.weights") or "last")
+    print(f"{'evaluating' if purpose == 'eval' else 'predicting with'} run {run_id}: "
+          f"{checkpoint}", file=sys.stderr, flush=True)
+    config_dir = Path(tempfile.mkdtemp(prefix=f"train-{purpose}-"))  # private (0700)
     try:
-        (config_dir / "eval.yaml").write_text(yaml.safe_dump(
-            eval_config(run, uri, REPO_ROOT / "conf", overrides, checkpoint, shape, outputs),
-            sort_keys=False))
+        config = eval_config(run, uri, REPO_ROOT / "conf", overrides, checkpoint, shape, outputs)
+        config["eval"]["purpose"] = purpose
+        (config_dir / "job.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         command = [sys.executable, "-m", "train", "--config-dir", str(config_dir),
-                   "--config-name", "eval", *overrides]
+                   "--config-name", "job", *overrides]
         env = {**os.environ, "MLFLOW_TRACKING_URI": uri}
         return subprocess.run(command, env=env).returncode
     finally:
@@ -152,4 +155,4 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, file=sys.stderr if not argv else sys.stdout)
         return 2 if not argv else 0
-    return evaluate(argv[0], argv[1:])
+    return start("eval", argv[0], argv[1:])

@@ -27,7 +27,6 @@ import yaml
 
 from train.config.groups import HANDED_KEYS, TrackingConfig
 from train.report import code
-from train.report.runlog import flatten
 from train.tracking import REPO_ROOT, resolve_uri
 from train.tracking.recorded import RecordedRun, read_run
 
@@ -112,6 +111,8 @@ def _code_lines(a: RecordedRun, b: RecordedRun) -> list[str]:
 
 
 def diff(run_a: str, run_b: str) -> str:
+    from train.report.runlog import flatten  # here: it imports torch, which rerun and eval skip
+
     uri = store_uri()
     a, b = read_run(uri, run_a), read_run(uri, run_b)
     sections = [("config", _changed(flatten(a.config), flatten(b.config))),

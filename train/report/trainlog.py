@@ -74,8 +74,10 @@ class TrainingLog:
 
     def epoch(self, epoch: int, *, train: Reduced, val: Reduced | None, train_time_s: float,
               epoch_time_s: float, lrs: dict[str, float], train_cpu_s: float = 0.0,
-              nodes: list[Any] | None = None, profiled: tuple[int, float] = (0, 0.0)) -> None:
+              nodes: list[Any] | None = None, profiled: tuple[int, float] = (0, 0.0),
+              val_time_s: float = 0.0) -> None:
         """`lrs`: `lr` and each optim.param_groups group's `lr/<prefix>` (TrainState);
+        `val_time_s`: how long the evaluation took (val/samples_per_sec);
         `train_cpu_s`: this process's CPU time while it trained (summary.json only);
         `profiled`: the samples and seconds of the steps trainer.profile watched, left out of
         the rates (profiling slows them)."""
@@ -90,6 +92,8 @@ class TrainingLog:
         if val is not None:
             values.update({**_named("val", val.values), "val/samples": float(val.samples),
                            **_items(val, "val")})
+            if val_time_s > 0:  # what `python -m train eval` is compared with (bench/)
+                values["val/samples_per_sec"] = val.samples / val_time_s
         if nodes:
             self.run.log_metrics(system_stats.as_metrics(nodes), step=epoch + 1)
         self.run.log_metrics(values, step=epoch + 1)
