@@ -77,13 +77,14 @@ def _newest_checkpoint(folder: Path) -> Path | None:
     return max(found)[1] if found else None
 
 
-def find_weights(run: RecordedRun, weights: str) -> Path:
-    """The file or directory `eval.weights` names for this run: its final model.pt or newest
-    checkpoint (last), its best.pt (best), or a path; ConfigError if there is none."""
+def find_weights(run: RecordedRun, weights: str, key: str = "eval.weights") -> Path:
+    """The file or directory `eval.weights` (`key`: or predict.weights) names for this run: its
+    final model.pt or newest checkpoint (last), its best.pt (best), or a path; ConfigError if
+    there is none."""
     if weights not in WEIGHTS_WORDS:
         path = Path(weights).expanduser().resolve()
         if not path.exists():
-            raise ConfigError(f"eval.weights={weights}: no such file or directory; give a "
+            raise ConfigError(f"{key}={weights}: no such file or directory; give a "
                               "checkpoint (step-<N>.pt, step-<N>.dcp, best.pt or model.pt), "
                               "or best or last.")
         return path
@@ -98,9 +99,8 @@ def find_weights(run: RecordedRun, weights: str) -> Path:
     if found is None or not found.exists():
         what = ("best weights (trainer.save_best=true keeps them)" if weights == "best"
                 else "final weights or checkpoint")
-        raise ConfigError(f"eval.weights={weights}: run {run.run_id} left no {what} in its "
-                          f"output directory {out}; give a checkpoint's path with "
-                          "eval.weights=<path>.")
+        raise ConfigError(f"{key}={weights}: run {run.run_id} left no {what} in its output "
+                          f"directory {out}; give a checkpoint's path with {key}=<path>.")
     return found.resolve()
 
 
@@ -134,7 +134,8 @@ def start(purpose: str, run_id: str, overrides: list[str]) -> int:
                               name=given_value(overrides, "eval.name"))
         if problem := settings.problem():
             raise ConfigError(problem)
-    checkpoint = find_weights(run, given_value(overrides, f"{purpose}.weights") or "last")
+    key = f"{purpose}.weights"
+    checkpoint = find_weights(run, given_value(overrides, key) or "last", key)
     print(f"{'evaluating' if purpose == 'eval' else 'predicting with'} run {run_id}: "
           f"{checkpoint}", file=sys.stderr, flush=True)
     config_dir = Path(tempfile.mkdtemp(prefix=f"train-{purpose}-"))  # private (0700)
