@@ -147,23 +147,13 @@ def evaluate_run(job: Job) -> dict[str, float]:
 def _log_to_run(cfg: TrainConfig, record: dict[str, Any], result_file: Path) -> None:
     """Rank 0: the metrics (at the weights' epoch), the data set and weights as tags, and the
     result file, into the evaluated run; its status is left as it is."""
-    from mlflow.entities import Metric, RunTag
+    from train.tracking import resolve_uri
+    from train.tracking.client import log_to_finished_run
 
-    from train.tracking import TrackingError, resolve_uri
-    from train.tracking.client import one_try_client
-
-    client = one_try_client(resolve_uri(cfg.tracking))
     run_id, name = str(cfg.eval.run_id), record["name"]
-    step, stamp = int(record["epoch"] or 0), int(time.time() * 1000)
-    metrics = [Metric(key, value, stamp, step) for key, value in record["metrics"].items()]
-    tags = [RunTag(f"eval/{name}/data", f"data={record['data']} split={record['split']} "
-                                        f"samples={record['samples']}"),
-            RunTag(f"eval/{name}/weights", f"{record['weights']}: {record['checkpoint']}")]
-    try:
-        client.log_batch(run_id, metrics=metrics, tags=tags)
-        client.log_artifact(run_id, str(result_file), artifact_path="eval")
-    except Exception as e:  # noqa: BLE001 - the result is kept in the file either way
-        raise TrackingError(f"the evaluation's result could not be logged to run {run_id} "
-                          f"({type(e).__name__}: {str(e)[:200]}); it is in {result_file}.") \
-            from None
+    tags = {f"eval/{name}/data": f"data={record['data']} split={record['split']} "
+                                 f"samples={record['samples']}",
+            f"eval/{name}/weights": f"{record['weights']}: {record['checkpoint']}"}
+    log_to_finished_run(resolve_uri(cfg.tracking), run_id, record["metrics"],
+                        int(record["epoch"] or 0), tags, result_file, "eval")
     log.info("logged to run %s as eval/%s/*", run_id, name)

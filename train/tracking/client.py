@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from train.config.groups import TrackingConfig
@@ -70,6 +72,24 @@ def one_try_client(uri: str) -> Any:
     if is_new_sqlite(uri):
         initialise(uri)
     return MlflowClient(tracking_uri=uri)
+
+
+def log_to_finished_run(uri: str, run_id: str, metrics: dict[str, float], step: int,
+                        tags: dict[str, str], artifact: Path, artifact_path: str) -> None:
+    """Metrics, tags and one file into an existing run, its status left as it is (`python -m
+    train eval`); one try, a TrackingError naming where the result still is if it fails."""
+    from mlflow.entities import Metric, RunTag
+
+    client = one_try_client(uri)
+    stamp = int(time.time() * 1000)
+    try:
+        client.log_batch(run_id, metrics=[Metric(k, v, stamp, step) for k, v in metrics.items()],
+                         tags=[RunTag(k, v) for k, v in tags.items()])
+        client.log_artifact(run_id, str(artifact), artifact_path=artifact_path)
+    except Exception as e:  # noqa: BLE001 - the result is kept in the file either way
+        raise TrackingError(f"the evaluation's result could not be logged to run {run_id} "
+                            f"({type(e).__name__}: {str(e)[:200]}); it is in {artifact}.") \
+            from None
 
 
 def check_usable(uri: str, experiment: str) -> None:
