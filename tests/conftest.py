@@ -295,6 +295,32 @@ def user_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(USER_PATH)
 
 
+SMALL_TEXT = Path(__import__("textwrap").__file__)
+"""A 20 KB standard-library module: 585 training windows of 32 tokens, 31 validation ones."""
+TINY_GPT = ("data=tokens", "model=gpt", "task=language_model", "model.n_layer=2",
+            "model.n_head=2", "model.n_embd=32", "data.num_workers=0", "data.seq_len=32",
+            "optim=adamw", "optim.lr=3e-3", "task.sample_tokens=0",
+            "trainer.log_every_n_steps=1", "trainer.epochs=1",
+            # 30 a step: 15 a rank at world 2 (validation: 16 and 15 windows, 2 and 1
+            # batches), 10 at world 3 (11, 10, 10: 2, 1, 1 batches), so FSDP's evaluation pads
+            # with filler forwards.
+            "data.batch_size=30")
+"""A 2-layer GPT on `small_tokens` (with `data.root=`): steps of a few milliseconds that take
+the same losses at any world size (tests/e2e/test_fsdp.py, test_ema.py)."""
+
+
+@pytest.fixture(scope="session")
+def small_tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SMALL_TEXT as `python -m train.prepare_text` writes it (5 % held out): the tiny GPT's
+    data set of tests/e2e/test_fsdp.py and test_ema.py, prepared once per pytest process."""
+    out = tmp_path_factory.mktemp("small") / "tokens"
+    done = subprocess.run([sys.executable, "-m", "train.prepare_text", str(SMALL_TEXT), str(out),
+                           "--val-fraction", "0.05"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
 @pytest.fixture(scope="session")
 def store_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An empty SQLite MLflow store, its tables made once per pytest process: MLflow migrates a

@@ -7,16 +7,13 @@ combinations before any rank starts."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap as textwrap_module
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.conftest import (
-    REPO,
+    TINY_GPT,
     USER_PATH,
     assert_refused,
     history,
@@ -26,30 +23,12 @@ from tests.conftest import (
     runs_in,
 )
 
-SMALL_TEXT = Path(textwrap_module.__file__)
-"""A 20 KB standard-library module: 585 training windows of 32 tokens, 31 validation ones."""
 STEPS = 8
-LM = ("data=tokens", "model=gpt", "task=language_model", "model.n_layer=2", "model.n_head=2",
-      "model.n_embd=32", "data.num_workers=0", "data.seq_len=32", "optim=adamw",
-      "optim.lr=3e-3", "task.sample_tokens=0", "trainer.log_every_n_steps=1",
-      f"trainer.max_steps={STEPS}", "trainer.epochs=1", "tracking.log_model=false",
-      # 30 a step: 15 a rank at world 2 (validation: 16 and 15 windows, 2 and 1 batches), 10 at
-      # world 3 (11, 10, 10: 2, 1, 1 batches), so FSDP's evaluation pads with filler forwards.
-      "data.batch_size=30")
+LM = (*TINY_GPT, f"trainer.max_steps={STEPS}", "tracking.log_model=false")
 LOSS_TOLERANCE = 1e-5
 """Measured differences of step losses and val/loss between the four runs: < 2e-6 (float32
 sums in another order)."""
 WEIGHT_TOLERANCE = 1e-5
-
-
-@pytest.fixture(scope="module")
-def tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("small") / "tokens"
-    done = subprocess.run([sys.executable, "-m", "train.prepare_text", str(SMALL_TEXT), str(out),
-                           "--val-fraction", "0.05"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr
-    return out
 
 
 VARIANTS = {"single": ("distributed.nproc_per_node=1",),
@@ -69,14 +48,14 @@ VARIANTS = {"single": ("distributed.nproc_per_node=1",),
 
 
 @pytest.fixture(scope="module")
-def trained(tokens: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+def trained(small_tokens: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     """Each variant's step losses, val/loss and final weights (model.pt)."""
     root = tmp_path_factory.mktemp("parity")
     store = {"MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}"}
     results: dict[str, dict] = {}
     for name, args in VARIANTS.items():
         out = root / name
-        done = run_train(*LM, f"data.root={tokens}", *args, f"tracking.run_name={name}",
+        done = run_train(*LM, f"data.root={small_tokens}", *args, f"tracking.run_name={name}",
                          f"hydra.run.dir={out}", env=store, timeout=240)
         assert done.returncode == 0, done.stderr[-3000:]
         [run] = [r for r in runs_in(store["MLFLOW_TRACKING_URI"])
@@ -126,7 +105,7 @@ def test_fsdp_trains_in_parity_with_ddp_and_one_process(trained: dict[str, dict]
 
 
 def test_meta_device_init_trains_and_rank_0_outputs_are_whole(
-        tokens: Path, store: dict[str, str], tmp_path: Path) -> None:
+        small_tokens: Path, store: dict[str, str], tmp_path: Path) -> None:
     """distributed.fsdp.init_on=meta: no whole model on any rank; the shards are initialised by
     the model's init_weights and the loss falls; the run says its initial weights were
     initialised shard by shard (tag fsdp.init_on=meta). What rank 0 writes alone is the
@@ -135,7 +114,7 @@ def test_meta_device_init_trains_and_rank_0_outputs_are_whole(
     from train.load import load_model
 
     args = [a for a in LM if a != "tracking.log_model=false"]
-    done = run_train(*args, f"data.root={tokens}", "distributed.nproc_per_node=2",
+    done = run_train(*args, f"data.root={small_tokens}", "distributed.nproc_per_node=2",
                      "distributed.strategy=fsdp", "distributed.fsdp.init_on=meta",
                      "trainer.precision=bf16-mixed",
                      "trainer.save_best=true", "trainer.test_on=best",
@@ -165,7 +144,7 @@ RESUMES = {"fsdp-to-1": ("fsdp", 1), "fsdp-to-3-as-ddp": ("ddp", 3),
 
 @pytest.mark.parametrize("case", list(RESUMES))
 def test_a_job_killed_mid_epoch_at_world_2_resumes_at_another_world_size(
-        case: str, tokens: Path, trained: dict[str, dict], tmp_path: Path,
+        case: str, small_tokens: Path, trained: dict[str, dict], tmp_path: Path,
         store_template: Path) -> None:
     """Killed after its third checkpoint (mid-epoch: one epoch of 19 steps), resumed on
     another number of ranks and, two of the cases, another strategy: one run, every step
@@ -173,7 +152,7 @@ def test_a_job_killed_mid_epoch_at_world_2_resumes_at_another_world_size(
     strategy, world = RESUMES[case]
     first = "ddp" if case.startswith("ddp") else "fsdp"
     store = {"MLFLOW_TRACKING_URI": new_store(tmp_path / "mlflow.db", store_template)}
-    args = (*LM, f"data.root={tokens}", "trainer.checkpoint_interval_min=0.0001",
+    args = (*LM, f"data.root={small_tokens}", "trainer.checkpoint_interval_min=0.0001",
             "trainer.keep_checkpoints=10")
     out = tmp_path / "job"
     background = ("distributed.fsdp.async_checkpoint=true",) if "async" in case else ()
@@ -222,11 +201,11 @@ def test_an_unknown_strategy_is_refused(store: dict[str, str], tmp_path: Path) -
 
 
 def test_a_model_that_cannot_be_initialised_on_meta_is_named(
-        tokens: Path, store: dict[str, str], tmp_path: Path) -> None:
+        small_tokens: Path, store: dict[str, str], tmp_path: Path) -> None:
     """A parameter of the model's own with no reset_parameters(): init_on=meta says which and
     what to do, in one line; the default (auto: the model fits in host memory, so it is built
     whole) trains the same model."""
-    args = ("data=tokens", f"data.root={tokens}", "task=language_model", "model=custom",
+    args = ("data=tokens", f"data.root={small_tokens}", "task=language_model", "model=custom",
             "data.num_workers=0", "data.seq_len=32", "data.batch_size=16",
             "task.sample_tokens=0", "tracking.log_model=false", "trainer.epochs=1",
             "model._target_=userpkg.models.ScaledBigramLM", "distributed.nproc_per_node=2",

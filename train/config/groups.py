@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from train.config.cluster import ClusterConfig
+from train.config.ema import EmaConfig
 from train.config.evaluate import EvalConfig, PredictConfig
 from train.config.optim import OptimConfig as OptimConfig  # re-exported: its group's home
 from train.config.task import TaskConfig
@@ -167,6 +168,7 @@ class ProfileConfig:
     """Optimiser steps from this start's first before the profiler warms up (the DataLoader's
     workers, caches and compile settle)."""
     warmup: int = 1
+    """Steps after `wait` with the profiler on and nothing kept: its own start-up cost."""
     active: int = 3
     """Steps recorded: each rank's trace (profile/rank-<N>.json.gz, for Perfetto or
     chrome://tracing) and its top operators by self time (profile/rank-<N>.txt), as run
@@ -215,6 +217,9 @@ class TrainerConfig:
     else max."""
     save_best: bool = False
     """Keep the best evaluation's weights in <output dir>/checkpoints/best.pt (never pruned)."""
+    ema: EmaConfig = field(default_factory=EmaConfig)
+    """An exponential moving average of the weights, evaluated and saved instead of them:
+    trainer.ema.enabled=true (train/config/ema.py)."""
     early_stopping_patience: int | None = None
     """Stop once `monitor` has not improved for this many evaluations; null = never."""
     test_on: str = "last"

@@ -54,14 +54,25 @@ def _cell(value: Any) -> str:
 
 
 def group_table(group: str, cls: type) -> list[str]:
+    return ["| key | type | default | meaning |", "|---|---|---|---|", *_rows(group, cls)]
+
+
+def _rows(prefix: str, cls: type) -> list[str]:
+    """One row per key; a field that is a dataclass of its own (trainer.profile,
+    distributed.fsdp) one row for itself, then one for each of its keys."""
     docs = {k: " ".join(v.split()) for k, v in field_docs(cls).items()}
-    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    rows = []
     for f in dataclasses.fields(cls):
         if f.name == "kwargs":
             continue  # CustomModelConfig: the constructor's own keys
-        key = f"{group}.{'_target_' if f.name == 'target' else f.name}"
+        key = f"{prefix}.{'_target_' if f.name == 'target' else f.name}"
         kind, meaning = (str(text).replace("|", "\\|") for text in (f.type, docs.get(f.name, "")))
-        rows.append(f"| `{key}` | `{kind}` | `{_cell(default_of(f))}` | {meaning} |")
+        default = default_of(f)
+        if dataclasses.is_dataclass(default):
+            rows.append(f"| `{key}` | `{kind}` | | {meaning} |")
+            rows += _rows(key, type(default))
+            continue
+        rows.append(f"| `{key}` | `{kind}` | `{_cell(default)}` | {meaning} |")
     return rows
 
 

@@ -46,7 +46,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     _training(cfg, p)
     _tracking_and_ranks(cfg, world_size, p)
     _registry(cfg.tracking, p)
-    for problem in (cfg.eval.problem(), cfg.predict.problem()):
+    for problem in (cfg.eval.problem(), cfg.predict.problem(), cfg.trainer.ema.problem()):
         if problem:
             p.append(problem)
     from train.config.safe_text import control_character_problems  # reaches a job script

@@ -111,10 +111,14 @@ class Checkpointer:
                       "scaler": train.scaler.state_dict(), "epoch": train.epoch,
                       "step": train.step, "batch_in_epoch": batch_in_epoch,
                       "world_size": self.world_size, "ranks": ranks, **self.run_fields()}
+            if train.ema is not None:  # trainer.ema: the average, in the shards or here
+                fields["ema_in_shards"] = shards
+                fields.update({} if shards else {"ema": train.ema.state_dict()})
         if shards:
             self.unfinished = sharded.begin(
                 self.folder, train.step, train.module, train.optimizer, fields,
-                candidates(self.folder)[1:] if fields is not None else None, self.background)
+                candidates(self.folder)[1:] if fields is not None else None, self.background,
+                ema=None if train.ema is None else train.ema.state_dict())
             path = self.unfinished.final
             if not self.background:
                 self.finish()
@@ -164,13 +168,19 @@ def partial_totals(state: dict[str, Any], rank: int, world_size: int) -> Any:
 def restore(train: TrainState, resumed: Resumed, rank: int, world_size: int) -> None:
     """Put a loaded checkpoint back into this rank's training state."""
     s = resumed.state
+    average = train.ema.state_dict() if train.ema is not None and s.get("ema_in_shards") \
+        else None
     if sharded.is_checkpoint_dir(resumed.path):  # resharded for this world size and strategy
-        sharded.load(resumed.path, train.module, train.optimizer)
+        sharded.load(resumed.path, train.module, train.optimizer, average)
     elif fsdp.is_sharded(train.module):  # the same layout whichever strategy wrote it
         fsdp.load_full(train.module, train.optimizer, s["model"], s["optimizer"])
     else:
         train.module.load_state_dict(s["model"])
         train.optimizer.load_state_dict(s["optimizer"])
+    if train.ema is not None and "ema" in s:  # a single file's: whole tensors
+        train.ema.load_state_dict(s["ema"])
+    elif train.ema is not None and average is None:  # written without trainer.ema
+        train.ema.reset()
     train.scheduler.load_state_dict(s["scheduler"])
     train.scaler.load_state_dict(s["scaler"])
     train.epoch, train.step, train.batch_in_epoch = s["epoch"], s["step"], s["batch_in_epoch"]

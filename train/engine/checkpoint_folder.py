@@ -114,12 +114,13 @@ def save_weights(weights: dict[str, Any], path: Path, checkpoints: Path) -> Path
 
 def check_room_for_one(folder: Path, train: TrainState) -> None:
     """Before training: the output directory's filesystem holds at least one checkpoint (the
-    weights and, per parameter, the optimiser's buffers), or DiskFull now rather than after
-    the first epoch's work."""
+    weights and, per parameter, the optimiser's buffers; trainer.ema's average), or DiskFull
+    now rather than after the first epoch's work."""
     weights = (sum(p.numel() * p.element_size() for p in train.module.parameters())
                if fsdp.is_sharded(train.module)  # shards: their global shapes are the size
                else len(safewrite.serialised(train.module.state_dict())))
     buffers = 2 if isinstance(train.optimizer, torch.optim.Adam | torch.optim.AdamW) else 1
+    buffers += train.ema is not None
     folder.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(folder).free
     needed = weights * (1 + buffers) + safewrite.ROOM_MARGIN

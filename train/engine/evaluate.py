@@ -41,10 +41,11 @@ RESULT_FILE = "eval-{name}.json"
 
 
 def _weights_and_epoch(path: Path) -> tuple[dict[str, Any], int | None]:
-    """A weights file's state dict and the epoch it was saved after (None: not recorded)."""
+    """A weights file's state dict and the epoch it was saved after (None: not recorded); of a
+    checkpoint of a trainer.ema run, the average (what the run validated)."""
     state = torch.load(path, map_location="cpu", weights_only=True)
     if isinstance(state, dict) and isinstance(state.get("model"), dict):  # a checkpoint
-        return state["model"], state.get("epoch")
+        return state.get("ema") or state["model"], state.get("epoch")
     summary = path.parent / "summary.json"  # model.pt: its job's summary says how far
     epochs = json.loads(summary.read_text()).get("epochs") if summary.is_file() else None
     return state, epochs

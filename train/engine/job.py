@@ -84,6 +84,21 @@ def _final_model_and_test(cfg: TrainConfig, out: Path, state: train_state.TrainS
     return tested
 
 
+def _average_for_good(state: train_state.TrainState, main: bool) -> dict[str, Any] | None:
+    """trainer.ema: the average becomes the model (its test, model.pt, the logged model); the
+    trained weights are returned, whole on rank 0 (a collective under FSDP), for
+    model_raw.pt. None without trainer.ema."""
+    if state.ema is None:
+        return None
+    if fsdp.is_sharded(state.module):  # copies: at world 1 they may be the shards themselves
+        raw = {k: v.clone() for k, v in fsdp.full_state_dict(state.module)[0].items()}
+    else:
+        raw = {k: v.detach().cpu().clone() for k, v in state.module.state_dict().items()} \
+            if main else {}
+    state.ema.apply()
+    return raw
+
+
 def finished_already(cfg: TrainConfig, out: Path) -> dict[str, Any] | None:
     """summary.json of this output directory if its job already trained trainer.epochs epochs,
     or up to trainer.max_steps (the same command again); None otherwise."""
@@ -138,9 +153,10 @@ def _fit_and_finish(job: Job, logger: RunLogger, ending: JobEnding,
         logger.stopped_early(str(reporter.stop_reason))
     elif prepared.duties.monitor.stop_reason:
         logger.stopped_early(prepared.duties.monitor.stop_reason)
+    raw = _average_for_good(state, job.env.is_main)
     tested = _final_model_and_test(cfg, job.out, state, bundle, job.device, logger, task)
     prepared.outputs.write_final(state, bundle, final_val,
-                                 distributed.gather_to_all(peak_rss_mb()), tested)
+                                 distributed.gather_to_all(peak_rss_mb()), tested, raw)
     breakdown = prepared.duties.breakdown
     if job.env.is_main and breakdown.totals:
         svg = figures.render_breakdown(breakdown.totals, PHASES, job.out / STEP_TIME_FIGURE,

@@ -22,7 +22,7 @@ from train.data.build import Batches, DataBundle
 from train.distributed import process_group as distributed
 from train.distributed import watch
 from train.distributed.stopping import StopSignals
-from train.engine import drill, fsdp, optim
+from train.engine import drill, ema, fsdp, optim
 from train.engine.checkpoint import Checkpointer
 from train.engine.evaluation import autocast, check_output, evaluate
 from train.engine.monitor import Monitor
@@ -142,6 +142,8 @@ def _optimiser_step(cfg: TrainConfig, state: TrainState, items: torch.Tensor | N
     if state.scheduler_interval == "step":
         state.scheduler.step()
     state.step += 1
+    if state.ema is not None:
+        state.ema.update(state.step)
     watch.enter("optimizer", state.step)
 
 
@@ -267,11 +269,13 @@ def _fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.de
         if last or (state.epoch + 1) % cfg.trainer.eval_every == 0:
             # With early stopping any evaluation may be the last: each keeps the details.
             detailed = last or duties.monitor.patience is not None
-            val = metrics.reduce(evaluate(state.module, data.val, device, cfg.trainer.precision,
-                                          task, detailed, examples=last and duties.rank == 0,
-                                          filler=state.filler),
-                                 task.finalize, task.items_name)
-            duties.monitor.observe(state.epoch, state.step, val)
+            with ema.applied(state.ema):  # trainer.ema: the average is validated and kept
+                val = metrics.reduce(evaluate(state.module, data.val, device,
+                                              cfg.trainer.precision, task, detailed,
+                                              examples=last and duties.rank == 0,
+                                              filler=state.filler),
+                                     task.finalize, task.items_name)
+                duties.monitor.observe(state.epoch, state.step, val)  # best.pt's weights
         val_time = time.perf_counter() - val_started
         # Collective at each evaluation, like early stopping: no rank leaves the loop alone.
         pruned = (val is not None and duties.trial is not None

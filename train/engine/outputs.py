@@ -19,6 +19,7 @@ from train.data.build import DataBundle
 from train.distributed.env import DistEnv
 from train.engine import checkpoint_folder, fsdp, recompute
 from train.engine import monitor as monitor_lib
+from train.engine.ema import RAW_WEIGHTS
 from train.engine.state import TrainState
 from train.report.metrics import Reduced
 from train.report.runlog import RunLogger
@@ -67,11 +68,14 @@ class JobOutputs:
             checkpoint_folder.check_room_for_one(self.checkpoints, state)
 
     def write_final(self, state: TrainState, bundle: DataBundle, final_val: Reduced | None,
-                    peaks: list[float], tested: Reduced | None = None) -> None:
+                    peaks: list[float], tested: Reduced | None = None,
+                    raw: dict[str, Any] | None = None) -> None:
         """model.pt, the task's pictures and tables of the final validation and of the test,
-        summary.json; the same in the run. FSDP: every rank gathers the weights; rank 0 then
-        works on a plain copy holding them (train/engine/fsdp.py), as it does for a model whose
-        blocks recompute (train/engine/recompute.py)."""
+        summary.json; the same in the run. `raw`: trainer.ema's trained weights (model.pt
+        then holds their average), written beside it as model_raw.pt. FSDP: every rank
+        gathers the weights; rank 0 then works on a plain copy holding them
+        (train/engine/fsdp.py), as it does for a model whose blocks recompute
+        (train/engine/recompute.py)."""
         module = state.module
         if fsdp.is_sharded(module):
             weights = fsdp.full_state_dict(module)[0]
@@ -88,8 +92,12 @@ class JobOutputs:
         self.logger.task_outputs(*self.task.final_outputs(module, self.out, device))
         weights = checkpoint_folder.save_weights(module.state_dict(), self.out / "model.pt",
                                           self.checkpoints)
+        files = [("weights", weights)]
+        if raw is not None:
+            files.append(("weights", checkpoint_folder.save_weights(
+                raw, self.out / RAW_WEIGHTS, self.checkpoints)))
         example = _example(bundle)
-        self.logger.log_outputs({"weights": weights}, module, example)
+        self.logger.log_outputs(files, module, example)
         (self.out / "summary.json").write_text(json.dumps(self.logger.summary(peaks), indent=2))
 
 

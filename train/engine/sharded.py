@@ -63,12 +63,13 @@ def save(folder: Path, step: int, module: nn.Module, optimizer: torch.optim.Opti
 
 def begin(folder: Path, step: int, module: nn.Module, optimizer: torch.optim.Optimizer,
           meta: dict[str, Any] | None, expendable: list[Path] | None = None,
-          background: bool = False) -> Unfinished:
+          background: bool = False, ema: dict[str, Any] | None = None) -> Unfinished:
     """Collective: every rank writes its shards into `step-<N>.dcp.tmp`, or with `background`
     starts to (`dcp.async_save`: the state is copied to host memory, then written by a thread
     while training goes on, its collectives on a group of their own). Room is made first
     (`room`): `expendable`, rank 0's older checkpoints but the newest, go if that is what it
-    takes; DiskFull on every rank if even that is not enough, before anyone writes."""
+    takes; DiskFull on every rank if even that is not enough, before anyone writes. `ema`:
+    trainer.ema's average (train/engine/ema.py), sharded as the model is."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -80,7 +81,7 @@ def begin(folder: Path, step: int, module: nn.Module, optimizer: torch.optim.Opt
     dist.barrier()  # the folder is clean before anyone writes
     fsdp.share_rank0_buffers(module)  # one model in the checkpoint, as DDP's
     model_sd, optim_sd = get_state_dict(module, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state = {"model": model_sd, "optim": optim_sd, **({} if ema is None else {"ema": ema})}
     room(folder, unfinished.final, local_bytes(state), expendable if meta is not None else None)
     if background:
         unfinished.writing = dcp.async_save(state, checkpoint_id=unfinished.tmp,
@@ -181,28 +182,31 @@ def load_meta(path: Path) -> dict[str, Any]:
     return state
 
 
-def load(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def load(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer,
+         ema: dict[str, Any] | None = None) -> None:
     """Collective: the checkpoint's model and optimiser state into this job's (sharded or
-    not), resharded for this world size."""
+    not), resharded for this world size; `ema`: its trainer.ema average into these tensors."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model_sd, optim_sd = get_state_dict(module, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path)
+    state = {"model": model_sd, "optim": optim_sd, **({} if ema is None else {"ema": ema})}
+    dcp.load(state, checkpoint_id=path)  # in place, the average's tensors too
     set_state_dict(module, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
 
 
 def load_model(path: Path, module: nn.Module) -> None:
     """Collective: the checkpoint's model weights alone into `module` (sharded or not),
-    resharded for this world size (`python -m train eval`)."""
+    resharded for this world size (`python -m train eval`): trainer.ema's average where the
+    checkpoint holds one (what the run validated), else the trained weights."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    state = {"model": get_model_state_dict(module)}
+    key = "ema" if load_meta(path).get("ema_in_shards") else "model"
+    state = {key: get_model_state_dict(module)}
     dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(module, state["model"])
+    set_model_state_dict(module, state[key])
 
 
 def remove(path: Path) -> None:

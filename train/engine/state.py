@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from train.config.groups import TrainConfig
 from train.distributed import devices
 from train.engine import fsdp, optim, recompute
+from train.engine.ema import Ema
 from train.engine.monitor import direction
 from train.errors import ConfigError
 from train.models import build as models
@@ -88,6 +89,8 @@ class TrainState:
     initialised_on: str | None = None
     """FSDP: where the model was built before sharding (cpu: whole, as DDP builds it; meta:
     each rank's shards initialised apart); the run's tag fsdp.init_on. None under DDP."""
+    ema: Ema | None = None
+    """trainer.ema: the average of the weights (train/engine/ema.py); None when off."""
     peak_lrs: list[float] | None = None
     """Each optimiser group's lr as built (optim.lr x its lr_scale), before any schedule: what
     the `lr` metric is read against. None = the scheduler's base_lrs (the built-in schedule's
@@ -179,5 +182,6 @@ def _with_optimiser(cfg: TrainConfig, model: nn.Module, module: nn.Module,
                                       cfg.trainer.max_steps,
                                       direction(cfg.trainer.monitor, cfg.trainer.monitor_mode))
     scaler = GradScaler(device, enabled=cfg.trainer.precision == "fp16-mixed")
+    ema = Ema(cfg.trainer.ema, module) if cfg.trainer.ema.enabled else None
     return TrainState(model, module, optimizer, scheduler, scaler,
-                      scheduler_interval=optim.interval(cfg.optim), peak_lrs=peaks)
+                      scheduler_interval=optim.interval(cfg.optim), peak_lrs=peaks, ema=ema)

@@ -171,10 +171,10 @@ class RunLogger:
             fields["data_digest"] = self.data_digest
         return fields
 
-    def log_outputs(self, files: Mapping[str, Path], model: Any, example: Any) -> None:
-        """The job's final files (artifact path -> file) and the model (and its registration:
+    def log_outputs(self, files: Sequence[tuple[str, Path]], model: Any, example: Any) -> None:
+        """The job's final files (artifact folder, file) and the model (and its registration:
         tracking.register_model)."""
-        for artifact_path, path in files.items():
+        for artifact_path, path in files:
             self.run.log(records.ArtifactFile(str(path), artifact_path or None))
         tracking = self.cfg.tracking
         if tracking.log_model:
