@@ -1,8 +1,10 @@
 """distributed.keep_host_memory: a rank keeps the host memory a step frees for the next one.
 
 Each case runs in a fresh interpreter (glibc's malloc settings are per process, and this one's
-heap has a history): a "step" fills ten 8 MiB tensors and frees them all, as a conv net's
-activations are; the minor page faults of steps 2-5 are what the OS had to fault in again.
+heap has a history): a "step" fills ten 8 MiB tensors (or three of 32 MiB, glibc's largest
+mmap threshold: one conv activation of a CPU batch, as an evaluation's forwards make them)
+and frees them all, as a conv net's activations are; the minor page faults of steps 2-5 are
+what the OS had to fault in again.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ import json, resource, sys
 import torch
 from train.distributed import devices
 applied = devices.keep_host_memory(sys.argv[1] == "true")
+mib, count = int(sys.argv[2]), int(sys.argv[3])
 def step():
-    blocks = [torch.empty(2 << 20).fill_(1.0) for _ in range(10)]  # 10 x 8 MiB, touched
+    blocks = [torch.empty(mib << 18).fill_(1.0) for _ in range(count)]  # touched
     del blocks
 step()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -38,9 +41,9 @@ PAGES_PER_STEP = 10 * (8 << 20) // 4096
 """The pages one step touches: what it faults in when none is kept."""
 
 
-def _faults(keep: bool) -> dict:
-    done = subprocess.run([sys.executable, "-c", STEPS, str(keep).lower()], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+def _faults(keep: bool, mib: int = 8, count: int = 10) -> dict:
+    done = subprocess.run([sys.executable, "-c", STEPS, str(keep).lower(), str(mib), str(count)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -54,3 +57,13 @@ def test_freed_step_memory_is_kept_for_the_next_step_unless_turned_off() -> None
     assert default["faults_per_step"] > PAGES_PER_STEP / 8, (default, kept)
     assert kept["faults_per_step"] < PAGES_PER_STEP / 10, (default, kept)
     assert default["faults_per_step"] > 5 * kept["faults_per_step"], (default, kept)
+
+
+def test_blocks_at_the_mmap_threshold_come_from_the_kept_heap_too() -> None:
+    """32 MiB blocks are mmapped afresh each time unless the heap's top has room for them:
+    keep_host_memory makes that room at the start (devices.HEAP_ROOM_BYTES), so a process that
+    only runs forwards does not fault its activations in again at every batch."""
+    kept, default = _faults(True, 32, 3), _faults(False, 32, 3)
+    pages = 3 * (32 << 20) // 4096
+    assert default["faults_per_step"] > pages / 2, (default, kept)
+    assert kept["faults_per_step"] < pages / 10, (default, kept)
