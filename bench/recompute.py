@@ -2,7 +2,9 @@
 
 model=gpt's `GPT` as bench/fsdp.py builds it (8 layers, width 768, vocabulary 256: 56.9 M
 parameters), one process, a batch of --batch sequences of --seq tokens. For each mode (none,
-every second block, every block; train/engine/recompute.py applies them as a job does):
+every second block, every block; then none and every block under torch.compile, as a job
+with trainer.compile=true compiles them: the whole model, or each block where blocks
+recompute; train/engine/recompute.py applies them as a job does):
 
   saved_mb   the bytes autograd keeps from forward for backward (every tensor packed by
              torch.autograd.graph.saved_tensors_hooks, counted once per storage): the
@@ -82,11 +84,16 @@ def main() -> None:
     tokens = torch.randint(0, 256, (args.batch, args.seq))
     reference = gradients(plain, tokens)
     rows = []
-    for mode in ("none", "2", "blocks"):
+    for mode in ("none", "2", "blocks", "none+compile", "blocks+compile"):
         model = copy.deepcopy(plain)
-        recompute.apply(model, mode, [])
+        recompute.apply(model, mode.removesuffix("+compile"), [])
+        if mode == "none+compile":
+            model = torch.compile(model)
+        elif mode == "blocks+compile":
+            recompute.compile_blocks(model)
         grads = gradients(model, tokens)
         rows.append({"mode": mode, "what": recompute.applied(model) or "nothing",
+                     "compiled": mode.endswith("+compile"),
                      "saved_mb": saved_bytes(model, tokens) / 2**20,
                      "step_s": step_seconds(model, tokens, args.repeats),
                      "max_grad_diff": max(float((a - b).abs().max())

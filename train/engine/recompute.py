@@ -4,7 +4,11 @@ of kept from forward - the first thing to try when a model almost fits.
 torch's composable `checkpoint` (torch.distributed._composable), as torchtitan's per-block
 choice: hooks on each chosen block, non-reentrant, so parameter names, state dicts,
 checkpoints and optimiser groups are those of the model without it, and it composes with
-FSDP2's fully_shard (applied first, on the same blocks FSDP shards) and torch.compile. The
+FSDP2's fully_shard (applied first, on the same blocks FSDP shards). With trainer.compile each
+block's forward is compiled instead of the whole model (`compile_blocks`, as torchtitan
+compiles per block): the recompute in backward then runs the same compiled forward as the
+forward did - a whole-model compile breaks its graph at the hooks, and the recomputed block
+saved other tensors than the compiled one (torch.utils.checkpoint's CheckpointError, seen). The
 hooks do not pickle, so the model logged at the end is a plain copy of the weights
 (train/engine/outputs.py).
 """
@@ -20,6 +24,8 @@ from train.errors import ConfigError
 APPLIED = "_train_activation_checkpointing"
 """Set on a model whose blocks recompute, to what does (train/engine/outputs.py then logs a
 plain copy)."""
+BLOCKS = "_train_blocks"
+"""Set on such a model to all its blocks (`compile_blocks`)."""
 
 
 def every(mode: str) -> int | None:
@@ -62,6 +68,16 @@ def apply(module: nn.Module, mode: str, shard_modules: list[str]) -> None:
         checkpoint(block)
     setattr(module, APPLIED,
             f"{len(found[::step])} of {len(found)} {type(found[0]).__name__} blocks")
+    module.__dict__[BLOCKS] = found  # a plain attribute: not submodules a second time
+
+
+def compile_blocks(module: nn.Module) -> None:
+    """trainer.compile for a model whose blocks recompute: each block's forward compiled in
+    place (the hooks stay outside it, so the forward and its recompute run one graph)."""
+    import torch
+
+    for block in module.__dict__[BLOCKS]:
+        block.forward = torch.compile(block.forward)
 
 
 def applied(module: nn.Module) -> str | None:

@@ -137,7 +137,9 @@ def build(cfg: TrainConfig, spec: models.InputSpec, steps_per_epoch: int,
                          gradient_as_bucket_view=cfg.distributed.gradient_as_bucket_view,
                          static_graph=cfg.distributed.static_graph,
                          bucket_cap_mb=cfg.distributed.bucket_cap_mb)
-    if cfg.trainer.compile:
+    if cfg.trainer.compile and recompute.applied(module):
+        recompute.compile_blocks(module)  # per block: the recompute runs the same graph
+    elif cfg.trainer.compile:
         ddp = torch.compile(ddp)  # type: ignore[assignment]
     return _with_optimiser(cfg, ddp, module, steps_per_epoch, device)
 
