@@ -24,7 +24,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.14.1 torchvision==0.29.1
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,hf]'
 	touch $(STAMP)
 
 # The main job on the embedded defaults: digits, the small CNN, 2 local gloo ranks.

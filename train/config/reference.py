@@ -29,7 +29,7 @@ from train.config.task import TaskConfig
 GROUPS: tuple[tuple[str, type, str], ...] = (
     ("model", ModelConfig, "the built-in and torchvision models (`model=cnn|mlp|resnet18|"
      "torchvision`)"),
-    ("model", CustomModelConfig, "`model=custom` and `model=gpt`: a `_target_` class; every "
+    ("model", CustomModelConfig, "`model=custom`, `model=gpt` and `model=hf`: a `_target_`; every "
      "other `model.*` key is its constructor's (added with `+`)"),
     ("data", DataConfig, "the data set (`data=digits|synthetic|mnist|fashion_mnist|cifar10|"
      "imagefolder|custom|tokens`)"),

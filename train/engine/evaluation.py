@@ -13,6 +13,7 @@ from torch import nn
 from train.data.build import Batches
 from train.distributed import watch
 from train.engine import fsdp
+from train.models.build import logits_of
 from train.report import metrics
 from train.tasks.base import Task
 
@@ -57,7 +58,7 @@ def evaluate(model: nn.Module, batches: Batches, device: torch.device, precision
     for index, (inputs, target) in enumerate(batches):
         with autocast(device, precision):
             output = model(inputs)
-        output = _fp32(output)
+        output = _fp32(logits_of(output))
         if index == 0:
             check_output(task, output, target, inputs)
         totals.add(task.step(output, target, detailed)[1])

@@ -30,6 +30,7 @@ from train.engine.profiling import StepProfiler
 from train.engine.state import TrainState
 from train.engine.stragglers import Stragglers
 from train.engine.trial import TrialReporter
+from train.models.build import logits_of
 from train.report import breakdown, metrics, system_stats
 from train.report.trainlog import TrainingLog
 from train.tasks.base import Sums, Task
@@ -98,7 +99,7 @@ def _micro_step(cfg: TrainConfig, state: TrainState, inputs: Any, target: Any,
     gradient only accumulates on this rank; the step's last micro-batch all-reduces the sum."""
     with fsdp.gradient_sync(state.model, sync):
         with autocast(device, cfg.trainer.precision):
-            output = state.model(inputs)
+            output = logits_of(state.model(inputs))
             loss, sums = task.step(output, target)
         if task.fixed_items:
             per_sample = int(sums["items"]) / max(1, int(sums["samples"]))

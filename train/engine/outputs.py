@@ -21,6 +21,7 @@ from train.engine import checkpoint_folder, fsdp, recompute
 from train.engine import monitor as monitor_lib
 from train.engine.ema import RAW_WEIGHTS
 from train.engine.state import TrainState
+from train.models.hf import EXPORT_DIR
 from train.report.metrics import Reduced
 from train.report.runlog import RunLogger
 from train.tasks.base import Task
@@ -96,9 +97,24 @@ class JobOutputs:
         if raw is not None:
             files.append(("weights", checkpoint_folder.save_weights(
                 raw, self.out / RAW_WEIGHTS, self.checkpoints)))
+        if callable(getattr(module, "save_pretrained", None)):  # model=hf: for transformers
+            files += [(EXPORT_DIR, f) for f in _save_pretrained(module, self.out / EXPORT_DIR)]
         example = _example(bundle)
         self.logger.log_outputs(files, module, example)
         (self.out / "summary.json").write_text(json.dumps(self.logger.summary(peaks), indent=2))
+
+
+def _save_pretrained(module: Any, folder: Path) -> list[Path]:
+    """The model's save_pretrained directory (train/models/hf.py), whole or absent: written
+    beside it first, then renamed over an earlier one (a resumed job's). Its files."""
+    import shutil
+
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    module.save_pretrained(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return sorted(p for p in folder.iterdir() if p.is_file())
 
 
 def _example(bundle: DataBundle) -> Any:

@@ -80,7 +80,7 @@ def _predict_split(job: Job, loaded: Loaded, out: Path, about: dict[str, Any]) -
     part = files.Part(parts / f"rank-{env.rank:05d}.parquet")
     for inputs, target in batches:
         with evaluation.autocast(job.device, precision):
-            output = model(inputs)
+            output = evaluation.logits_of(model(inputs))
         count = len(target) if isinstance(target, torch.Tensor) else len(inputs)
         index = env.rank + (part.rows + np.arange(count)) * env.world_size
         part.add(files.rows(loaded.task.name, output, target, index,

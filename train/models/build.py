@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -189,6 +190,15 @@ def describe(cfg: ModelConfig | CustomModelConfig) -> str:
     return f"model.name={cfg.name}" + (" (torchvision)" if cfg.source == "torchvision" else "")
 
 
+def logits_of(output: Any) -> Any:
+    """A transformers ModelOutput's logits (what a model=custom of a transformers class
+    returns; the task computes its own loss from them); any other output as it is."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    return output if logits is None else logits
+
+
 def output_mismatch(model: str, num_classes: int, input_shape: tuple[int, ...],
                     output_shape: tuple[int, ...]) -> str | None:
     """The message for a model whose output is not (batch, num_classes), else None."""
@@ -208,14 +218,14 @@ def check_output(cfg: ModelConfig | CustomModelConfig, spec: InputSpec) -> None:
     shape = (2, *spec.sample_shape)  # 2: BatchNorm in training mode wants more than one value
     try:
         with torch.device("meta"):
-            output = build(cfg, spec)(torch.zeros(shape))
+            output = logits_of(build(cfg, spec)(torch.zeros(shape)))
     except Exception:  # noqa: BLE001 - maybe what the meta device lacks: try for real, and
         # report what fails there (an import error fails there the same way)
         shape = (1, *spec.sample_shape)
         model = build(cfg, spec).eval()
         try:
             with torch.no_grad():
-                output = model(torch.zeros(shape))
+                output = logits_of(model(torch.zeros(shape)))
         except Exception as e:  # noqa: BLE001 - the user's forward: report it, one line
             raise usercode.UserCodeError(
                 f"{describe(cfg)} fails on inputs of the data's shape {shape}: "

@@ -1,0 +1,151 @@
+"""model=hf: a Hugging Face `transformers` model trained as the service's own.
+
+Built from a local directory (`model.path`: `from_pretrained`, offline - never the Hub) or from
+a config (`model.config.model_type=gpt2 +model.config.n_layer=4`: `from_config`, random
+weights from the job's seed, the same on every rank). The sizes the data knows are filled
+where the config does not set them (conf/model/hf.yaml; the model=custom rule: vocab_size and
+the context for token windows, num_labels, image_size and num_channels for images).
+
+`HFModel` wraps it so that its forward returns the logits - what every task reads; the model's
+own loss is never asked for (no labels are passed). Its blocks are the modules of its
+ModuleLists (GPT2Block, ViTLayer, BertLayer, ...: its `_no_split_modules`), which FSDP shards
+and activation checkpointing recomputes. `save_pretrained` writes what `transformers` loads
+back without this package (train/engine/outputs.py logs it as the run's `hf_model/`).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from train.config.usercode import UserCodeError
+
+log = logging.getLogger("train")
+AUTO_CLASSES = {"causal_lm": "AutoModelForCausalLM",
+                "sequence_classification": "AutoModelForSequenceClassification",
+                "token_classification": "AutoModelForTokenClassification",
+                "image_classification": "AutoModelForImageClassification"}
+"""model.auto_class's short names; any other name is a transformers Auto class itself."""
+PIXELS = ("image_classification", "AutoModelForImageClassification")
+INSTALL = "pip install -e '.[hf]' (make setup installs it)"
+EXPORT_DIR = "hf_model"
+"""The save_pretrained directory beside model.pt, and its artifact path in the run."""
+
+
+class HFModel(nn.Module):
+    """A transformers model whose forward takes the batch's tensor (token ids, or pixels) and
+    returns its logits."""
+
+    def __init__(self, model: nn.Module, input_name: str) -> None:
+        super().__init__()
+        self.model, self.input_name = model, input_name
+
+    @property
+    def vocab_size(self) -> int | None:
+        return getattr(self.model.config, "vocab_size", None)
+
+    @property
+    def block_size(self) -> int | None:
+        """The context: what data.seq_len must fit (pre-flight reads it)."""
+        config = self.model.config
+        return getattr(config, "n_positions", getattr(config, "max_position_embeddings", None))
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.model(**{self.input_name: inputs}).logits
+
+    def save_pretrained(self, folder: Path) -> Path:
+        """The model as `transformers` keeps it (config.json, model.safetensors)."""
+        _transformers().utils.logging.disable_progress_bar()  # a bar in train.log, per file
+        self.model.save_pretrained(folder, safe_serialization=True)
+        return folder
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise UserCodeError(f"model=hf needs the transformers package, not installed here: "
+                            f"{INSTALL}.") from None
+    return transformers
+
+
+def find_auto_class(name: str) -> Any:
+    """model.auto_class's transformers class; UserCodeError naming the choices."""
+    transformers = _transformers()
+    found = getattr(transformers, AUTO_CLASSES.get(name, name), None)
+    if found is None or not name.startswith(("Auto", *AUTO_CLASSES)):
+        raise UserCodeError(f"model.auto_class={name!r}: choose {', '.join(AUTO_CLASSES)} or "
+                            "a transformers Auto class (AutoModelForMaskedLM, ...).")
+    return found
+
+
+def _filled(config: dict[str, Any], name: str, sizes: dict[str, int | None]) -> dict[str, Any]:
+    """The config's overrides with what the data knows, where the user set nothing."""
+    out = dict(config)
+    if name in PIXELS:
+        wanted = {"num_labels": sizes["num_classes"], "image_size": sizes["image_size"],
+                  "num_channels": sizes["channels"]}
+    elif sizes["vocab_size"] is not None:
+        wanted = {"vocab_size": sizes["vocab_size"]}
+    else:
+        wanted = {"num_labels": sizes["num_classes"]}
+    out.update({k: v for k, v in wanted.items() if v is not None and k not in out})
+    return out
+
+
+def build(auto_class: str = "causal_lm", path: str | None = None,
+          config: dict[str, Any] | None = None, vocab_size: int | None = None,
+          seq_len: int | None = None, num_classes: int | None = None,
+          channels: int | None = None, image_size: int | None = None) -> HFModel:
+    """The model (see the module's docstring). `seq_len`: taken, so that the filling rule
+    hands it, but the config's own context (n_positions, max_position_embeddings) decides."""
+    del seq_len
+    model_class = find_auto_class(auto_class)
+    sizes = {"vocab_size": vocab_size, "num_classes": num_classes, "channels": channels,
+             "image_size": image_size}
+    overrides = _filled(dict(config or {}), auto_class, sizes)
+    if path is not None:
+        model = _pretrained(model_class, Path(path).expanduser(), overrides)
+    else:
+        model = _from_config(model_class, overrides)
+    if vocab_size is not None and getattr(model.config, "vocab_size", vocab_size) < vocab_size:
+        raise UserCodeError(f"model=hf: the model's vocabulary ({model.config.vocab_size} "
+                            f"tokens) is smaller than the data's ({vocab_size}): give a model "
+                            "of the data's tokenizer, or set model.config.vocab_size.")
+    return HFModel(model, "pixel_values" if auto_class in PIXELS else "input_ids")
+
+
+def _from_config(model_class: Any, overrides: dict[str, Any]) -> nn.Module:
+    transformers = _transformers()
+    model_type = overrides.pop("model_type", None)
+    if model_type is None:
+        raise UserCodeError("model=hf: give model.path (a local directory of the model) or "
+                            "model.config.model_type (gpt2, bert, vit, ...) to build one with "
+                            "random weights.")
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **overrides)
+    except ValueError as e:
+        raise UserCodeError(f"model.config.model_type={model_type!r}: {e}".splitlines()[0]) \
+            from None
+    vocab = getattr(config, "vocab_size", None)
+    for special in ("bos_token_id", "eos_token_id", "pad_token_id"):  # GPT-2's 50256
+        if vocab is not None and isinstance(getattr(config, special, None), int) \
+                and getattr(config, special) >= vocab:
+            setattr(config, special, None)
+    return model_class.from_config(config)
+
+
+def _pretrained(model_class: Any, path: Path, overrides: dict[str, Any]) -> nn.Module:
+    """From a local directory only (local_files_only: compute nodes are offline, and the
+    service never downloads); a new classifier head where num_labels differs."""
+    if not (path / "config.json").is_file():
+        raise UserCodeError(f"model.path={path}: no such model directory (it holds no "
+                            "config.json); give a directory save_pretrained wrote.")
+    overrides.pop("model_type", None)
+    return model_class.from_pretrained(path, local_files_only=True,
+                                       ignore_mismatched_sizes="num_labels" in overrides,
+                                       **overrides)
