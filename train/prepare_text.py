@@ -24,7 +24,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help=f"text files, or directories (their {', '.join(TEXT_SUFFIXES)} files)")
     p.add_argument("out", type=Path, help="the directory to write train.bin, val.bin, meta.json")
     p.add_argument("--tokenizer", type=Path, default=None,
-                   help="a `tokenizers` JSON file (default: bytes, vocabulary 256)")
+                   help="a `tokenizers` JSON file, or a directory holding its tokenizer.json "
+                        "(default: bytes, vocabulary 256)")
+    p.add_argument("--train-tokenizer", choices=["bpe"], default=None,
+                   help="train a byte-level BPE on these files first (the `tokenizers` "
+                        "package, offline), written as <out>/tokenizer.json")
+    p.add_argument("--vocab-size", type=int, default=4096,
+                   help="--train-tokenizer's vocabulary (default 4096)")
     p.add_argument("--val-fraction", type=float, default=0.1,
                    help="the end of each file that goes to val.bin (default 0.1)")
     p.add_argument("--test-fraction", type=float, default=0.0,
@@ -59,10 +65,17 @@ def main(argv: list[str] | None = None) -> None:
     from train.data import tokenize
     from train.data.tokens import TokenDataError
 
+    if args.tokenizer is not None and args.train_tokenizer is not None:
+        raise SystemExit("prepare_text: give --tokenizer (one you have) or --train-tokenizer "
+                         "(one trained on these files), not both.")
     try:
-        tok = (tokenize.ByteTokenizer() if args.tokenizer is None
-               else tokenize.FileTokenizer(args.tokenizer))
         files = files_of(args.inputs)
+        if args.train_tokenizer is not None:
+            tok: tokenize.Tokenizer = tokenize.train_bpe(files, args.vocab_size, args.out)
+        elif args.tokenizer is not None:
+            tok = tokenize.FileTokenizer(args.tokenizer)
+        else:
+            tok = tokenize.ByteTokenizer()
         done = tokenize.prepare(files, args.out, tok, args.val_fraction, args.test_fraction)
     except TokenDataError as e:
         raise SystemExit(f"prepare_text: {e}") from None

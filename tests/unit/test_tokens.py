@@ -110,3 +110,41 @@ def test_the_window_sampler_gives_distributed_samplers_order(n: int, world: int,
         mine.set_epoch(epoch)
         theirs.set_epoch(epoch)
         assert list(mine) == list(theirs) and len(mine) == len(theirs)
+
+
+def test_a_bpe_trained_on_the_corpus_reads_it_back_in_fewer_tokens(tmp_path: Path) -> None:
+    """prepare-text --train-tokenizer bpe: a byte-level BPE of the asked vocabulary, trained
+    on the files and written beside the tokens, named in meta.json; its ids decode to the text
+    again; --tokenizer <that directory> tokenizes the same files to the same ids."""
+    import pydoc
+
+    from train.prepare_text import main
+
+    main([pydoc.__file__, str(tmp_path / "bpe"), "--train-tokenizer", "bpe",
+          "--vocab-size", "300"])
+    meta = tokens.read_meta(tmp_path / "bpe")
+    assert meta.vocab_size == 300
+    assert meta.tokenizer == str((tmp_path / "bpe" / tokenize.TOKENIZER_FILE).resolve())
+    text = Path(pydoc.__file__).read_bytes()
+    assert sum(meta.tokens.values()) < len(text) / 1.5  # merges learnt from the corpus
+    codec = tokenize.tokenizer(meta.tokenizer)
+    sample = text[:2000]
+    assert codec.decode(codec.encode(sample)).encode() == sample
+    main([pydoc.__file__, str(tmp_path / "again"), "--tokenizer", str(tmp_path / "bpe")])
+    assert (tmp_path / "again" / "train.bin").read_bytes() == \
+        (tmp_path / "bpe" / "train.bin").read_bytes()
+
+
+@pytest.mark.parametrize(("extra", "expected"), [
+    (["--train-tokenizer", "bpe", "--vocab-size", "256"], "--vocab-size 256: a byte-level BPE"),
+    (["--train-tokenizer", "bpe", "--tokenizer", "x.json"], "give --tokenizer (one you have) or"),
+])
+def test_a_tokenizer_that_cannot_be_trained_is_refused(tmp_path: Path, extra: list[str],
+                                                       expected: str) -> None:
+    from train.prepare_text import main
+
+    (tmp_path / "a.txt").write_text("some text\n" * 50)
+    with pytest.raises(SystemExit) as stopped:
+        main([str(tmp_path / "a.txt"), str(tmp_path / "out"), *extra])
+    assert expected in str(stopped.value)
+    assert not (tmp_path / "out" / "meta.json").exists()

@@ -2,8 +2,10 @@
 
 The default tokenizer is byte-level: a file's bytes are its tokens (vocabulary 256), so any
 text in any encoding is tokenized without a download or a trained vocabulary. A `tokenizers`
-JSON file the user has (e.g. a GPT-2 BPE saved by Hugging Face `tokenizers`) is the option;
-it needs that package installed (it is not a dependency of the service).
+JSON file the user has (e.g. a GPT-2 BPE saved by Hugging Face `tokenizers`, or a directory
+holding its tokenizer.json) is one option; a byte-level BPE trained on the corpus itself
+(`train_bpe`, offline) the other, written as tokenizer.json beside the token files. Both need
+the `tokenizers` package (the `hf` extra).
 """
 
 from __future__ import annotations
@@ -41,16 +43,25 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
 
+TOKENIZER_FILE = "tokenizer.json"
+"""A tokenizer's file in a directory (save_pretrained's, or the one prepare-text trained)."""
+
+
+def _tokenizers(what: str) -> Any:
+    try:
+        import tokenizers  # type: ignore[import-not-found]
+    except ImportError:
+        raise TokenDataError(f"{what} needs the `tokenizers` package: pip install -e '.[hf]' "
+                             "(or leave the tokenizer out: bytes).") from None
+    return tokenizers
+
+
 class FileTokenizer:
-    """A `tokenizers` JSON file (its package imported only here)."""
+    """A `tokenizers` JSON file, or a directory holding one (its package imported only here)."""
 
     def __init__(self, path: Path) -> None:
-        try:
-            from tokenizers import Tokenizer as HFTokenizer  # type: ignore[import-not-found]
-        except ImportError:
-            raise TokenDataError(f"the tokenizer {path} needs the `tokenizers` package: "
-                                 "pip install tokenizers (or leave --tokenizer out: bytes)."
-                                 ) from None
+        path = path / TOKENIZER_FILE if path.is_dir() else path
+        HFTokenizer = _tokenizers(f"the tokenizer {path}").Tokenizer
         try:
             self._tok = HFTokenizer.from_file(str(path))
         except Exception as e:  # noqa: BLE001 - the library's own error types: one line
@@ -67,6 +78,26 @@ class FileTokenizer:
 def tokenizer(name: str) -> Tokenizer:
     """The tokenizer meta.json names (the byte-level one, or a tokenizers file)."""
     return ByteTokenizer() if name == BYTES else FileTokenizer(Path(name))
+
+
+def train_bpe(files: Sequence[Path], vocab_size: int, out: Path) -> FileTokenizer:
+    """A byte-level BPE of `vocab_size` tokens trained on the files' text (GPT-2's scheme:
+    every byte is a token to start with, so no text is out of vocabulary), saved as
+    <out>/tokenizer.json."""
+    if vocab_size <= 256:
+        raise TokenDataError(f"--vocab-size {vocab_size}: a byte-level BPE starts from the 256 "
+                             "bytes; give more (e.g. 4096).")
+    tk = _tokenizers("--train-tokenizer bpe")
+    bpe = tk.Tokenizer(tk.models.BPE())
+    bpe.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = tk.decoders.ByteLevel()
+    trainer = tk.trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                     initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet())
+    texts = (p.read_bytes().decode("utf-8", errors="replace") for p in files)
+    bpe.train_from_iterator(texts, trainer)
+    out.mkdir(parents=True, exist_ok=True)
+    bpe.save(str(out / TOKENIZER_FILE))
+    return FileTokenizer(out / TOKENIZER_FILE)
 
 
 @dataclass(frozen=True)

@@ -98,20 +98,22 @@ class JobOutputs:
             files.append(("weights", checkpoint_folder.save_weights(
                 raw, self.out / RAW_WEIGHTS, self.checkpoints)))
         if callable(getattr(module, "save_pretrained", None)):  # model=hf: for transformers
-            files += [(EXPORT_DIR, f) for f in _save_pretrained(module, self.out / EXPORT_DIR)]
+            files += [(EXPORT_DIR, f) for f in _save_pretrained(module, self.out / EXPORT_DIR,
+                                                                bundle.tokenizer)]
         example = _example(bundle)
         self.logger.log_outputs(files, module, example)
         (self.out / "summary.json").write_text(json.dumps(self.logger.summary(peaks), indent=2))
 
 
-def _save_pretrained(module: Any, folder: Path) -> list[Path]:
-    """The model's save_pretrained directory (train/models/hf.py), whole or absent: written
-    beside it first, then renamed over an earlier one (a resumed job's). Its files."""
+def _save_pretrained(module: Any, folder: Path, tokenizer: str | None) -> list[Path]:
+    """The model's save_pretrained directory (train/models/hf.py), with the data's tokenizer,
+    whole or absent: written beside it first, then renamed over an earlier one (a resumed
+    job's). Its files."""
     import shutil
 
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    module.save_pretrained(tmp)
+    module.save_pretrained(tmp, tokenizer)
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
     return sorted(p for p in folder.iterdir() if p.is_file())

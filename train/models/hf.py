@@ -57,10 +57,16 @@ class HFModel(nn.Module):
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         return self.model(**{self.input_name: inputs}).logits
 
-    def save_pretrained(self, folder: Path) -> Path:
-        """The model as `transformers` keeps it (config.json, model.safetensors)."""
-        _transformers().utils.logging.disable_progress_bar()  # a bar in train.log, per file
+    def save_pretrained(self, folder: Path, tokenizer: str | None = None) -> Path:
+        """The model as `transformers` keeps it (config.json, model.safetensors), with the
+        data's tokenizer where it is a `tokenizers` file (`tokenizer`: its path), so that
+        AutoTokenizer.from_pretrained(folder) reads text as the model was trained on it."""
+        transformers = _transformers()
+        transformers.utils.logging.disable_progress_bar()  # a bar in train.log, per file
         self.model.save_pretrained(folder, safe_serialization=True)
+        if tokenizer is not None and Path(tokenizer).is_file():
+            fast = transformers.PreTrainedTokenizerFast(tokenizer_file=tokenizer)
+            fast.save_pretrained(folder)
         return folder
 
 
