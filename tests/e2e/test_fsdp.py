@@ -7,6 +7,7 @@ killed; the refusals of FSDP's combinations before any rank starts."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,7 @@ def trained(small_tokens: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
                          "val": run.data.metrics["val/loss"],
                          "params": run.data.params, "tags": run.data.tags,
                          "weights": torch.load(out / "model.pt", weights_only=True),
+                         "out": out,
                          "log": done.stderr}
     return results
 
@@ -92,6 +94,11 @@ def test_fsdp_trains_in_parity_with_ddp_and_one_process(trained: dict[str, dict]
         # The same seed, the same initial weights: the model was built whole, as DDP's is.
         assert run["tags"].get("fsdp.init_on") == ("cpu" if "fsdp" in name else None), name
     assert "FSDP2: 2 Block blocks sharded over 3 ranks" in trained["fsdp3"]["log"]
+    # Each wrote its transformers export (tests/unit/test_tokens.py: the same logits), under
+    # FSDP from rank 0's plain copy.
+    for name in ("single", "fsdp3"):
+        config = json.loads((trained[name]["out"] / "hf_model" / "config.json").read_text())
+        assert (config["model_type"], config["n_layer"], config["vocab_size"]) == ("gpt2", 2, 256)
     assert trained["ddp2"]["tags"]["activation_checkpointing"] == "1 of 2 Block blocks"
     assert trained["fsdp3"]["tags"]["activation_checkpointing"] == "2 of 2 Block blocks"
     assert trained["ddp2-compiled"]["tags"]["activation_checkpointing"] == "2 of 2 Block blocks"

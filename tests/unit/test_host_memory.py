@@ -65,5 +65,8 @@ def test_blocks_at_the_mmap_threshold_come_from_the_kept_heap_too() -> None:
     only runs forwards does not fault its activations in again at every batch."""
     kept, default = _faults(True, 32, 3), _faults(False, 32, 3)
     pages = 3 * (32 << 20) // 4096
-    assert default["faults_per_step"] > pages / 2, (default, kept)
-    assert kept["faults_per_step"] < pages / 10, (default, kept)
+    # Measured: without the room every page, each step (24,579 of 24,576); with it 2,048 or
+    # 4,096 a step (8 or 16 MiB of the 96 MiB, varying from run to run).
+    assert default["faults_per_step"] > pages * 0.9, (default, kept)
+    assert kept["faults_per_step"] < pages / 3, (default, kept)
+    assert default["faults_per_step"] > 4 * kept["faults_per_step"], (default, kept)

@@ -148,3 +148,23 @@ def test_a_tokenizer_that_cannot_be_trained_is_refused(tmp_path: Path, extra: li
         main([str(tmp_path / "a.txt"), str(tmp_path / "out"), *extra])
     assert expected in str(stopped.value)
     assert not (tmp_path / "out" / "meta.json").exists()
+
+
+@pytest.mark.parametrize(("bias", "tied"), [(False, True), (True, False)])
+def test_gpt_saved_for_transformers_gives_its_logits(tmp_path: Path, bias: bool,
+                                                     tied: bool) -> None:
+    """model=gpt's hf_model/ export: GPT2LMHeadModel.from_pretrained of it, the same logits."""
+    transformers = pytest.importorskip("transformers")
+
+    torch.manual_seed(0)
+    model = GPT(300, seq_len=16, n_layer=2, n_head=2, n_embd=32, bias=bias,
+                tie_weights=tied).eval()
+    with torch.no_grad():  # GPT-2's init leaves biases zero: move them, as training does
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(tmp_path / "hf_model")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_model",
+                                                               local_files_only=True).eval()
+    ids = torch.randint(0, 300, (2, 16))
+    with torch.no_grad():
+        assert float((loaded(input_ids=ids).logits - model(ids)).abs().max()) < 1e-5

@@ -97,12 +97,22 @@ class JobOutputs:
         if raw is not None:
             files.append(("weights", checkpoint_folder.save_weights(
                 raw, self.out / RAW_WEIGHTS, self.checkpoints)))
-        if callable(getattr(module, "save_pretrained", None)):  # model=hf: for transformers
+        if callable(getattr(module, "save_pretrained", None)) and _exportable():  # hf, gpt
             files += [(EXPORT_DIR, f) for f in _save_pretrained(module, self.out / EXPORT_DIR,
                                                                 bundle.tokenizer)]
         example = _example(bundle)
         self.logger.log_outputs(files, module, example)
         (self.out / "summary.json").write_text(json.dumps(self.logger.summary(peaks), indent=2))
+
+
+def _exportable() -> bool:
+    """transformers is there to write the hf_model/ export (the hf extra); else said once."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is not None:
+        return True
+    log.info("no hf_model/ export: transformers is not installed (pip install -e '.[hf]')")
+    return False
 
 
 def _save_pretrained(module: Any, folder: Path, tokenizer: str | None) -> list[Path]:

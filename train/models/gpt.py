@@ -7,11 +7,16 @@ filled from data=tokens' meta.json); the context `block_size` defaults to data.s
 
 The blocks are `self.blocks`, a ModuleList of identical `Block`s: what FSDP wraps one by one.
 Input: (batch, seq) int64 token ids; output: (batch, seq, vocab_size) logits.
+
+`save_pretrained` writes it as `transformers`' GPT2LMHeadModel (the same layout: its Conv1D
+weights are these Linear weights transposed; biases this model leaves out are zeros; exact
+GELU), so that `from_pretrained` gives the same logits without this package.
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -103,6 +108,44 @@ class GPT(nn.Module):
         attention's 12 x layers x width x sequence length."""
         n = sum(p.numel() for p in self.parameters()) - self.wpe.weight.numel()
         return 6.0 * n + 12.0 * self.n_layer * self.n_embd * seq_len
+
+    @torch.no_grad()
+    def to_transformers(self) -> nn.Module:
+        """The same model as a transformers GPT2LMHeadModel (weights copied)."""
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(vocab_size=self.wte.num_embeddings, n_positions=self.block_size,
+                            n_embd=self.n_embd, n_layer=self.n_layer, n_head=self.n_head,
+                            activation_function="gelu", bos_token_id=None, eos_token_id=None,
+                            tie_word_embeddings=self.lm_head.weight is self.wte.weight,
+                            resid_pdrop=self.drop.p, embd_pdrop=self.drop.p,
+                            attn_pdrop=self.drop.p)
+        hf = GPT2LMHeadModel(config)
+        ours = self.state_dict()
+        theirs = {"transformer.wte.weight": ours["wte.weight"],
+                  "transformer.wpe.weight": ours["wpe.weight"],
+                  "lm_head.weight": ours["lm_head.weight"]}
+        names = {"ln_1": "ln_1", "ln_2": "ln_2", "attn.c_attn": "attn.qkv",
+                 "attn.c_proj": "attn.proj", "mlp.c_fc": "mlp.0", "mlp.c_proj": "mlp.2"}
+        for i in range(self.n_layer):
+            for hf_name, name in names.items():
+                transpose = hf_name.startswith(("attn", "mlp"))  # Conv1D: (in, out)
+                weight = ours[f"blocks.{i}.{name}.weight"]
+                theirs[f"transformer.h.{i}.{hf_name}.weight"] = weight.t() if transpose \
+                    else weight
+                bias = ours.get(f"blocks.{i}.{name}.bias")
+                theirs[f"transformer.h.{i}.{hf_name}.bias"] = torch.zeros(
+                    weight.shape[0]) if bias is None else bias
+        theirs["transformer.ln_f.weight"] = ours["ln_f.weight"]
+        theirs["transformer.ln_f.bias"] = ours.get("ln_f.bias", torch.zeros(self.n_embd))
+        hf.load_state_dict({k: v.detach().clone().contiguous() for k, v in theirs.items()})
+        return hf.eval()
+
+    def save_pretrained(self, folder: Path, tokenizer: str | None = None) -> Path:
+        """As train/models/hf.py's HFModel: the transformers model and the data's tokenizer."""
+        from train.models.hf import HFModel
+
+        return HFModel(self.to_transformers(), "input_ids").save_pretrained(folder, tokenizer)
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 1.0,
