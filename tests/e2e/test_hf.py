@@ -82,7 +82,7 @@ def test_a_random_gpt2_trains_alike_under_ddp_and_fsdp_on_a_trained_bpe(
         gpt2_runs: dict[str, dict], bpe_tokens: Path) -> None:
     ddp, fsdp = gpt2_runs["ddp"], gpt2_runs["fsdp"]
     tokenizer = str((bpe_tokens / "tokenizer.json").resolve())
-    assert ddp["run"].data.params["data.tokenizer"] == tokenizer
+    assert ddp["run"].data.params["data.tokenized_with"] == tokenizer
     # Its samples are decoded with that tokenizer: the text re-encodes to ids of its vocabulary.
     from train.data.tokenize import FileTokenizer
 
@@ -148,6 +148,70 @@ def test_a_small_vit_trains_on_images_with_its_sizes_from_the_data(
     assert run.info.status == "FINISHED" and "val/accuracy" in run.data.metrics
     config = json.loads((tmp_path / "job" / "hf_model" / "config.json").read_text())
     assert (config["image_size"], config["num_channels"], len(config["id2label"])) == (16, 3, 10)
+
+
+SENTENCES = 240
+"""Labelled sentences of the test's own (80 % training, 20 % validation): class 0 speaks of
+animals, class 1 of numbers, in random words of each."""
+
+
+@pytest.fixture(scope="module")
+def sentences(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A `datasets` directory (save_to_disk) of texts with a ClassLabel, train and validation."""
+    import random
+
+    import datasets
+
+    rng = random.Random(0)
+    words = (["cat", "dog", "horse", "bird", "fish", "mouse", "cow"],
+             ["one", "two", "seven", "ten", "forty", "hundred", "nine"])
+    filler = ["the", "a", "and", "of", "saw", "with", "near"]
+    rows = {"text": [], "label": []}
+    for i in range(SENTENCES):
+        label = i % 2
+        rows["text"].append(" ".join(rng.choice(words[label] + filler)
+                                     for _ in range(rng.randint(4, 12))))
+        rows["label"].append(label)
+    features = datasets.Features({"text": datasets.Value("string"),
+                                  "label": datasets.ClassLabel(names=["animals", "numbers"])})
+    whole = datasets.Dataset.from_dict(rows, features=features)
+    cut = SENTENCES * 4 // 5
+    out = tmp_path_factory.mktemp("sentences") / "set"
+    datasets.DatasetDict({"train": whole.select(range(cut)),
+                          "validation": whole.select(range(cut, SENTENCES))}).save_to_disk(out)
+    return out
+
+
+def test_a_small_bert_classifies_texts_of_a_datasets_directory(
+        sentences: Path, bpe_tokens: Path, store: dict[str, str], tmp_path: Path) -> None:
+    """Texts tokenized in the DataLoader's workers with the BPE (padded with its <pad>, masked
+    out of attention), a random 2-layer BERT classifier at 2 ranks: every validation text once,
+    accuracy far above chance; vocab_size, pad_token_id and num_labels filled from the data."""
+    done = run_train("data=arrow", f"data.root={sentences}", f"data.tokenizer={bpe_tokens}",
+                     "data.max_length=16", "model=hf", "model.auto_class=sequence_classification",
+                     "model.config.model_type=bert", "+model.config.hidden_size=32",
+                     "+model.config.num_hidden_layers=2", "+model.config.num_attention_heads=2",
+                     "+model.config.intermediate_size=64", "optim=adamw", "optim.lr=3e-3",
+                     "trainer.epochs=6", "data.batch_size=32", "data.num_workers=1",
+                     "distributed.nproc_per_node=2", "tracking.log_model=false",
+                     f"hydra.run.dir={tmp_path / 'job'}", env=store, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [run] = runs_in(store["MLFLOW_TRACKING_URI"])
+    assert run.data.metrics["val/samples"] == SENTENCES - SENTENCES * 4 // 5
+    assert run.data.metrics["val/accuracy"] > 0.8, run.data.metrics  # chance: 0.5
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tmp_path / "job" / "hf_model", local_files_only=True)
+    assert (config.vocab_size, config.pad_token_id, config.num_labels) == (VOCAB, 0, 2)
+
+
+def test_a_text_column_without_a_tokenizer_is_refused(sentences: Path, store: dict[str, str],
+                                                      tmp_path: Path) -> None:
+    done = run_train("data=arrow", f"data.root={sentences}", "model=hf",
+                     "model.auto_class=sequence_classification", "model.config.model_type=bert",
+                     f"hydra.run.dir={tmp_path / 'job'}", env=store, timeout=120)
+    assert_refused(done, "data.input_column='text' of", store)
+    assert "holds text: give data.tokenizer=" in done.stderr
 
 
 @pytest.mark.parametrize(("overrides", "expected"), [

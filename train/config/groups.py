@@ -145,6 +145,12 @@ class DataConfig:
     image column, else image / input / pixel_values."""
     target_column: str = "auto"
     """arrow: the target's column; auto = the manifest's, else label / labels / target."""
+    tokenizer: str | None = None
+    """arrow with a text input column: the tokenizer (a `tokenizers` JSON file, or a directory
+    holding tokenizer.json as save_pretrained writes it) that turns each text into token ids in
+    the DataLoader's workers, padded (its [PAD] or <pad> token) and truncated to max_length."""
+    max_length: int = 128
+    """arrow with a text input column: token ids per sample."""
     shuffle: str = "shards"
     """arrow: the training order. shards: the shards in a random order, then the samples of
     each window of shuffle_window shards (reads stay in a few files); global: one permutation

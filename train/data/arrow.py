@@ -184,6 +184,10 @@ def is_image(feature: Any) -> bool:
     return type(feature).__name__ == "Image"
 
 
+def is_text(feature: Any) -> bool:
+    return getattr(feature, "dtype", None) in ("string", "large_string")
+
+
 def columns(layout: Layout, input_column: str, target_column: str) -> tuple[str, str]:
     """data.input_column and data.target_column, or (auto) the manifest's, else the first image
     column and `label` (or `labels`, `target`); a column the set lacks is named with those it
@@ -235,9 +239,10 @@ class ArrowSamples(Dataset):
     (a DataLoader worker maps the shards itself)."""
 
     def __init__(self, path: Path, input_column: str, target_column: str,
-                 transform: Any = None) -> None:
+                 transform: Any = None, encoder: Any = None) -> None:
         self.path, self.input_column, self.target_column = path, input_column, target_column
-        self.transform = transform
+        self.transform, self.encoder = transform, encoder
+        """`encoder`: a text column's tokenizer (train/data/tokenize.py TextEncoder)."""
         self._data: Any = None
         self.length = len(self.data)
         self.is_image = is_image(self.data.features[input_column])
@@ -268,6 +273,10 @@ class ArrowSamples(Dataset):
         from train.data.streaming import Unreadable, decode_bytes
 
         rows = self.data[[int(i) for i in indices]]
+        if self.encoder is not None:  # a batch of texts tokenized at once
+            ids = torch.from_numpy(self.encoder(rows[self.input_column]))
+            return [(row, _tensor_or_number(t))
+                    for row, t in zip(ids, rows[self.target_column], strict=True)]
         samples: list[Any] = []
         for index, value, target in zip(indices, rows[self.input_column],
                                         rows[self.target_column], strict=True):

@@ -232,6 +232,8 @@ class DataBundle:
     """data=tokens: the vocabulary (the model's output size, filled as its `vocab_size`)."""
     tokenizer: str | None = None
     """data=tokens: the tokenizer meta.json names (train/data/tokenize.py)."""
+    text: tuple[int, int] | None = None
+    """data=arrow with a text column: its tokenizer's vocabulary and padding id."""
 
     @property
     def num_classes(self) -> int:

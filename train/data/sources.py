@@ -55,8 +55,30 @@ class Source:
     vocab_size: int | None = None
     tokenizer: str | None = None
     """data=tokens: the vocabulary and the tokenizer (train/data/tokens.py)."""
+    text: tuple[int, int] | None = None
+    """data=arrow with a text column: its tokenizer's vocabulary and padding id (a model's
+    vocab_size and pad_token_id, filled; the task stays the data's)."""
     sampler: type[DistributedSampler] = DistributedSampler
     """The training order's sampler (data=tokens: one that keeps it as a tensor)."""
+
+
+def text_encoder(cfg: DataConfig, layout: Any, column: str) -> Any:
+    """data.tokenizer's encoder for a text input column; None for other columns. A text
+    column without a tokenizer is refused, naming the keys."""
+    from train.data import arrow
+    from train.data.tokenize import TextEncoder
+    from train.data.tokens import TokenDataError
+
+    if not arrow.is_text(arrow.open_split(layout.splits["train"]).features[column]):
+        return None
+    if cfg.tokenizer is None:
+        raise ConfigError(f"data.input_column={column!r} of {cfg.root} holds text: give "
+                          "data.tokenizer=<a tokenizers JSON file, or a directory holding "
+                          "tokenizer.json> (and data.max_length) to turn it into token ids.")
+    try:
+        return TextEncoder(cfg.tokenizer, cfg.max_length)
+    except TokenDataError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _first_shape(dataset: Dataset, tries: int = 16) -> tuple[int, ...]:
@@ -183,7 +205,7 @@ def build(cfg: DataConfig, env: DistEnv, device: torch.device, seed: int, per_ra
         num_train=len(source.train), num_val=len(source.val),  # type: ignore[arg-type]
         class_names=source.class_names, input_shape=source.input_shape,
         describe=source.describe, target_shape=source.target_shape,
-        vocab_size=source.vocab_size, tokenizer=source.tokenizer)
+        vocab_size=source.vocab_size, tokenizer=source.tokenizer, text=source.text)
 
 
 def _source(cfg: DataConfig, workers: int, classes: bool) -> Source:
@@ -233,15 +255,16 @@ def arrow_source(cfg: DataConfig, classes: bool = True) -> Source:
 
     layout = arrow.find(arrow.staged(cfg.root, cfg.stage_to) if cfg.stage_to else cfg.root)
     input_column, target_column = arrow.columns(layout, cfg.input_column, cfg.target_column)
+    encoder = text_encoder(cfg, layout, input_column)
     whole = arrow.ArrowSamples(layout.splits["train"], input_column, target_column,
-                               transforms(cfg, train=True))
+                               transforms(cfg, train=True), encoder)
     images = whole.is_image
     evaluation = transforms(cfg, train=False) if images else None
     sampler: Any = DistributedSampler
     if "val" in layout.splits:
         train: Dataset = whole
         val: Dataset = arrow.ArrowSamples(layout.splits["val"], input_column, target_column,
-                                          evaluation)
+                                          evaluation, encoder)
         if cfg.shuffle == "shards":
             sizes = arrow.shard_rows(arrow.shard_files(layout.splits["train"]))
             sampler = functools.partial(arrow.ShardWindowSampler, shard_sizes=sizes,
@@ -250,8 +273,8 @@ def arrow_source(cfg: DataConfig, classes: bool = True) -> Source:
         parts = batching.split(len(whole), cfg.val_fraction, cfg.split_seed)
         train, val = Rows(whole, parts.train_idx), Rows(whole.with_transform(evaluation),
                                                         parts.val_idx)
-    test = (arrow.ArrowSamples(layout.splits["test"], input_column, target_column, evaluation)
-            if "test" in layout.splits else None)
+    test = (arrow.ArrowSamples(layout.splits["test"], input_column, target_column, evaluation,
+                               encoder) if "test" in layout.splits else None)
     names = arrow.class_names(whole.data, target_column) if classes else None
     if classes and names is None:
         raise ConfigError(f"data=arrow: column {target_column!r} of {cfg.root} holds no class "
@@ -274,5 +297,6 @@ def arrow_source(cfg: DataConfig, classes: bool = True) -> Source:
     return Source(train, val, names or [], shape, describe, test=test, normalise=normalise,
                   collate=collate_readable if images else collate_pairs,
                   target_shape=target_shape, sampler=sampler,
+                  text=None if encoder is None else (encoder.vocab_size, encoder.pad_id),
                   summary=f"arrow {where}: {rows} training, {len(val)} validation samples "
                           f"({input_column!r} -> {target_column!r}; shuffle={cfg.shuffle})")

@@ -80,10 +80,42 @@ def tokenizer(name: str) -> Tokenizer:
     return ByteTokenizer() if name == BYTES else FileTokenizer(Path(name))
 
 
+PAD_TOKENS = ("[PAD]", "<pad>", "<|pad|>")
+"""A tokenizer's padding token, by the names BERT's, T5's and prepare-text's BPE use."""
+
+
+class TextEncoder:
+    """Texts to token ids of one length (padded with the tokenizer's pad token, truncated), for
+    a text column of data=arrow: made in the launching process, pickled into each DataLoader
+    worker, which loads the tokenizer itself on first use."""
+
+    def __init__(self, path: str, max_length: int) -> None:
+        self.path, self.max_length = path, max_length
+        tok = FileTokenizer(Path(path).expanduser())._tok  # checks it loads, once
+        self.vocab_size = int(tok.get_vocab_size())
+        found = [(t, tok.token_to_id(t)) for t in PAD_TOKENS if tok.token_to_id(t) is not None]
+        if not found:
+            raise TokenDataError(f"data.tokenizer={path} has no padding token "
+                                 f"({', '.join(PAD_TOKENS)}): texts of one length need one.")
+        self.pad_token, self.pad_id = found[0]
+        self._tok: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_tok": None}
+
+    def __call__(self, texts: list[str]) -> np.ndarray:
+        if self._tok is None:
+            self._tok = FileTokenizer(Path(self.path).expanduser())._tok
+            self._tok.enable_truncation(self.max_length)
+            self._tok.enable_padding(length=self.max_length, pad_id=self.pad_id,
+                                     pad_token=self.pad_token)
+        return np.asarray([e.ids for e in self._tok.encode_batch(texts)], dtype=np.int64)
+
+
 def train_bpe(files: Sequence[Path], vocab_size: int, out: Path) -> FileTokenizer:
     """A byte-level BPE of `vocab_size` tokens trained on the files' text (GPT-2's scheme:
-    every byte is a token to start with, so no text is out of vocabulary), saved as
-    <out>/tokenizer.json."""
+    every byte is a token to start with, so no text is out of vocabulary), and <pad> (id 0)
+    for padded texts (TextEncoder), saved as <out>/tokenizer.json."""
     if vocab_size <= 256:
         raise TokenDataError(f"--vocab-size {vocab_size}: a byte-level BPE starts from the 256 "
                              "bytes; give more (e.g. 4096).")
@@ -92,6 +124,7 @@ def train_bpe(files: Sequence[Path], vocab_size: int, out: Path) -> FileTokenize
     bpe.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = tk.decoders.ByteLevel()
     trainer = tk.trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                     special_tokens=["<pad>"],
                                      initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet())
     texts = (p.read_bytes().decode("utf-8", errors="replace") for p in files)
     bpe.train_from_iterator(texts, trainer)

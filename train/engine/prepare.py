@@ -130,7 +130,7 @@ def set_up_task(cfg: TrainConfig, task: Task, bundle: data_lib.DataBundle,
         raise ConfigError(problem)
     return models.InputSpec.of(bundle.input_shape,
                                task.outputs_per_sample(bundle.target_shape, classes),
-                               vocab_size=bundle.vocab_size)
+                               vocab_size=bundle.vocab_size, text=bundle.text)
 
 
 def prepare(job: Job, logger: RunLogger, stop: StopSignals) -> Prepared:

@@ -171,7 +171,7 @@ def _build_sharded(cfg: TrainConfig, spec: models.InputSpec, steps_per_epoch: in
         fsdp.materialise(module, device, cfg.distributed.fsdp.cpu_offload)
     state = _with_optimiser(cfg, module, module, steps_per_epoch, device)
     state.initialised_on = place
-    kind = torch.long if spec.vocab_size is not None else torch.float32
+    kind = torch.long if spec.token_ids else torch.float32
     state.filler = torch.zeros(1, *spec.sample_shape, dtype=kind, device=device)
     return state
 

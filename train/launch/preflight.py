@@ -142,9 +142,13 @@ def check_data(cfg: TrainConfig) -> int | None:
         from train.data import arrow  # the shards' headers and a sample of their checksums
 
         try:
-            arrow.check(cfg.data.root)
+            layout = arrow.check(cfg.data.root)
+            column = arrow.columns(layout, cfg.data.input_column, cfg.data.target_column)[0]
         except arrow.ArrowDataError as e:
             raise LaunchError(str(e)) from None
+        from train.data.sources import text_encoder  # a text column: its tokenizer, loaded
+
+        text_encoder(cfg.data, layout, column)
         return None
     if cfg.data.name == "custom":
         from train.data import userdata  # imports the user's package (and torch)

@@ -23,13 +23,21 @@ class InputSpec:
     """One sample's shape; () = (channels, image_size, image_size)."""
     vocab_size: int | None = None
     """Token data: the vocabulary; the sample is a window of input_shape[0] token ids."""
+    text: tuple[int, int] | None = None
+    """Texts as padded token ids (data=arrow with data.tokenizer): the tokenizer's vocabulary
+    and padding id; the task is the data's (a class per text)."""
 
     @classmethod
     def of(cls, input_shape: tuple[int, ...], num_classes: int,
-           vocab_size: int | None = None) -> InputSpec:
+           vocab_size: int | None = None, text: tuple[int, int] | None = None) -> InputSpec:
         """From one sample's shape: channels first, the last dimension as the image size."""
         shape = tuple(input_shape)
-        return cls(shape[0], shape[-1], num_classes, shape, vocab_size)
+        return cls(shape[0], shape[-1], num_classes, shape, vocab_size, text)
+
+    @property
+    def token_ids(self) -> bool:
+        """Samples are token ids (int64), not pixels or features."""
+        return self.vocab_size is not None or self.text is not None
 
     @property
     def sample_shape(self) -> tuple[int, ...]:
@@ -39,6 +47,9 @@ class InputSpec:
         """What a custom model's constructor may take from the data (by these names)."""
         if self.vocab_size is not None:  # token windows: a language model's sizes
             return {"vocab_size": self.vocab_size, "seq_len": self.input_shape[0]}
+        if self.text is not None:  # padded texts: a classifier's, and its tokenizer's
+            return {"num_classes": self.num_classes, "vocab_size": self.text[0],
+                    "pad_token_id": self.text[1], "seq_len": self.input_shape[0]}
         return {"num_classes": self.num_classes, "in_channels": self.channels,
                 "channels": self.channels, "image_size": self.image_size}
 

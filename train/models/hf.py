@@ -40,9 +40,9 @@ class HFModel(nn.Module):
     """A transformers model whose forward takes the batch's tensor (token ids, or pixels) and
     returns its logits."""
 
-    def __init__(self, model: nn.Module, input_name: str) -> None:
+    def __init__(self, model: nn.Module, input_name: str, pad_id: int | None = None) -> None:
         super().__init__()
-        self.model, self.input_name = model, input_name
+        self.model, self.input_name, self.pad_id = model, input_name, pad_id
 
     @property
     def vocab_size(self) -> int | None:
@@ -55,7 +55,9 @@ class HFModel(nn.Module):
         return getattr(config, "n_positions", getattr(config, "max_position_embeddings", None))
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        return self.model(**{self.input_name: inputs}).logits
+        if self.pad_id is None:
+            return self.model(**{self.input_name: inputs}).logits
+        return self.model(input_ids=inputs, attention_mask=inputs.ne(self.pad_id)).logits
 
     def save_pretrained(self, folder: Path, tokenizer: str | None = None) -> Path:
         """The model as `transformers` keeps it (config.json, model.safetensors), with the
@@ -90,15 +92,16 @@ def find_auto_class(name: str) -> Any:
 
 
 def _filled(config: dict[str, Any], name: str, sizes: dict[str, int | None]) -> dict[str, Any]:
-    """The config's overrides with what the data knows, where the user set nothing."""
+    """The config's overrides with what the data knows, where the user set nothing: images'
+    sizes and classes; token ids' vocabulary (and padding id), and a classifier's classes."""
     out = dict(config)
     if name in PIXELS:
         wanted = {"num_labels": sizes["num_classes"], "image_size": sizes["image_size"],
                   "num_channels": sizes["channels"]}
-    elif sizes["vocab_size"] is not None:
-        wanted = {"vocab_size": sizes["vocab_size"]}
     else:
-        wanted = {"num_labels": sizes["num_classes"]}
+        wanted = {"vocab_size": sizes["vocab_size"], "pad_token_id": sizes["pad_token_id"]}
+        if name != "causal_lm":
+            wanted["num_labels"] = sizes["num_classes"]
     out.update({k: v for k, v in wanted.items() if v is not None and k not in out})
     return out
 
@@ -106,13 +109,14 @@ def _filled(config: dict[str, Any], name: str, sizes: dict[str, int | None]) -> 
 def build(auto_class: str = "causal_lm", path: str | None = None,
           config: dict[str, Any] | None = None, vocab_size: int | None = None,
           seq_len: int | None = None, num_classes: int | None = None,
-          channels: int | None = None, image_size: int | None = None) -> HFModel:
+          channels: int | None = None, image_size: int | None = None,
+          pad_token_id: int | None = None) -> HFModel:
     """The model (see the module's docstring). `seq_len`: taken, so that the filling rule
     hands it, but the config's own context (n_positions, max_position_embeddings) decides."""
     del seq_len
     model_class = find_auto_class(auto_class)
     sizes = {"vocab_size": vocab_size, "num_classes": num_classes, "channels": channels,
-             "image_size": image_size}
+             "image_size": image_size, "pad_token_id": pad_token_id}
     overrides = _filled(dict(config or {}), auto_class, sizes)
     if path is not None:
         model = _pretrained(model_class, Path(path).expanduser(), overrides)
@@ -122,7 +126,10 @@ def build(auto_class: str = "causal_lm", path: str | None = None,
         raise UserCodeError(f"model=hf: the model's vocabulary ({model.config.vocab_size} "
                             f"tokens) is smaller than the data's ({vocab_size}): give a model "
                             "of the data's tokenizer, or set model.config.vocab_size.")
-    return HFModel(model, "pixel_values" if auto_class in PIXELS else "input_ids")
+    pixels = auto_class in PIXELS
+    # Padded texts: the positions holding the padding id are masked out of attention.
+    return HFModel(model, "pixel_values" if pixels else "input_ids",
+                   None if pixels or auto_class == "causal_lm" else pad_token_id)
 
 
 def _from_config(model_class: Any, overrides: dict[str, Any]) -> nn.Module:

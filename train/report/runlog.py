@@ -119,7 +119,7 @@ class RunLogger:
         if bundle.vocab_size is not None:  # token windows: a vocabulary, not classes
             del facts["data.classes"]
             facts.update({"data.vocab_size": bundle.vocab_size,
-                          "data.tokenizer": bundle.tokenizer})
+                          "data.tokenized_with": bundle.tokenizer})
         self.run.log_params({k: str(v) for k, v in facts.items()})
         log.info("data: %s", ", ".join(f"{k}={v}" for k, v in facts.items()))
         if not self.restarts:  # recorded by the first start
