@@ -61,7 +61,7 @@ mlflow-server: setup
 # task=segmentation (bench/task_data.py), and on an ImageFolder of JPEGs the bench writes itself
 # (docs/benchmarks.md); data=arrow's shards against the same JPEGs as an image folder
 # (bench/arrow.py: 200,000 images and 800,000, files opened, first step, RSS); model=gpt
-# against a nanoGPT-style loop (bench/lm.py); FSDP against DDP on a 57 M-parameter GPT
+# against a nanoGPT-style loop, and model=hf's GPT-2 against the same loop over it (bench/lm.py); FSDP against DDP on a 57 M-parameter GPT
 # (bench/fsdp.py); the straggler check's own work (bench/stragglers.py); and Optuna sweeps
 # with each pruner against the same sweep without (bench/sweep_pruning.py: four sweeps of 16
 # trials, minutes on an idle CPU); `python -m train eval` against the same evaluation inside
@@ -70,6 +70,7 @@ bench: setup
 	$(PY) -m bench.run $(BENCH_ARGS)
 	$(PY) -m bench.tasks
 	$(PY) -m bench.lm
+	$(PY) -m bench.lm --model hf --out .bench/lm-hf.json
 	$(PY) -m bench.imagefolder
 	$(PY) -m bench.arrow --out .bench/arrow.json
 	$(PY) -m bench.new_store --dirty-mb 1000

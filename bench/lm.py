@@ -17,6 +17,8 @@ after as many steps (trainer.max_steps), for peak RSS per rank against b's.
 
     python -m bench.lm                   # ~5 minutes on a quiet 2-core CPU
     python -m bench.lm --repeats 5 --workers 1
+    python -m bench.lm --model hf --out .bench/lm-hf.json   # model=hf's GPT-2 (transformers)
+                                         # against a loop over the same GPT2LMHeadModel
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--n-embd", type=int, default=128)
     p.add_argument("--workers", type=int, default=0,
                    help="the service's DataLoader workers per rank (nanoGPT reads in the rank)")
+    p.add_argument("--model", choices=["gpt", "hf"], default="gpt",
+                   help="gpt: model=gpt against the same GPT class; hf: model=hf's random "
+                        "GPT-2 (transformers) against a loop over the same GPT2LMHeadModel")
     p.add_argument("--timeout", type=float, default=600, help="seconds per command")
     p.add_argument("--out", type=Path, default=REPO / ".bench" / "lm.json")
     return p.parse_args()
@@ -85,15 +90,19 @@ def plain_command(data: Path, args: argparse.Namespace, out: Path) -> list[str]:
             "--data", str(data), "--seq-len", str(args.seq_len),
             "--batch-size", str(args.batch_size), "--steps", str(args.steps),
             "--epochs", str(args.epochs), "--n-layer", str(args.n_layer),
-            "--n-embd", str(args.n_embd), "--out", str(out / "plain.json")]
+            "--n-embd", str(args.n_embd), "--model", args.model, "--out", str(out / "plain.json")]
 
 
 def service_command(data: Path, args: argparse.Namespace, out: Path,
                     max_steps: int | None = None) -> list[str]:
-    cmd = [sys.executable, "-m", "train", "data=tokens", f"data.root={data}", "model=gpt",
+    model = ([f"model.n_layer={args.n_layer}", f"model.n_embd={args.n_embd}"]
+             if args.model == "gpt" else
+             ["model=hf", f"+model.config.n_layer={args.n_layer}", "+model.config.n_head=4",
+              f"+model.config.n_embd={args.n_embd}", f"+model.config.n_positions={args.seq_len}"])
+    cmd = [sys.executable, "-m", "train", "data=tokens", f"data.root={data}",
+           *(["model=gpt"] if args.model == "gpt" else []), *model,
            "task=language_model", f"data.seq_len={args.seq_len}",
-           f"data.batch_size={args.batch_size}", f"data.num_workers={args.workers}",
-           f"model.n_layer={args.n_layer}", f"model.n_embd={args.n_embd}", "optim=adamw",
+           f"data.batch_size={args.batch_size}", f"data.num_workers={args.workers}", "optim=adamw",
            "optim.schedule=constant", "optim.warmup_epochs=0", f"trainer.epochs={args.epochs}",
            "task.sample_tokens=0", f"distributed.nproc_per_node={args.nproc}",
            "distributed.device=cpu", "tracking.enabled=false", f"hydra.run.dir={out}"]

@@ -49,6 +49,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", choices=["gpt", "hf"], default="gpt",
+                   help="gpt: train/models/gpt.py; hf: transformers' GPT2LMHeadModel of the "
+                        "same sizes, as model=hf builds it (its logits)")
     p.add_argument("--out", type=Path, required=True, help="JSON result (written by rank 0)")
     return p.parse_args()
 
@@ -62,14 +65,25 @@ def get_batch(path: Path, seq_len: int, batch: int) -> tuple[torch.Tensor, torch
     return x, y
 
 
+def build_model(args: argparse.Namespace, vocab: int) -> torch.nn.Module:
+    if args.model == "gpt":
+        return GPT(vocab_size=vocab, seq_len=args.seq_len, n_layer=args.n_layer,
+                   n_head=args.n_head, n_embd=args.n_embd)
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=args.seq_len,
+                                      n_layer=args.n_layer, n_head=args.n_head,
+                                      n_embd=args.n_embd, bos_token_id=None,
+                                      eos_token_id=None))
+
+
 def main() -> None:
     args = parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     vocab = json.loads((args.data / "meta.json").read_text())["vocab_size"]
     torch.manual_seed(args.seed)
-    model = DDP(GPT(vocab_size=vocab, seq_len=args.seq_len, n_layer=args.n_layer,
-                    n_head=args.n_head, n_embd=args.n_embd))
+    model = DDP(build_model(args, vocab))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     torch.manual_seed(args.seed + rank)  # each rank its own windows
     per_rank = args.batch_size // world
@@ -80,7 +94,7 @@ def main() -> None:
         started = time.perf_counter()
         for _ in range(args.steps):
             x, y = get_batch(train, args.seq_len, per_rank)
-            logits = model(x)
+            logits = model(x) if args.model == "gpt" else model(input_ids=x).logits
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
             loss.backward()
             optimizer.step()

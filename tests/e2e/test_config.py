@@ -19,7 +19,7 @@ def test_help_lists_groups_without_importing_heavy_modules() -> None:
     out = subprocess.run([sys.executable, "-X", "importtime", "-m", "train", "--help"],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    for line in ("== Config groups ==", "model: cnn, custom, gpt, mlp, resnet18, torchvision",
+    for line in ("== Config groups ==", "model: cnn, custom, gpt, hf, mlp, resnet18, torchvision",
                  "data: arrow, cifar10, custom, digits, fashion_mnist, imagefolder, mnist, "
                  "synthetic, tokens",
                  "optim: adamw, sgd"):

@@ -23,7 +23,7 @@ def test_an_unknown_key_added_with_plus_is_one_config_error() -> None:
 @pytest.mark.parametrize(("override", "expected"), [
     ("trainer.nope=1", "Could not override 'trainer.nope': Key 'nope' not in 'TrainerConfig'."),
     ("model=nosuch", "In 'train': Could not find 'model/nosuch' Available options in 'model': "
-                     "cnn, custom, gpt, mlp, resnet18, torchvision."),
+                     "cnn, custom, gpt, hf, mlp, resnet18, torchvision."),
 ])
 def test_a_composition_error_is_one_line(override: str, expected: str) -> None:
     with pytest.raises(HydraException) as failed:
