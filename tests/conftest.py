@@ -321,6 +321,57 @@ def small_tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+VOCAB = 512
+"""bpe_tokens' vocabulary."""
+
+
+@pytest.fixture(scope="session")
+def bpe_tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """pydoc's source (109 KB) as token files of a byte-level BPE trained on it
+    (tests/e2e/test_hf.py, tests/cluster/test_hf_slurm.py, tests/unit/test_pretokenize.py)."""
+    import pydoc
+
+    out = tmp_path_factory.mktemp("bpe") / "tokens"
+    done = subprocess.run([sys.executable, "-m", "train", "prepare-text", pydoc.__file__,
+                           str(out), "--train-tokenizer", "bpe", "--vocab-size", str(VOCAB),
+                           "--val-fraction", "0.05"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+SENTENCES = 240
+"""Labelled sentences of the test's own (80 % training, 20 % validation): class 0 speaks of
+animals, class 1 of numbers, in random words of each."""
+
+
+@pytest.fixture(scope="session")
+def sentences(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A `datasets` directory (save_to_disk) of texts with a ClassLabel, train and validation."""
+    import random
+
+    import datasets
+
+    rng = random.Random(0)
+    words = (["cat", "dog", "horse", "bird", "fish", "mouse", "cow"],
+             ["one", "two", "seven", "ten", "forty", "hundred", "nine"])
+    filler = ["the", "a", "and", "of", "saw", "with", "near"]
+    rows = {"text": [], "label": []}
+    for i in range(SENTENCES):
+        label = i % 2
+        rows["text"].append(" ".join(rng.choice(words[label] + filler)
+                                     for _ in range(rng.randint(4, 12))))
+        rows["label"].append(label)
+    features = datasets.Features({"text": datasets.Value("string"),
+                                  "label": datasets.ClassLabel(names=["animals", "numbers"])})
+    whole = datasets.Dataset.from_dict(rows, features=features)
+    cut = SENTENCES * 4 // 5
+    out = tmp_path_factory.mktemp("sentences") / "set"
+    datasets.DatasetDict({"train": whole.select(range(cut)),
+                          "validation": whole.select(range(cut, SENTENCES))}).save_to_disk(out)
+    return out
+
+
 @pytest.fixture(scope="session")
 def store_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An empty SQLite MLflow store, its tables made once per pytest process: MLflow migrates a

@@ -16,7 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, assert_refused, history, new_store, run_train, runs_in
+from tests.conftest import (
+    SENTENCES,
+    VOCAB,
+    assert_refused,
+    history,
+    new_store,
+    run_train,
+    runs_in,
+)
 
 pytest.importorskip("transformers", reason="model=hf needs the hf extra (make setup has it)")
 
@@ -25,7 +33,6 @@ GPT2 = ("data=tokens", "task=language_model", "model=hf", "+model.config.n_layer
         "data.num_workers=0", "optim=adamw", "optim.lr=1e-2", "task.sample_tokens=0",
         "trainer.log_every_n_steps=1", "trainer.epochs=1", "trainer.max_steps=8",
         "data.batch_size=30", "tracking.log_model=false")
-VOCAB = 512
 VAL_LOSS_BELOW = 6.15
 """ln(512) = 6.24 is a uniform guess over the BPE's vocabulary; 8 steps take the random GPT-2 to
 6.06 (measured)."""
@@ -41,20 +48,6 @@ text = open(sys.argv[4]).read()
 print(AutoTokenizer.from_pretrained(sys.argv[1], local_files_only=True)(text)["input_ids"])
 assert not [m for m in sys.modules if m == "train" or m.startswith("train.")]
 """
-
-
-@pytest.fixture(scope="module")
-def bpe_tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """pydoc's source (109 KB) as token files of a byte-level BPE trained on it."""
-    import pydoc
-
-    out = tmp_path_factory.mktemp("bpe") / "tokens"
-    done = subprocess.run([sys.executable, "-m", "train", "prepare-text", pydoc.__file__,
-                           str(out), "--train-tokenizer", "bpe", "--vocab-size", str(VOCAB),
-                           "--val-fraction", "0.05"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -150,59 +143,87 @@ def test_a_small_vit_trains_on_images_with_its_sizes_from_the_data(
     assert (config["image_size"], config["num_channels"], len(config["id2label"])) == (16, 3, 10)
 
 
-SENTENCES = 240
-"""Labelled sentences of the test's own (80 % training, 20 % validation): class 0 speaks of
-animals, class 1 of numbers, in random words of each."""
+BERT = ("data=arrow", "data.max_length=16", "model=hf", "model.auto_class=sequence_classification",
+        "model.config.model_type=bert", "+model.config.hidden_size=32",
+        "+model.config.num_hidden_layers=2", "+model.config.num_attention_heads=2",
+        "+model.config.intermediate_size=64", "optim=adamw", "optim.lr=3e-3", "trainer.epochs=6",
+        "data.batch_size=32", "data.num_workers=1", "data.shuffle=global",
+        "distributed.nproc_per_node=2", "tracking.log_model=false")
 
 
-@pytest.fixture(scope="module")
-def sentences(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A `datasets` directory (save_to_disk) of texts with a ClassLabel, train and validation."""
-    import random
-
-    import datasets
-
-    rng = random.Random(0)
-    words = (["cat", "dog", "horse", "bird", "fish", "mouse", "cow"],
-             ["one", "two", "seven", "ten", "forty", "hundred", "nine"])
-    filler = ["the", "a", "and", "of", "saw", "with", "near"]
-    rows = {"text": [], "label": []}
-    for i in range(SENTENCES):
-        label = i % 2
-        rows["text"].append(" ".join(rng.choice(words[label] + filler)
-                                     for _ in range(rng.randint(4, 12))))
-        rows["label"].append(label)
-    features = datasets.Features({"text": datasets.Value("string"),
-                                  "label": datasets.ClassLabel(names=["animals", "numbers"])})
-    whole = datasets.Dataset.from_dict(rows, features=features)
-    cut = SENTENCES * 4 // 5
-    out = tmp_path_factory.mktemp("sentences") / "set"
-    datasets.DatasetDict({"train": whole.select(range(cut)),
-                          "validation": whole.select(range(cut, SENTENCES))}).save_to_disk(out)
-    return out
-
-
-def test_a_small_bert_classifies_texts_of_a_datasets_directory(
+def test_a_small_bert_classifies_texts_tokenized_in_workers_or_once_per_node(
         sentences: Path, bpe_tokens: Path, store: dict[str, str], tmp_path: Path) -> None:
     """Texts tokenized in the DataLoader's workers with the BPE (padded with its <pad>, masked
     out of attention), a random 2-layer BERT classifier at 2 ranks: every validation text once,
-    accuracy far above chance; vocab_size, pad_token_id and num_labels filled from the data."""
-    done = run_train("data=arrow", f"data.root={sentences}", f"data.tokenizer={bpe_tokens}",
-                     "data.max_length=16", "model=hf", "model.auto_class=sequence_classification",
-                     "model.config.model_type=bert", "+model.config.hidden_size=32",
-                     "+model.config.num_hidden_layers=2", "+model.config.num_attention_heads=2",
-                     "+model.config.intermediate_size=64", "optim=adamw", "optim.lr=3e-3",
-                     "trainer.epochs=6", "data.batch_size=32", "data.num_workers=1",
-                     "distributed.nproc_per_node=2", "tracking.log_model=false",
-                     f"hydra.run.dir={tmp_path / 'job'}", env=store, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    [run] = runs_in(store["MLFLOW_TRACKING_URI"])
+    accuracy far above chance; vocab_size, pad_token_id and num_labels filled from the data.
+    Then data.tokenize=map: the set tokenized once (not once per rank) into data.tokenized_to,
+    the same ids, so the same losses at every step."""
+    uri, cache = store["MLFLOW_TRACKING_URI"], tmp_path / "tokenized"
+    ran = {}
+    for mode in ("workers", "map"):
+        done = run_train(*BERT, f"data.root={sentences}", f"data.tokenizer={bpe_tokens}",
+                         f"data.tokenize={mode}", f"data.tokenized_to={cache}",
+                         f"hydra.run.dir={tmp_path / mode}", env=store, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        [ran[mode]] = [r for r in runs_in(uri) if r.info.run_id not in
+                       {x.info.run_id for x in ran.values()}]
+    run = ran["workers"]
     assert run.data.metrics["val/samples"] == SENTENCES - SENTENCES * 4 // 5
     assert run.data.metrics["val/accuracy"] > 0.8, run.data.metrics  # chance: 0.5
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(tmp_path / "job" / "hf_model", local_files_only=True)
+    config = AutoConfig.from_pretrained(tmp_path / "workers" / "hf_model", local_files_only=True)
     assert (config.vocab_size, config.pad_token_id, config.num_labels) == (VOCAB, 0, 2)
+    # map: one tokenizing pass for the two ranks, and batches of the same ids in the same order
+    [line] = (cache / "tokenize.log").read_text().splitlines()
+    assert f"rows={SENTENCES}" in line
+    assert ran["map"].data.metrics["val/samples"] == run.data.metrics["val/samples"]
+    for key in ("train/loss", "val/loss", "val/accuracy"):
+        ours, theirs = (history(uri, ran[m].info.run_id, key) for m in ("map", "workers"))
+        assert [s for s, _ in ours] == [s for s, _ in theirs] and ours
+        assert [v for _, v in ours] == pytest.approx([v for _, v in theirs], abs=1e-6), key
+
+
+def test_a_saved_model_fine_tunes_from_its_directory_with_its_weights_and_tokenizer(
+        sentences: Path, bpe_tokens: Path, store: dict[str, str], tmp_path: Path) -> None:
+    """model.path= the export of a trained classifier (its weights, config and tokenizer):
+    with a learning rate too small to move it, the first epoch's val/loss is the trained
+    run's last - every weight loaded, the embeddings not made afresh for the data's
+    vocabulary. A tokenizer larger than the saved model's vocabulary is refused at pre-flight."""
+    uri = store["MLFLOW_TRACKING_URI"]
+    trained = run_train(*BERT, f"data.root={sentences}", f"data.tokenizer={bpe_tokens}",
+                        "trainer.epochs=2", f"hydra.run.dir={tmp_path / 'trained'}", env=store,
+                        timeout=300)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    [first] = runs_in(uri)
+    saved = tmp_path / "trained" / "hf_model"
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(saved, local_files_only=True)
+    assert tokenizer.pad_token == "<pad>"  # padding=True pads as the run did
+    assert tokenizer(["cat one"], padding="max_length", max_length=16)["input_ids"][0][-1] == 0
+    tuned = run_train(*BERT, f"data.root={sentences}", f"data.tokenizer={saved}",
+                      f"model.path={saved}", "trainer.epochs=1", "optim.lr=1e-12",
+                      "model.config.model_type=null", f"hydra.run.dir={tmp_path / 'tuned'}",
+                      env=store, timeout=300)
+    assert tuned.returncode == 0, tuned.stderr[-3000:]
+    [second] = [r for r in runs_in(uri) if r.info.run_id != first.info.run_id]
+    assert second.data.metrics["val/loss"] == pytest.approx(first.data.metrics["val/loss"],
+                                                            abs=1e-5)
+    import json
+
+    bigger = tmp_path / "tokenizer.json"
+    spec = json.loads((saved / "tokenizer.json").read_text())
+    spec["model"]["vocab"].update({f"extra{i}": VOCAB + i for i in range(8)})
+    bigger.write_text(json.dumps(spec))
+    refused = run_train(*BERT, f"data.root={sentences}", f"data.tokenizer={bigger}",
+                        f"model.path={saved}", f"hydra.run.dir={tmp_path / 'refused'}",
+                        env=store, timeout=120)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    [line] = [x for x in refused.stderr.splitlines() if x.startswith("error:")]
+    assert f"the model's vocabulary ({VOCAB} tokens) is smaller than the data's ({VOCAB + 8}): " \
+        "tokenize the data with the model's own tokenizer" in line
+    assert len(runs_in(uri)) == 2  # no run for the refused job
 
 
 def test_a_text_column_without_a_tokenizer_is_refused(sentences: Path, store: dict[str, str],

@@ -151,6 +151,14 @@ class DataConfig:
     the DataLoader's workers, padded (its [PAD] or <pad> token) and truncated to max_length."""
     max_length: int = 128
     """arrow with a text input column: token ids per sample."""
+    tokenize: str = "workers"
+    """arrow with a text input column: workers = each batch's texts tokenized in the
+    DataLoader's workers as they are read (nothing written); map = the whole set tokenized
+    once per node before training (datasets' map) and cached in tokenized_to, reused while the
+    data, tokenizer and max_length stay the same."""
+    tokenized_to: str | None = None
+    """tokenize=map: where the tokenized set is kept (a directory every node sees; '$VARS'
+    expanded on the node); null = <root>/.tokenized."""
     shuffle: str = "shards"
     """arrow: the training order. shards: the shards in a random order, then the samples of
     each window of shuffle_window shards (reads stay in a few files); global: one permutation

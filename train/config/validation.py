@@ -79,6 +79,8 @@ def _model_and_data(cfg: TrainConfig, p: list[str]) -> None:
     _require(cfg.data.seq_len > 0, f"data.seq_len must be positive (got {cfg.data.seq_len}).", p)
     _require(cfg.data.shuffle in ("shards", "global"),
              f"data.shuffle={cfg.data.shuffle!r}; choose shards or global.", p)
+    _require(cfg.data.tokenize in ("workers", "map"),
+             f"data.tokenize={cfg.data.tokenize!r}; choose workers or map.", p)
     _require(cfg.data.shuffle_window >= 1,
              f"data.shuffle_window must be at least 1 (got {cfg.data.shuffle_window}).", p)
     _require(cfg.task.name != "language_model" or cfg.data.name in ("tokens", "custom"),

@@ -255,7 +255,15 @@ def arrow_source(cfg: DataConfig, classes: bool = True) -> Source:
 
     layout = arrow.find(arrow.staged(cfg.root, cfg.stage_to) if cfg.stage_to else cfg.root)
     input_column, target_column = arrow.columns(layout, cfg.input_column, cfg.target_column)
-    encoder = text_encoder(cfg, layout, input_column)
+    where = f"{cfg.root} (staged to {layout.root})" if cfg.stage_to else cfg.root
+    encoder, digest, tokenized = text_encoder(cfg, layout, input_column), arrow.digest(layout), ""
+    text = None if encoder is None else (encoder.vocab_size, encoder.pad_id)
+    cfg_tokenizer = None if encoder is None else encoder.file
+    if encoder is not None and cfg.tokenize == "map":  # read as ids, tokenized once per node
+        from train.data import pretokenize
+
+        layout = pretokenize.tokenized(layout, input_column, encoder, cfg.tokenized_to)
+        input_column, encoder, tokenized = pretokenize.COLUMN, None, ", tokenized once per node"
     whole = arrow.ArrowSamples(layout.splits["train"], input_column, target_column,
                                transforms(cfg, train=True), encoder)
     images = whole.is_image
@@ -283,8 +291,7 @@ def arrow_source(cfg: DataConfig, classes: bool = True) -> Source:
     sample = val[0] if not images else (_first_shape(val), None)
     shape = tuple(map(int, sample[0].shape)) if not images else sample[0]
     target_shape = () if images else tuple(np.shape(sample[1]))
-    rows, digest = len(train), arrow.digest(layout)  # type: ignore[arg-type]
-    where = f"{cfg.root} (staged to {layout.root})" if cfg.stage_to else cfg.root
+    rows = len(train)  # type: ignore[arg-type]
 
     def describe() -> DataDescription:
         return DataDescription(digest=digest, num_rows=rows, features_shape=[rows, *shape],
@@ -297,6 +304,7 @@ def arrow_source(cfg: DataConfig, classes: bool = True) -> Source:
     return Source(train, val, names or [], shape, describe, test=test, normalise=normalise,
                   collate=collate_readable if images else collate_pairs,
                   target_shape=target_shape, sampler=sampler,
-                  text=None if encoder is None else (encoder.vocab_size, encoder.pad_id),
+                  text=text, tokenizer=None if text is None else cfg_tokenizer,
                   summary=f"arrow {where}: {rows} training, {len(val)} validation samples "
-                          f"({input_column!r} -> {target_column!r}; shuffle={cfg.shuffle})")
+                          f"({input_column!r} -> {target_column!r}; shuffle={cfg.shuffle}"
+                          f"{tokenized})")

@@ -81,7 +81,8 @@ def tokenizer(name: str) -> Tokenizer:
 
 
 PAD_TOKENS = ("[PAD]", "<pad>", "<|pad|>")
-"""A tokenizer's padding token, by the names BERT's, T5's and prepare-text's BPE use."""
+"""A tokenizer's padding token, by the names BERT's, T5's and prepare-text's BPE use (also
+the one a run's hf_model/ export names: train/engine/outputs.py)."""
 
 
 class TextEncoder:
@@ -91,7 +92,9 @@ class TextEncoder:
 
     def __init__(self, path: str, max_length: int) -> None:
         self.path, self.max_length = path, max_length
-        tok = FileTokenizer(Path(path).expanduser())._tok  # checks it loads, once
+        loaded = FileTokenizer(Path(path).expanduser())  # checks it loads, once
+        tok, self.file = loaded._tok, loaded.name
+        """`file`: the tokenizers JSON file itself (the run's export carries it)."""
         self.vocab_size = int(tok.get_vocab_size())
         found = [(t, tok.token_to_id(t)) for t in PAD_TOKENS if tok.token_to_id(t) is not None]
         if not found:

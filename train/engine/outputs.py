@@ -123,7 +123,14 @@ def _save_pretrained(module: Any, folder: Path, tokenizer: str | None) -> list[P
 
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    module.save_pretrained(tmp, tokenizer)
+    from train.data.tokenize import PAD_TOKENS
+    from train.models.gpt import GPT
+    from train.models.hf import HFModel
+
+    if isinstance(module, (HFModel, GPT)):
+        module.save_pretrained(tmp, tokenizer, PAD_TOKENS)
+    else:  # a transformers model of model=custom saves itself, as its users know it
+        module.save_pretrained(tmp)
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
     return sorted(p for p in folder.iterdir() if p.is_file())

@@ -191,6 +191,27 @@ def check_token_data(cfg: TrainConfig) -> None:
         raise LaunchError(str(e)) from None
 
 
+def check_text_model(cfg: TrainConfig, vocab_size: int, pad_id: int, classes: int) -> None:
+    """data=arrow with a text column (tokenized to data.max_length ids by a tokenizer of
+    `vocab_size`): the model, built on the meta device, holds the tokenizer's vocabulary and
+    data.max_length within its context."""
+    if not isinstance(cfg.model, CustomModelConfig):
+        return
+    from train.config import usercode
+    from train.models import build as models
+
+    spec = models.InputSpec.of((cfg.data.max_length,), classes, text=(vocab_size, pad_id))
+    try:
+        model = models.build_on_meta(cfg.model, spec)
+    except (usercode.UserCodeError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+    context = getattr(model, "block_size", None)
+    if isinstance(context, int) and cfg.data.max_length > context:
+        raise ConfigError(f"data.max_length={cfg.data.max_length} is longer than the model's "
+                          f"context ({context} positions): lower data.max_length.")
+    check_on_meta(cfg, model)
+
+
 def check_on_meta(cfg: TrainConfig, model: object) -> None:
     """The model built on the meta device: its blocks, where model.activation_checkpointing
     asks for them; and under distributed.fsdp.init_on=meta, that it can be initialised shard by

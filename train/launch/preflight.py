@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Any
 
 from train.config import groups as config_lib
 from train.config.groups import CustomModelConfig, DataConfig, TrainConfig
@@ -26,6 +27,7 @@ from train.launch.model_checks import (
     check_optimiser,
     check_registrable,
     check_task,
+    check_text_model,
     check_token_data,
     input_before_reading,
 )
@@ -129,6 +131,21 @@ def config_dict(cfg: TrainConfig) -> dict:
     return as_dict
 
 
+def check_text_data(cfg: TrainConfig, layout: Any, encoder: Any) -> None:
+    """data=arrow's text column: the model takes the tokenizer's ids and data.max_length of
+    them; data.tokenize=map's cache can be written (a staged set's goes into the copy)."""
+    from train.data import arrow
+
+    target = arrow.columns(layout, cfg.data.input_column, cfg.data.target_column)[1]
+    names = arrow.class_names(arrow.open_split(layout.splits["train"]), target) or []
+    check_text_model(cfg, encoder.vocab_size, encoder.pad_id, len(names))
+    if cfg.data.tokenize == "map" and (cfg.data.tokenized_to or not cfg.data.stage_to):
+        from train.data.pretokenize import writable_problem
+
+        if problem := writable_problem(cfg.data.root, cfg.data.tokenized_to):
+            raise LaunchError(problem)
+
+
 def check_data(cfg: TrainConfig) -> int | None:
     """The data is there and readable. Returns a custom data set's number of classes where its
     Dataset names them (`classes`, `targets`), as it is built here once."""
@@ -148,7 +165,8 @@ def check_data(cfg: TrainConfig) -> int | None:
             raise LaunchError(str(e)) from None
         from train.data.sources import text_encoder  # a text column: its tokenizer, loaded
 
-        text_encoder(cfg.data, layout, column)
+        if (encoder := text_encoder(cfg.data, layout, column)) is not None:
+            check_text_data(cfg, layout, encoder)
         return None
     if cfg.data.name == "custom":
         from train.data import userdata  # imports the user's package (and torch)

@@ -141,11 +141,13 @@ class GPT(nn.Module):
         hf.load_state_dict({k: v.detach().clone().contiguous() for k, v in theirs.items()})
         return hf.eval()
 
-    def save_pretrained(self, folder: Path, tokenizer: str | None = None) -> Path:
+    def save_pretrained(self, folder: Path, tokenizer: str | None = None,
+                        pad_tokens: tuple[str, ...] = ()) -> Path:
         """As train/models/hf.py's HFModel: the transformers model and the data's tokenizer."""
         from train.models.hf import HFModel
 
-        return HFModel(self.to_transformers(), "input_ids").save_pretrained(folder, tokenizer)
+        return HFModel(self.to_transformers(), "input_ids").save_pretrained(folder, tokenizer,
+                                                                            pad_tokens)
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 1.0,

@@ -59,15 +59,19 @@ class HFModel(nn.Module):
             return self.model(**{self.input_name: inputs}).logits
         return self.model(input_ids=inputs, attention_mask=inputs.ne(self.pad_id)).logits
 
-    def save_pretrained(self, folder: Path, tokenizer: str | None = None) -> Path:
+    def save_pretrained(self, folder: Path, tokenizer: str | None = None,
+                        pad_tokens: tuple[str, ...] = ()) -> Path:
         """The model as `transformers` keeps it (config.json, model.safetensors), with the
         data's tokenizer where it is a `tokenizers` file (`tokenizer`: its path), so that
-        AutoTokenizer.from_pretrained(folder) reads text as the model was trained on it."""
+        AutoTokenizer.from_pretrained(folder) reads text as the model was trained on it; its
+        padding token the first of `pad_tokens` it holds."""
         transformers = _transformers()
         transformers.utils.logging.disable_progress_bar()  # a bar in train.log, per file
         self.model.save_pretrained(folder, safe_serialization=True)
         if tokenizer is not None and Path(tokenizer).is_file():
             fast = transformers.PreTrainedTokenizerFast(tokenizer_file=tokenizer)
+            vocab = fast.get_vocab()  # its padding token named, so that padding=True works
+            fast.pad_token = next((t for t in pad_tokens if t in vocab), None)
             fast.save_pretrained(folder)
         return folder
 
@@ -117,15 +121,16 @@ def build(auto_class: str = "causal_lm", path: str | None = None,
     model_class = find_auto_class(auto_class)
     sizes = {"vocab_size": vocab_size, "num_classes": num_classes, "channels": channels,
              "image_size": image_size, "pad_token_id": pad_token_id}
-    overrides = _filled(dict(config or {}), auto_class, sizes)
     if path is not None:
-        model = _pretrained(model_class, Path(path).expanduser(), overrides)
+        model = _pretrained(model_class, Path(path).expanduser(), dict(config or {}),
+                            auto_class, sizes)
     else:
-        model = _from_config(model_class, overrides)
+        model = _from_config(model_class, _filled(dict(config or {}), auto_class, sizes))
     if vocab_size is not None and getattr(model.config, "vocab_size", vocab_size) < vocab_size:
+        fix = ("tokenize the data with the model's own tokenizer (data.tokenizer=<its "
+               "directory>)" if path is not None else "set model.config.vocab_size")
         raise UserCodeError(f"model=hf: the model's vocabulary ({model.config.vocab_size} "
-                            f"tokens) is smaller than the data's ({vocab_size}): give a model "
-                            "of the data's tokenizer, or set model.config.vocab_size.")
+                            f"tokens) is smaller than the data's ({vocab_size}): {fix}.")
     pixels = auto_class in PIXELS
     # Padded texts: the positions holding the padding id are masked out of attention.
     return HFModel(model, "pixel_values" if pixels else "input_ids",
@@ -152,13 +157,37 @@ def _from_config(model_class: Any, overrides: dict[str, Any]) -> nn.Module:
     return model_class.from_config(config)
 
 
-def _pretrained(model_class: Any, path: Path, overrides: dict[str, Any]) -> nn.Module:
+def _pretrained(model_class: Any, path: Path, overrides: dict[str, Any], auto_class: str,
+                sizes: dict[str, int | None]) -> nn.Module:
     """From a local directory only (local_files_only: compute nodes are offline, and the
-    service never downloads); a new classifier head where num_labels differs."""
+    service never downloads). Its trained sizes are kept - the data's vocabulary is checked
+    against the model's, never written over it (that would start the embeddings afresh) - but
+    a classifier gets a new head where the data's classes are not the saved model's, and a
+    padding id where it has none. Images of another size than the model's are refused."""
+    transformers = _transformers()
     if not (path / "config.json").is_file():
         raise UserCodeError(f"model.path={path}: no such model directory (it holds no "
                             "config.json); give a directory save_pretrained wrote.")
     overrides.pop("model_type", None)
+    saved = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    classes, pad = sizes["num_classes"], sizes["pad_token_id"]
+    if auto_class != "causal_lm" and classes and "num_labels" not in overrides \
+            and saved.num_labels != classes:
+        log.info("model: %s's head has %d classes, the data %d: a new head", path,
+                 saved.num_labels, classes)
+        overrides["num_labels"] = classes
+    if pad is not None and getattr(saved, "pad_token_id", None) is None:
+        overrides.setdefault("pad_token_id", pad)
+    if auto_class in PIXELS:
+        for key in ("image_size", "num_channels"):
+            if sizes[_SIZE_OF[key]] not in (None, getattr(saved, key, None)):
+                raise UserCodeError(f"model.path={path} takes images of {key} "
+                                    f"{getattr(saved, key)}, the data's are of "
+                                    f"{sizes[_SIZE_OF[key]]}: set data.image_size (or give "
+                                    "images of the model's size).")
     return model_class.from_pretrained(path, local_files_only=True,
                                        ignore_mismatched_sizes="num_labels" in overrides,
                                        **overrides)
+
+
+_SIZE_OF = {"image_size": "image_size", "num_channels": "channels"}
