@@ -372,6 +372,37 @@ def sentences(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+HUB_NAME = "tester/sentences"
+"""`sentences` as a Hub data set of that name in a `datasets` cache (hub_cache)."""
+
+
+@pytest.fixture(scope="session")
+def hub_cache(sentences: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A `datasets` cache ($HF_DATASETS_CACHE) holding HUB_NAME as `load_dataset` leaves a Hub
+    data set after downloading it (owner___name/<config>/<version>/<hash>/: dataset_info.json
+    and <name>-<split>.arrow), made offline: the Parquet builder a Hub download runs, on
+    Parquet files of `sentences`' splits, moved to the Hub name's place."""
+    import shutil
+
+    import datasets
+    from datasets.data_files import DataFilesDict
+    from datasets.packaged_modules.parquet.parquet import Parquet
+
+    work = tmp_path_factory.mktemp("hub")
+    for split in ("train", "validation"):
+        datasets.load_from_disk(str(sentences / split)).to_parquet(work / f"{split}.parquet")
+    files = DataFilesDict.from_patterns({s: [f"{s}.parquet"] for s in ("train", "validation")},
+                                        base_path=str(work))
+    builder = Parquet(cache_dir=str(work / "build"), dataset_name="sentences", hash="0123abcd",
+                      data_files=files, config_name="default")
+    builder.download_and_prepare()
+    cache = work / "cache"
+    owner, name = HUB_NAME.split("/")
+    shutil.copytree(builder.cache_dir, cache / f"{owner}___{name}" / "default" / "0.0.0" /
+                    "0123abcd")
+    return cache
+
+
 @pytest.fixture(scope="session")
 def store_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An empty SQLite MLflow store, its tables made once per pytest process: MLflow migrates a

@@ -61,8 +61,15 @@ COMMANDS: dict[str, Command] = {
 """`python -m train COMMAND`: what each command runs, its arguments and what it does."""
 
 
+OFFLINE = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+"""Hugging Face libraries read these at import: set (unless the user set them) so that nothing
+is downloaded at run time - models from model.path, data sets from the local cache only."""
+
+
 def private_by_default() -> None:
     os.umask(0o027 if os.environ.get("TRAIN_GROUP_READABLE") == "1" else 0o077)
+    for name in OFFLINE:
+        os.environ.setdefault(name, "1")
     if uri := os.environ.get("MLFLOW_TRACKING_URI"):
         os.environ["MLFLOW_TRACKING_URI"] = move_uri_credentials_to_env(uri, os.environ)
     for i, arg in enumerate(sys.argv):

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.conftest import (
+    HUB_NAME,
     SENTENCES,
     VOCAB,
     assert_refused,
@@ -152,18 +153,21 @@ BERT = ("data=arrow", "data.max_length=16", "model=hf", "model.auto_class=sequen
 
 
 def test_a_small_bert_classifies_texts_tokenized_in_workers_or_once_per_node(
-        sentences: Path, bpe_tokens: Path, store: dict[str, str], tmp_path: Path) -> None:
+        sentences: Path, hub_cache: Path, bpe_tokens: Path, store: dict[str, str],
+        tmp_path: Path) -> None:
     """Texts tokenized in the DataLoader's workers with the BPE (padded with its <pad>, masked
     out of attention), a random 2-layer BERT classifier at 2 ranks: every validation text once,
     accuracy far above chance; vocab_size, pad_token_id and num_labels filled from the data.
-    Then data.tokenize=map: the set tokenized once (not once per rank) into data.tokenized_to,
-    the same ids, so the same losses at every step."""
+    Then the same texts by their Hub name, from the local datasets cache, with
+    data.tokenize=map: the set tokenized once (not once per rank) into data.tokenized_to, the
+    same ids, so the same losses at every step."""
     uri, cache = store["MLFLOW_TRACKING_URI"], tmp_path / "tokenized"
     ran = {}
-    for mode in ("workers", "map"):
-        done = run_train(*BERT, f"data.root={sentences}", f"data.tokenizer={bpe_tokens}",
+    for mode, root in (("workers", sentences), ("map", HUB_NAME)):
+        done = run_train(*BERT, f"data.root={root}", f"data.tokenizer={bpe_tokens}",
                          f"data.tokenize={mode}", f"data.tokenized_to={cache}",
-                         f"hydra.run.dir={tmp_path / mode}", env=store, timeout=300)
+                         f"hydra.run.dir={tmp_path / mode}", timeout=300,
+                         env={**store, "HF_DATASETS_CACHE": str(hub_cache)})
         assert done.returncode == 0, done.stderr[-3000:]
         [ran[mode]] = [r for r in runs_in(uri) if r.info.run_id not in
                        {x.info.run_id for x in ran.values()}]
@@ -176,7 +180,7 @@ def test_a_small_bert_classifies_texts_tokenized_in_workers_or_once_per_node(
     assert (config.vocab_size, config.pad_token_id, config.num_labels) == (VOCAB, 0, 2)
     # map: one tokenizing pass for the two ranks, and batches of the same ids in the same order
     [line] = (cache / "tokenize.log").read_text().splitlines()
-    assert f"rows={SENTENCES}" in line
+    assert f"rows={SENTENCES}" in line and line.startswith("0123abcd-")  # the cache's copy
     assert ran["map"].data.metrics["val/samples"] == run.data.metrics["val/samples"]
     for key in ("train/loss", "val/loss", "val/accuracy"):
         ours, theirs = (history(uri, ran[m].info.run_id, key) for m in ("map", "workers"))

@@ -7,7 +7,10 @@ cases named at pre-flight (train/data/shards.py, train/data/arrow.py)."""
 from __future__ import annotations
 
 import io
+import os
 import shutil
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -15,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import typed
+from tests.conftest import REPO, typed
 from tests.images import write_image_folder
 from train.data import arrow, imagefolder, shards
 
@@ -201,7 +204,9 @@ def test_bad_shards_are_named_before_any_rank_starts(tmp_path: Path) -> None:
 
 
 def _stage(args: tuple[str, str]) -> str:
-    return str(arrow.staged(*args))
+    from train.data.staging import staged
+
+    return str(staged(*args))
 
 
 def test_staging_copies_the_set_once_per_node_whatever_its_ranks(tmp_path: Path,
@@ -253,3 +258,15 @@ def test_a_job_trains_on_shards_and_refuses_to_resume_on_other_ones(
         run(composed(*args, "trainer.epochs=2"), str(tmp_path / "job"), "python -m train (test)")
     [after] = runs_in(uri)
     assert after.info.status == "FINISHED" and after.info.end_time == first.info.end_time
+
+
+def test_a_hub_name_not_in_the_cache_is_named_with_where_it_was_looked_for(
+        tmp_path: Path) -> None:
+    code = ("from train.data import arrow\ntry:\n    arrow.find('nobody/nothing')\n"
+            "except arrow.ArrowDataError as e:\n    print(e)\n")
+    env = {**os.environ, "HF_DATASETS_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=120).stdout
+    assert out.startswith(f"data=arrow data.root=nobody/nothing: neither a directory nor a "
+                          f"data set in the local datasets cache ({tmp_path})"), out
+    assert "load it once where the Hub can be reached" in out

@@ -71,3 +71,4 @@ def test_pre_flight_names_a_cache_that_cannot_be_written(tmp_path: Path) -> None
             assert "cannot be written" in (writable_problem(data, None) or "")
         finally:
             data.chmod(0o755)
+

@@ -96,7 +96,8 @@ class DataConfig:
     root: str = "${oc.env:TRAIN_DATA_ROOT,data}"
     """Where torchvision data sets live (env TRAIN_DATA_ROOT overrides); imagefolder: the folder
     of class folders, or of train/ and val/ holding them; arrow: the directory prepare-data or
-    datasets' save_to_disk wrote."""
+    datasets' save_to_disk wrote, or a Hub data set's name (owner/name[:config]) found in the
+    local datasets cache ($HF_DATASETS_CACHE; never downloaded)."""
     download: bool = False
     """Download missing torchvision data sets (compute nodes are often offline)."""
     num_workers: int | None = None

@@ -13,7 +13,7 @@ world size, as for every streamed set (train/data/sources.py):
   within each window of data.shuffle_window shards - each worker reads a few files at a time
   instead of seeking all over the data set; `global` is one permutation of every sample;
 - nothing is written beside the data or to ~/.cache: the directory may be read-only and shared
-  by every job on a node;
+  by every job on a node (data.stage_to copies it to node-local disk: train/data/staging.py);
 - `check` (pre-flight, before any rank starts): the files the set names are there, whole, and -
   where prepare-data wrote a manifest - of the recorded sizes, a sample of them with the
   recorded checksums. `digest` names the data (the manifest's checksums) for the run and resume.
@@ -69,17 +69,28 @@ def _read_json(path: Path, what: str) -> Any:
 
 
 def find(root: str | Path) -> Layout:
-    """The splits under `root`: a DatasetDict's (dataset_dict.json) or one Dataset's."""
+    """The splits under `root`: a DatasetDict's (dataset_dict.json), one Dataset's, or those of
+    a `datasets` cache directory (a Hub data set `load_dataset` prepared: dataset_info.json
+    beside `<name>-<split>[-NNNNN-of-NNNNN].arrow`); `root` may be such a data set's Hub name,
+    found in the local cache (hub_cache)."""
     root = Path(root)
     if not root.is_dir():
-        raise ArrowDataError(f"data=arrow data.root={root}: no such directory.")
+        from train.data.hubcache import HUB_NAME, hub_cache
+
+        if not HUB_NAME.match(str(root)):
+            raise ArrowDataError(f"data=arrow data.root={root}: no such directory.")
+        root = hub_cache(str(root))
     manifest = _read_json(root / MANIFEST, "") if (root / MANIFEST).exists() else None
     if (root / "dataset_dict.json").exists():
         names = _read_json(root / "dataset_dict.json", "the splits")["splits"]
         found = {role: root / name for role, aliases in SPLITS.items()
                  for name in aliases if name in names}
-    elif (root / "state.json").exists() or (root / "dataset_info.json").exists():
+    elif (root / "state.json").exists():
         found = {"train": root}
+    elif (root / "dataset_info.json").exists():  # a cache directory: its splits' files
+        names = _read_json(root / "dataset_info.json", "the splits").get("splits") or {}
+        found = {role: root / name for role, aliases in SPLITS.items()
+                 for name in aliases if name in names}
     else:
         raise ArrowDataError(f"data=arrow data.root={root}: neither dataset_dict.json nor "
                              "state.json is there: not a directory written by datasets' "
@@ -91,6 +102,11 @@ def find(root: str | Path) -> Layout:
 
 
 def shard_files(split: Path) -> list[Path]:
+    """A split's Arrow files: those its state.json lists (save_to_disk), or in a cache
+    directory (`split` = the directory / the split's name) `*-<split>.arrow` or its shards."""
+    if not split.is_dir():
+        one = sorted(split.parent.glob(f"*-{split.name}.arrow"))
+        return one or sorted(split.parent.glob(f"*-{split.name}-[0-9]*-of-[0-9]*.arrow"))
     state = _read_json(split / "state.json", "the list of the split's shards")
     return [split / f["filename"] for f in state["_data_files"]]
 
@@ -152,34 +168,6 @@ def digest(layout: Layout) -> str:
     return h.hexdigest()[:8]
 
 
-def staged(root: str | Path, stage_to: str) -> Path:
-    """data.stage_to: the data set copied into node-local storage (`$TMPDIR` is expanded on
-    the node), once per node whatever its number of ranks - the first process there copies it
-    under a lock into a temporary directory renamed into place, the others wait for it and
-    read the copy. A copy already there (an earlier job, or a requeue) is used as it is; its
-    name holds the set's digest, so a changed set gets a new copy."""
-    import fcntl
-    import os
-    import shutil
-
-    layout = find(root)
-    base = Path(os.path.expandvars(stage_to)).expanduser()
-    target = base / f"{layout.root.name}-{digest(layout)}"
-    if (target / ".staged").is_file():
-        return target
-    base.mkdir(parents=True, exist_ok=True)
-    with open(base / f".{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # the node's other ranks wait here for the copy
-        if not (target / ".staged").is_file():
-            partial = base / f".{target.name}.{os.getpid()}.tmp"
-            shutil.rmtree(partial, ignore_errors=True)
-            shutil.copytree(layout.root, partial)
-            (partial / ".staged").write_text(f"copied from {layout.root}\n")
-            os.replace(partial, target)
-            log.info("data: staged %s to %s", layout.root, target)
-    return target
-
-
 def is_image(feature: Any) -> bool:
     return type(feature).__name__ == "Image"
 
@@ -227,7 +215,11 @@ def open_split(path: Path) -> Any:
     """One split as a `datasets.Dataset` (memory-mapped); its image columns left encoded."""
     import datasets
 
-    dataset = datasets.load_from_disk(str(path), keep_in_memory=False)
+    if path.is_dir():
+        dataset = datasets.load_from_disk(str(path), keep_in_memory=False)
+    else:  # a cache directory's split: its files memory-mapped, as load_dataset reads them
+        dataset = datasets.concatenate_datasets([datasets.Dataset.from_file(str(f))
+                                                 for f in shard_files(path)])
     for name, feature in dataset.features.items():
         if isinstance(feature, datasets.Image):
             dataset = dataset.cast_column(name, datasets.Image(decode=False))

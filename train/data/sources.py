@@ -252,8 +252,9 @@ def arrow_source(cfg: DataConfig, classes: bool = True) -> Source:
     import functools
 
     from train.data import arrow
+    from train.data.staging import staged
 
-    layout = arrow.find(arrow.staged(cfg.root, cfg.stage_to) if cfg.stage_to else cfg.root)
+    layout = arrow.find(staged(cfg.root, cfg.stage_to) if cfg.stage_to else cfg.root)
     input_column, target_column = arrow.columns(layout, cfg.input_column, cfg.target_column)
     where = f"{cfg.root} (staged to {layout.root})" if cfg.stage_to else cfg.root
     encoder, digest, tokenized = text_encoder(cfg, layout, input_column), arrow.digest(layout), ""

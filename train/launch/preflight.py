@@ -142,7 +142,7 @@ def check_text_data(cfg: TrainConfig, layout: Any, encoder: Any) -> None:
     if cfg.data.tokenize == "map" and (cfg.data.tokenized_to or not cfg.data.stage_to):
         from train.data.pretokenize import writable_problem
 
-        if problem := writable_problem(cfg.data.root, cfg.data.tokenized_to):
+        if problem := writable_problem(layout.root, cfg.data.tokenized_to):
             raise LaunchError(problem)
 
 
