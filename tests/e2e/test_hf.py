@@ -230,6 +230,62 @@ def test_a_saved_model_fine_tunes_from_its_directory_with_its_weights_and_tokeni
     assert len(runs_in(uri)) == 2  # no run for the refused job
 
 
+@pytest.fixture(scope="module")
+def tagged(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A `datasets` directory of sentences split into words with a tag per word (conll's
+    layout: `tokens`, `ner_tags` a list of ClassLabel): animals ANIMAL, numbers NUMBER, the
+    rest O; 160 training and 40 validation sentences."""
+    import random
+
+    import datasets
+
+    rng = random.Random(1)
+    kinds = {1: ["cat", "dog", "horse", "bird", "fish"], 2: ["one", "two", "seven", "ten"],
+             0: ["the", "a", "and", "of", "saw", "with", "near"]}
+    rows: dict[str, list] = {"tokens": [], "ner_tags": []}
+    for _ in range(200):
+        tags = [rng.choice((0, 0, 1, 2)) for _ in range(rng.randint(3, 9))]
+        rows["tokens"].append([rng.choice(kinds[t]) for t in tags])
+        rows["ner_tags"].append(tags)
+    features = datasets.Features({
+        "tokens": datasets.Sequence(datasets.Value("string")),
+        "ner_tags": datasets.Sequence(datasets.ClassLabel(names=["O", "ANIMAL", "NUMBER"]))})
+    whole = datasets.Dataset.from_dict(rows, features=features)
+    out = tmp_path_factory.mktemp("tagged") / "set"
+    datasets.DatasetDict({"train": whole.select(range(160)),
+                          "validation": whole.select(range(160, 200))}).save_to_disk(out)
+    return out
+
+
+def test_a_small_bert_tags_the_words_of_a_datasets_directory(
+        tagged: Path, bpe_tokens: Path, store: dict[str, str], tmp_path: Path) -> None:
+    """task=token_classification with model.auto_class=token_classification at 2 ranks: each
+    word's first piece carries its tag (the others and the padding -100), a random 1-layer
+    BERT learns the tags far above always saying O; num_labels 3 filled from the ClassLabel."""
+    import datasets
+
+    done = run_train("data=arrow", f"data.root={tagged}", f"data.tokenizer={bpe_tokens}",
+                     "data.max_length=24", "task=token_classification", "model=hf",
+                     "model.auto_class=token_classification", "model.config.model_type=bert",
+                     "+model.config.hidden_size=32", "+model.config.num_hidden_layers=1",
+                     "+model.config.num_attention_heads=2", "+model.config.intermediate_size=64",
+                     "optim=adamw", "optim.lr=5e-3", "trainer.epochs=6", "data.batch_size=32",
+                     "data.num_workers=1", "distributed.nproc_per_node=2",
+                     "tracking.log_model=false", f"hydra.run.dir={tmp_path / 'job'}", env=store,
+                     timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [run] = runs_in(store["MLFLOW_TRACKING_URI"])
+    metrics = run.data.metrics
+    val_tags = [t for row in datasets.load_from_disk(str(tagged / "validation"))["ner_tags"]
+                for t in row]
+    always_o = val_tags.count(0) / len(val_tags)  # ~0.5: the baseline to beat
+    assert metrics["val/samples"] == 40
+    assert metrics["val/accuracy"] > always_o + 0.3, (metrics, always_o)
+    assert metrics["val/macro_f1"] > 0.8, metrics
+    config = json.loads((tmp_path / "job" / "hf_model" / "config.json").read_text())
+    assert len(config["id2label"]) == 3  # num_labels, filled from the ClassLabel
+
+
 def test_a_text_column_without_a_tokenizer_is_refused(sentences: Path, store: dict[str, str],
                                                       tmp_path: Path) -> None:
     done = run_train("data=arrow", f"data.root={sentences}", "model=hf",

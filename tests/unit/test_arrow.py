@@ -21,6 +21,7 @@ import torch
 from tests.conftest import REPO, typed
 from tests.images import write_image_folder
 from train.data import arrow, imagefolder, shards
+from train.data.shard_order import ShardWindowSampler
 
 
 def _stored(out: Path, split: str) -> list[tuple[bytes, int]]:
@@ -153,8 +154,8 @@ def test_the_shard_local_order_covers_every_sample_once_at_any_world_size(world:
     sizes = [30, 30, 30, 13]  # 103 samples: no world size above 1 divides them
     data = list(range(sum(sizes)))
 
-    def sampler(rank: int, world: int) -> arrow.ShardWindowSampler:
-        s = arrow.ShardWindowSampler(data, world, rank, seed=5, shard_sizes=sizes, window=2)
+    def sampler(rank: int, world: int) -> ShardWindowSampler:
+        s = ShardWindowSampler(data, world, rank, seed=5, shard_sizes=sizes, window=2)
         s.set_epoch(3)
         return s
 

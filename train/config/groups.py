@@ -143,9 +143,11 @@ class DataConfig:
     (trainer.test_on); no _target_ = no test phase."""
     input_column: str = "auto"
     """arrow: the column the model reads; auto = the manifest's (prepare-data), else the first
-    image column, else image / input / pixel_values."""
+    image column, else image / input / pixel_values / x / text / sentence / tokens."""
     target_column: str = "auto"
-    """arrow: the target's column; auto = the manifest's, else label / labels / target."""
+    """arrow: the target's column; auto = the manifest's, else label / labels / target(s) /
+    ner_tags / tags. A list per row (a tag per word of a column of words): one target per
+    token, for task=token_classification."""
     tokenizer: str | None = None
     """arrow with a text input column: the tokenizer (a `tokenizers` JSON file, or a directory
     holding tokenizer.json as save_pretrained writes it) that turns each text into token ids in

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-BUILTIN_TASKS = ("classification", "regression", "segmentation", "language_model")
+BUILTIN_TASKS = ("classification", "regression", "segmentation", "language_model",
+                 "token_classification")
 TASK_NAMES = (*BUILTIN_TASKS, "custom")
 
 METRICS: dict[str, tuple[str, ...]] = {
@@ -18,6 +19,7 @@ METRICS: dict[str, tuple[str, ...]] = {
     "regression": ("loss", "mse", "mae", "r2"),
     "segmentation": ("loss", "pixel_accuracy", "miou"),
     "language_model": ("loss", "perplexity"),
+    "token_classification": ("loss", "accuracy", "macro_f1"),
 }
 """What each built-in task logs as val/<name> (and train/<name>, test/<name>); classification's
 accuracy_top5 only with more classes than TOP_K."""
@@ -30,7 +32,8 @@ class TaskConfig:
     name: str = "classification"
     """classification (a class index per sample), regression (float targets of any shape),
     segmentation (an HxW class mask per image), language_model (next-token prediction over
-    data=tokens windows), or custom (your own: task._target_)."""
+    data=tokens windows), token_classification (a class per token of a text), or custom
+    (your own: task._target_)."""
     _target_: str | None = None
     """task=custom: the dotted path of your Task class (train/tasks/base.py says what it
     implements), found on PYTHONPATH like a custom model."""
@@ -38,7 +41,8 @@ class TaskConfig:
     """task=custom: your Task's constructor arguments, e.g. +task.args.alpha=0.5."""
     ignore_index: int = 255
     """segmentation: the mask value of pixels that count nowhere (borders, unlabelled);
-    language_model: the target of padded positions (-100, as task=language_model sets it)."""
+    language_model and token_classification: the target of padded positions (-100, as they
+    set it)."""
     num_classes: int | None = None
     """segmentation: the classes of the masks; null = the data set's `classes` (or
     data.num_classes for synthetic data)."""

@@ -81,6 +81,9 @@ def _model_and_data(cfg: TrainConfig, p: list[str]) -> None:
              f"data.shuffle={cfg.data.shuffle!r}; choose shards or global.", p)
     _require(cfg.data.tokenize in ("workers", "map"),
              f"data.tokenize={cfg.data.tokenize!r}; choose workers or map.", p)
+    _require(cfg.task.name != "token_classification" or cfg.task.ignore_index == -100,
+             f"task=token_classification marks padding and a word's later pieces -100 (as "
+             f"transformers does), not task.ignore_index={cfg.task.ignore_index}: leave it.", p)
     _require(cfg.data.shuffle_window >= 1,
              f"data.shuffle_window must be at least 1 (got {cfg.data.shuffle_window}).", p)
     _require(cfg.task.name != "language_model" or cfg.data.name in ("tokens", "custom"),

@@ -33,7 +33,6 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from train.data.tokens import WindowSampler
 from train.errors import TrainError
 
 log = logging.getLogger("train")
@@ -176,20 +175,32 @@ def is_text(feature: Any) -> bool:
     return getattr(feature, "dtype", None) in ("string", "large_string")
 
 
+def is_words(feature: Any) -> bool:
+    """A list of strings per row: a text split into words (conll's `tokens`), whose per-word
+    targets the tokenizer's pieces inherit (TextEncoder.words)."""
+    return type(feature).__name__ in ("List", "LargeList", "Sequence") \
+        and is_text(getattr(feature, "feature", None))
+
+
+TARGETS = ("label", "labels", "target", "targets", "ner_tags", "tags")
+INPUTS = ("image", "input", "pixel_values", "x", "text", "sentence", "tokens")
+"""data.target_column=auto and data.input_column=auto: the first of these names a set has."""
+
+
 def columns(layout: Layout, input_column: str, target_column: str) -> tuple[str, str]:
     """data.input_column and data.target_column, or (auto) the manifest's, else the first image
-    column and `label` (or `labels`, `target`); a column the set lacks is named with those it
-    has."""
+    column (or of INPUTS) and the first of TARGETS; a column the set lacks is named with those
+    it has."""
     features = open_split(layout.splits["train"]).features
     names = list(features)
     recorded = layout.manifest or {}
     if target_column == "auto":
         target_column = recorded.get("target_column") or next(
-            (n for n in ("label", "labels", "target", "targets") if n in names), "label")
+            (n for n in TARGETS if n in names), "label")
     if input_column == "auto":
         images = [n for n in names if is_image(features[n])]
         input_column = recorded.get("input_column") or (images[0] if images else next(
-            (n for n in ("image", "input", "pixel_values", "x") if n in names),
+            (n for n in INPUTS if n in names),
             next((n for n in names if n != target_column), "input")))
     for key, column in (("data.input_column", input_column), ("data.target_column",
                                                                target_column)):
@@ -200,13 +211,18 @@ def columns(layout: Layout, input_column: str, target_column: str) -> tuple[str,
 
 
 def class_names(data: Any, target_column: str) -> list[str] | None:
-    """A ClassLabel's names; an integer column's 0..max; None for other targets (regression)."""
+    """A ClassLabel's names; an integer column's 0..max; None for other targets (regression).
+    A list per row (a tag per word) is read by its items' feature."""
     feature = data.features[target_column]
-    if type(feature).__name__ == "ClassLabel":
-        return list(feature.names)
-    dtype = getattr(feature, "dtype", "")
+    listed = type(feature).__name__ in ("List", "LargeList", "Sequence")
+    item = feature.feature if listed else feature
+    if type(item).__name__ == "ClassLabel":
+        return list(item.names)
+    dtype = getattr(item, "dtype", "")
     if dtype.startswith(("int", "uint")):
         labels = data.with_format("numpy", columns=[target_column])[target_column]
+        if listed:
+            labels = np.concatenate([np.asarray(x) for x in labels]) if len(labels) else labels
         return [str(k) for k in range(int(np.max(labels)) + 1)] if len(labels) else []
     return None
 
@@ -265,6 +281,10 @@ class ArrowSamples(Dataset):
         from train.data.streaming import Unreadable, decode_bytes
 
         rows = self.data[[int(i) for i in indices]]
+        if self.encoder is not None and self.encoder.by_words:  # words and a tag each
+            ids, tags = map(torch.from_numpy, self.encoder.words(rows[self.input_column],
+                                                                 rows[self.target_column]))
+            return list(zip(ids, tags, strict=True))
         if self.encoder is not None:  # a batch of texts tokenized at once
             ids = torch.from_numpy(self.encoder(rows[self.input_column]))
             return [(row, _tensor_or_number(t))
@@ -292,31 +312,3 @@ def _tensor_or_number(value: Any) -> Any:
         return value
     tensor = torch.as_tensor(np.asarray(value))
     return tensor.float() if tensor.dtype == torch.float64 else tensor
-
-
-class ShardWindowSampler(WindowSampler):
-    """data=tokens' WindowSampler - DistributedSampler's dealing: the same padding, every
-    world-th sample to a rank, the order fixed by seed and epoch, hence the same at any world
-    size - over an order that keeps
-    reads local: the shards in a random order, then the samples of each window of `window`
-    consecutive (shuffled) shards in a random order. A worker reading a batch then touches a
-    few shards, not a page of every one."""
-
-    def __init__(self, dataset: Any, num_replicas: int, rank: int, shuffle: bool = True,
-                 seed: int = 0, drop_last: bool = False, *, shard_sizes: list[int],
-                 window: int = 4) -> None:
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle,
-                         seed=seed, drop_last=drop_last)
-        self.starts = np.cumsum([0, *shard_sizes])
-        self.window = max(1, window)
-
-    def global_order(self) -> torch.Tensor:
-        g = torch.Generator()
-        g.manual_seed(self.seed + self.epoch)
-        shards = torch.randperm(len(self.starts) - 1, generator=g).tolist()
-        parts = []
-        for w in range(0, len(shards), self.window):
-            rows = torch.cat([torch.arange(int(self.starts[s]), int(self.starts[s + 1]))
-                              for s in shards[w:w + self.window]])
-            parts.append(rows[torch.randperm(len(rows), generator=g)])
-        return torch.cat(parts) if parts else torch.arange(0)

@@ -63,22 +63,29 @@ class Source:
 
 
 def text_encoder(cfg: DataConfig, layout: Any, column: str) -> Any:
-    """data.tokenizer's encoder for a text input column; None for other columns. A text
-    column without a tokenizer is refused, naming the keys."""
+    """data.tokenizer's encoder for a text input column (or a column of words, a target per
+    word: task=token_classification); None for other columns. A text column without a
+    tokenizer is refused, naming the keys."""
     from train.data import arrow
     from train.data.tokenize import TextEncoder
     from train.data.tokens import TokenDataError
 
-    if not arrow.is_text(arrow.open_split(layout.splits["train"]).features[column]):
+    feature = arrow.open_split(layout.splits["train"]).features[column]
+    if not (arrow.is_text(feature) or arrow.is_words(feature)):
         return None
     if cfg.tokenizer is None:
         raise ConfigError(f"data.input_column={column!r} of {cfg.root} holds text: give "
                           "data.tokenizer=<a tokenizers JSON file, or a directory holding "
                           "tokenizer.json> (and data.max_length) to turn it into token ids.")
     try:
-        return TextEncoder(cfg.tokenizer, cfg.max_length)
+        encoder = TextEncoder(cfg.tokenizer, cfg.max_length, by_words=arrow.is_words(feature))
     except TokenDataError as e:
         raise ConfigError(str(e)) from None
+    if encoder.by_words and cfg.tokenize == "map":
+        raise ConfigError(f"data.input_column={column!r} holds words, a target each: they are "
+                          "tokenized in the DataLoader's workers (data.tokenize=workers); "
+                          "data.tokenize=map does not align their targets yet.")
+    return encoder
 
 
 def _first_shape(dataset: Dataset, tries: int = 16) -> tuple[int, ...]:
@@ -252,6 +259,7 @@ def arrow_source(cfg: DataConfig, classes: bool = True) -> Source:
     import functools
 
     from train.data import arrow
+    from train.data.shard_order import ShardWindowSampler
     from train.data.staging import staged
 
     layout = arrow.find(staged(cfg.root, cfg.stage_to) if cfg.stage_to else cfg.root)
@@ -276,7 +284,7 @@ def arrow_source(cfg: DataConfig, classes: bool = True) -> Source:
                                           evaluation, encoder)
         if cfg.shuffle == "shards":
             sizes = arrow.shard_rows(arrow.shard_files(layout.splits["train"]))
-            sampler = functools.partial(arrow.ShardWindowSampler, shard_sizes=sizes,
+            sampler = functools.partial(ShardWindowSampler, shard_sizes=sizes,
                                         window=cfg.shuffle_window)
     else:
         parts = batching.split(len(whole), cfg.val_fraction, cfg.split_seed)

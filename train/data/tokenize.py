@@ -90,8 +90,11 @@ class TextEncoder:
     a text column of data=arrow: made in the launching process, pickled into each DataLoader
     worker, which loads the tokenizer itself on first use."""
 
-    def __init__(self, path: str, max_length: int) -> None:
+    def __init__(self, path: str, max_length: int, by_words: bool = False,
+                 ignore_index: int = -100) -> None:
         self.path, self.max_length = path, max_length
+        self.by_words, self.ignore_index = by_words, ignore_index
+        """`by_words`: each text is a list of words with a target each (`words`)."""
         loaded = FileTokenizer(Path(path).expanduser())  # checks it loads, once
         tok, self.file = loaded._tok, loaded.name
         """`file`: the tokenizers JSON file itself (the run's export carries it)."""
@@ -106,13 +109,32 @@ class TextEncoder:
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_tok": None}
 
-    def __call__(self, texts: list[str]) -> np.ndarray:
+    def _loaded(self) -> Any:
         if self._tok is None:
             self._tok = FileTokenizer(Path(self.path).expanduser())._tok
             self._tok.enable_truncation(self.max_length)
             self._tok.enable_padding(length=self.max_length, pad_id=self.pad_id,
                                      pad_token=self.pad_token)
-        return np.asarray([e.ids for e in self._tok.encode_batch(texts)], dtype=np.int64)
+        return self._tok
+
+    def __call__(self, texts: list[str]) -> np.ndarray:
+        return np.asarray([e.ids for e in self._loaded().encode_batch(texts)], dtype=np.int64)
+
+    def words(self, texts: list[list[str]], tags: list[list[int]]
+              ) -> tuple[np.ndarray, np.ndarray]:
+        """Texts split into words, and a tag per word, as token ids and a tag per token: a
+        word's first piece carries its tag, its other pieces, special tokens and the padding
+        `ignore_index` (the transformers token-classification recipe)."""
+        encoded = self._loaded().encode_batch(texts, is_pretokenized=True)
+        ids = np.asarray([e.ids for e in encoded], dtype=np.int64)
+        labels = np.full(ids.shape, self.ignore_index, dtype=np.int64)
+        for row, (encoding, row_tags) in enumerate(zip(encoded, tags, strict=True)):
+            previous = None
+            for position, word in enumerate(encoding.word_ids):
+                if word is not None and word != previous:
+                    labels[row, position] = row_tags[word]
+                previous = word
+        return ids, labels
 
 
 def train_bpe(files: Sequence[Path], vocab_size: int, out: Path) -> FileTokenizer:

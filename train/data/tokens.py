@@ -165,7 +165,7 @@ class WindowSampler(DistributedSampler):
 
     def global_order(self) -> torch.Tensor:
         """The epoch's order of every sample, before padding and dealing (a subclass may keep
-        reads local: train/data/arrow.py's ShardWindowSampler)."""
+        reads local: train/data/shard_order.py's ShardWindowSampler)."""
         g = torch.Generator()
         g.manual_seed(self.seed + self.epoch)
         return torch.randperm(len(self.dataset), generator=g, dtype=torch.int32)  # type: ignore[arg-type]

@@ -105,7 +105,7 @@ def load_run_model(job: Job, split: str | None) -> Loaded:
     watch.enter("data")
     bundle = data_lib.build(cfg.data, env, device, cfg.trainer.seed,
                             channels_last=cfg.trainer.channels_last,
-                            classes=task.name == "classification")
+                            classes=getattr(task, "class_targets", False))
     spec = set_up_task(cfg, task, bundle, device)
     if problem := cfg.eval.data_problem(cfg.data.name, bundle.input_shape, spec.num_classes):
         raise ConfigError(problem)

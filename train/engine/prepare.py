@@ -142,7 +142,7 @@ def prepare(job: Job, logger: RunLogger, stop: StopSignals) -> Prepared:
     watch.enter("data")  # building the data reads the user's first samples
     bundle = data_lib.build(cfg.data, env, device, cfg.trainer.seed,
                             channels_last=cfg.trainer.channels_last, micro_batches=accumulate,
-                            classes=task.name == "classification")
+                            classes=getattr(task, "class_targets", False))
     spec = set_up_task(cfg, task, bundle, device)
     logger.log_data(bundle, spec.num_classes,
                     task.output_card(bundle.target_shape, bundle.input_shape))

@@ -35,7 +35,8 @@ DATA_KEYS: dict[str, tuple[str, ...]] = {
 """data.<key>: the data sets that read it (keys not listed apply to all)."""
 TASK_KEYS: dict[str, tuple[str, ...]] = {
     "_target_": ("custom",), "args": ("custom",),
-    "ignore_index": ("segmentation", "language_model"), "num_classes": ("segmentation",),
+    "ignore_index": ("segmentation", "language_model", "token_classification"),
+    "num_classes": ("segmentation",),
     "samples_shown": ("segmentation", "regression", "language_model"),
     "prompt": ("language_model",), "sample_tokens": ("language_model",)}
 MODEL_KEYS: dict[str, tuple[str, ...]] = {

@@ -38,6 +38,8 @@ class Task:
     name: str = "task"
     metrics: tuple[str, ...] = ("loss",)
     """Every metric name `finalize` returns (logged as train/<name>, val/<name>, test/<name>)."""
+    class_targets: bool = False
+    """Targets are class indices (one per sample, or per token): the data names its classes."""
     fixed_items: bool = True
     """Every sample holds the same number of items (the gradient's divisor then follows from
     the batch shapes alone); False (ignored pixels, padded tokens) makes the service count the

@@ -30,6 +30,10 @@ def build(cfg: TaskConfig) -> Task:
         from train.tasks.language_model import LanguageModel
 
         return LanguageModel(cfg.ignore_index, cfg.prompt, cfg.sample_tokens, cfg.samples_shown)
+    if cfg.name == "token_classification":
+        from train.tasks.token_classification import TokenClassification
+
+        return TokenClassification(cfg.ignore_index)
     return _custom(cfg)
 
 

@@ -21,6 +21,7 @@ from train.tasks.base import Layout, Outputs, Sums, Task, model_output
 class Classification(Task):
     name = "classification"
     metrics = ("loss", "accuracy", "accuracy_top5")
+    class_targets = True
 
     def setup(self, loss: Any, num_classes: int, class_names: list[str]) -> None:
         super().setup(loss, num_classes, class_names)
