@@ -167,8 +167,18 @@ def loader(dataset: torch.utils.data.Dataset, order: ShardOrder, workers: int,
                                                                 drop_last=False),
                             collate_fn=collate, num_workers=workers,
                             persistent_workers=workers > 0, pin_memory=devices.pin_memory(device),
-                            worker_init_fn=ignore_in_worker,
+                            worker_init_fn=ignore_in_worker, generator=_own_generator(order),
                             multiprocessing_context=WORKER_START if workers > 0 else None)
+
+
+def _own_generator(order: ShardOrder) -> torch.Generator:
+    """The loader's own random source (its workers' base seed, drawn at each new iterator),
+    fixed by the sampler's seed and rank. Left to the global RNG, that draw came between a
+    resumed rank's restored RNG state and its next step, so a model's dropout drew other
+    masks than the uninterrupted job's."""
+    sampler = order.sampler
+    seed, rank = getattr(sampler, "seed", 0), getattr(sampler, "rank", 0)
+    return torch.Generator().manual_seed((int(seed) * 1_000_003 + int(rank)) % 2**63)
 
 
 class WorkersBornDeaf(DataLoader):
