@@ -86,6 +86,14 @@ def test_the_slowest_rank_is_the_one_with_the_most_own_work_and_it_sets_the_verd
     assert verdict.line.startswith("rank 1 waited for data 78% of its step time with "
                                    "data.num_workers=2 and ")
     assert Breakdown().verdict(num_workers=0, ranks_here=1) is None  # no logging step yet
+    computing = Breakdown()
+    computing.interval([[0.0, 1.0, 1.0, 0.1, 0.0, 0.0]], steps=1)
+    lines = [computing.verdict(0, 1, precision, compiled).line  # type: ignore[union-attr]
+             for precision, compiled in (("fp32", False), ("bf16-mixed", False),
+                                         ("bf16-mixed", True))]
+    assert lines[0].endswith("try trainer.precision=bf16-mixed or trainer.compile=true")
+    assert lines[1].endswith("try trainer.compile=true")  # not what the run already does
+    assert lines[2].endswith(": a smaller model, or more GPUs")
 
 
 def test_status_shows_each_ranks_wait_for_data(tmp_path: Path) -> None:

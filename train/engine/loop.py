@@ -303,6 +303,7 @@ def _fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.de
             raise duties.stop.preempted()
     workers = data.train.loader.num_workers if data.train.loader is not None else 0
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if (verdict := duties.breakdown.verdict(workers, ranks_here)) is not None:
+    if (verdict := duties.breakdown.verdict(workers, ranks_here, cfg.trainer.precision,
+                                            cfg.trainer.compile)) is not None:
         duties.logger.bottleneck(verdict)
     return val

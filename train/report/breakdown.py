@@ -91,10 +91,14 @@ class Breakdown:
             values[f"time/slowest/{phase}_share"] = share
         return values
 
-    def verdict(self, num_workers: int, ranks_here: int) -> Verdict | None:
+    def verdict(self, num_workers: int, ranks_here: int, precision: str = "fp32",
+                compiled: bool = False) -> Verdict | None:
         """What held the run back (None before any logging step): what the slowest rank spent
         most of its step time on - the others wait for it, and their waits, inside backward
-        under DDP, are its doing, not theirs."""
+        under DDP, are its doing, not theirs. Of the compute settings, only those the run has
+        not set (`precision`, `compiled`) are suggested."""
+        untried = [o for o, on in (("trainer.precision=bf16-mixed", precision != "fp32"),
+                                   ("trainer.compile=true", compiled)) if not on]
         if not self.totals or not any(sum(row) for row in self.totals):
             return None
         rank = slowest(self.totals)
@@ -109,8 +113,9 @@ class Breakdown:
                     "`train prepare-data`)")
         elif kind == "compute":
             line = (f"rank {rank} computed {by_kind[kind]:.0%} of its step time (forward, "
-                    "backward with DDP's gradient all-reduce, the optimiser step): on a GPU "
-                    "try trainer.precision=bf16-mixed or trainer.compile=true")
+                    "backward with DDP's gradient all-reduce, the optimiser step)" +
+                    (f": on a GPU try {' or '.join(untried)}" if untried else
+                     ": a smaller model, or more GPUs"))
         else:
             line = (f"rank {rank} waited in collectives {by_kind[kind]:.0%} of its step time: "
                     "log less often (trainer.log_every_n_steps) or take larger steps "
