@@ -96,14 +96,15 @@ def test_a_random_gpt2_trains_alike_under_ddp_and_fsdp_on_a_trained_bpe(
 def test_a_gpt2_killed_under_fsdp_resumes_with_the_ddp_losses(
         gpt2_runs: dict[str, dict], bpe_tokens: Path, tmp_path: Path,
         store_template: Path) -> None:
-    """model=hf under FSDP, killed (SIGKILL, launcher and ranks) after its 4th checkpoint,
-    resumed into the same run: its 8 step losses and its val/loss are the uninterrupted DDP
-    run's (float32 sums in another order: 1e-5) - each rank's RNG restored, so GPT-2's dropout
-    draws the same masks. (At another world size the ranks' dropout streams differ, and so do
-    the losses, by ~3e-3 here: a model without dropout resumes at any world size alike,
-    tests/e2e/test_fsdp.py.)"""
+    """model=hf under FSDP with its GPT2Blocks recomputed in backward, killed (SIGKILL,
+    launcher and ranks) after its 4th checkpoint, resumed into the same run: its 8 step losses
+    and its val/loss are the uninterrupted DDP run's (float32 sums in another order: 1e-5) -
+    each rank's RNG restored, so GPT-2's dropout draws the same masks (the recompute too).
+    (At another world size the ranks' dropout streams differ, and so do the losses, by ~3e-3
+    here: a model without dropout resumes at any world size alike, tests/e2e/test_fsdp.py.)"""
     store = {"MLFLOW_TRACKING_URI": new_store(tmp_path / "mlflow.db", store_template)}
     args = (*GPT2, f"data.root={bpe_tokens}", "distributed.strategy=fsdp",
+            "model.activation_checkpointing=blocks",
             "trainer.checkpoint_interval_min=0.0001", "trainer.keep_checkpoints=20")
     out = tmp_path / "job"
     kill_job_after_checkpoints(out, store, 4, *args, "distributed.nproc_per_node=2")
@@ -118,6 +119,7 @@ def test_a_gpt2_killed_under_fsdp_resumes_with_the_ddp_losses(
     assert [v for _, v in steps] == pytest.approx([v for _, v in reference["steps"]], abs=1e-5)
     assert run.data.metrics["val/loss"] == pytest.approx(
         reference["run"].data.metrics["val/loss"], abs=1e-5)
+    assert run.data.tags["activation_checkpointing"] == "2 of 2 GPT2Block blocks"
 
 
 def test_a_gpt2_trains_in_bf16_compiled_and_registers_its_model(
@@ -144,6 +146,24 @@ def test_a_gpt2_trains_in_bf16_compiled_and_registers_its_model(
 
     [version] = MlflowClient(tracking_uri=uri).search_model_versions("name='tiny-gpt2'")
     assert int(version.version) == 1 and version.run_id == run.info.run_id
+
+
+def test_a_sweep_over_the_hf_config_makes_a_parent_and_its_children(
+        bpe_tokens: Path, store: dict[str, str], tmp_path: Path) -> None:
+    """`-m` over a key of model.config (the layers of the random GPT-2): one child run per
+    value under the sweep's parent, each with its value among its params, the parent naming
+    the child of the lowest val/loss."""
+    args = tuple(a for a in GPT2 if not a.startswith("+model.config.n_layer"))
+    done = run_train("-m", *args, f"data.root={bpe_tokens}", "+model.config.n_layer=1,2",
+                     f"hydra.sweep.dir={tmp_path / 'sweep'}", env=store, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = runs_in(store["MLFLOW_TRACKING_URI"])
+    [parent] = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert sorted(c.data.params["model.config.n_layer"] for c in children) == ["1", "2"]
+    assert all(c.info.status == "FINISHED" for c in children + [parent])
+    best = min(children, key=lambda c: c.data.metrics["val/loss"])
+    assert parent.data.tags["best_run_id"] == best.info.run_id
 
 
 def test_the_export_loads_in_transformers_alone_with_the_services_logits_and_tokens(
@@ -203,6 +223,8 @@ def test_a_small_vit_trains_on_images_with_its_sizes_from_the_data(
     (("+model.config.vocab_size=100",), "the model's vocabulary (100 tokens) is smaller than "
                                         "the data's (256)"),
     (("missing",), "model=hf needs the transformers package, not installed here: pip install"),
+    (("model.activation_checkpointing=blocks", "trainer.compile=true"),
+     "model=hf with model.activation_checkpointing and trainer.compile=true: torch.compile"),
 ])
 def test_what_cannot_work_is_refused_before_any_rank(
         overrides: tuple[str, ...], expected: str, small_tokens: Path, store: dict[str, str],
