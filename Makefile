@@ -60,7 +60,8 @@ mlflow-server: setup
 # `make bench`: the service against a plain DDP loop, on in-memory data, for task=regression and
 # task=segmentation (bench/task_data.py), and on an ImageFolder of JPEGs the bench writes itself
 # (docs/benchmarks.md); data=arrow's shards against the same JPEGs as an image folder
-# (bench/arrow.py: 200,000 images and 800,000, files opened, first step, RSS); model=gpt
+# (bench/arrow.py: 200,000 images and 800,000, files opened, first step, RSS) and its two
+# training orders (bench/arrow_shuffle.py: shards per batch, samples/s cold and warm); model=gpt
 # against a nanoGPT-style loop, and model=hf's GPT-2 against the same loop over it (bench/lm.py); FSDP against DDP on a 57 M-parameter GPT
 # (bench/fsdp.py); the straggler check's own work (bench/stragglers.py); and Optuna sweeps
 # with each pruner against the same sweep without (bench/sweep_pruning.py: four sweeps of 16
@@ -73,6 +74,7 @@ bench: setup
 	$(PY) -m bench.lm --model hf --out .bench/lm-hf.json
 	$(PY) -m bench.imagefolder
 	$(PY) -m bench.arrow --out .bench/arrow.json
+	$(PY) -m bench.arrow_shuffle --out .bench/arrow-shuffle.json
 	$(PY) -m bench.new_store --dirty-mb 1000
 	$(PY) -m bench.fsdp --out .bench/fsdp.json
 	$(PY) -m bench.sweep_pruning --out .bench/sweep_pruning.json
