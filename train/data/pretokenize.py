@@ -90,22 +90,23 @@ def _tokenize_into(target: Path, layout: arrow.Layout, column: str,
     work = target.parent / f".{target.name}.{host}.{os.getpid()}.tmp"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    splits, rows = {}, 0
-    for role, path in layout.splits.items():
-        split = arrow.open_split(path)
-        # map's own cache goes into our working directory: the data's may be read-only
-        splits[ROLE_NAMES[role]] = split.map(
-            lambda batch: {COLUMN: encoder(batch[column])}, batched=True, batch_size=1000,
-            remove_columns=[column], cache_file_name=str(work / f"{role}.map.arrow"),
-            desc=f"tokenizing {role}")
-        rows += len(split)
-    whole = work / "set"
-    datasets.DatasetDict(splits).save_to_disk(str(whole))
-    try:
-        os.replace(whole, target)
-    except OSError:  # another node's copy came first: it is the same, keep it
-        if not (target / "dataset_dict.json").is_file():
-            raise
+    try:  # whatever happens, no working copy is left behind
+        splits, rows = {}, 0
+        for role, path in layout.splits.items():
+            split = arrow.open_split(path)
+            # map's own cache goes into our working directory: the data's may be read-only
+            splits[ROLE_NAMES[role]] = split.map(
+                lambda batch: {COLUMN: encoder(batch[column])}, batched=True, batch_size=1000,
+                remove_columns=[column], cache_file_name=str(work / f"{role}.map.arrow"),
+                desc=f"tokenizing {role}")
+            rows += len(split)
+        whole = work / "set"
+        datasets.DatasetDict(splits).save_to_disk(str(whole))
+        try:
+            os.replace(whole, target)
+        except OSError:  # another node's copy came first: it is the same, keep it
+            if not (target / "dataset_dict.json").is_file():
+                raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
     seconds = time.monotonic() - started
