@@ -58,6 +58,7 @@ def test_a_small_bert_classifies_texts_tokenized_in_workers_or_once_per_node(
 
     config = AutoConfig.from_pretrained(tmp_path / "workers" / "hf_model", local_files_only=True)
     assert (config.vocab_size, config.pad_token_id, config.num_labels) == (VOCAB, 0, 2)
+    assert config.id2label == {0: "animals", 1: "numbers"}  # the ClassLabel's names
     # map: one tokenizing pass for the two ranks, and batches of the same ids in the same order
     [line] = (cache / "tokenize.log").read_text().splitlines()
     assert f"rows={SENTENCES}" in line and line.startswith("0123abcd-")  # the cache's copy
@@ -163,7 +164,7 @@ def test_a_small_bert_tags_the_words_of_a_datasets_directory(
     assert metrics["val/accuracy"] > always_o + 0.3, (metrics, always_o)
     assert metrics["val/macro_f1"] > 0.8, metrics
     config = json.loads((tmp_path / "job" / "hf_model" / "config.json").read_text())
-    assert len(config["id2label"]) == 3  # num_labels, filled from the ClassLabel
+    assert config["id2label"] == {"0": "O", "1": "ANIMAL", "2": "NUMBER"}  # the ClassLabel's
 
 
 def test_a_text_column_without_a_tokenizer_is_refused(sentences: Path, store: dict[str, str],

@@ -130,7 +130,8 @@ def set_up_task(cfg: TrainConfig, task: Task, bundle: data_lib.DataBundle,
         raise ConfigError(problem)
     return models.InputSpec.of(bundle.input_shape,
                                task.outputs_per_sample(bundle.target_shape, classes),
-                               vocab_size=bundle.vocab_size, text=bundle.text)
+                               vocab_size=bundle.vocab_size, text=bundle.text,
+                               class_names=tuple(bundle.class_names or ()))
 
 
 def prepare(job: Job, logger: RunLogger, stop: StopSignals) -> Prepared:

@@ -26,13 +26,18 @@ class InputSpec:
     text: tuple[int, int] | None = None
     """Texts as padded token ids (data=arrow with data.tokenizer): the tokenizer's vocabulary
     and padding id; the task is the data's (a class per text)."""
+    class_names: tuple[str, ...] = ()
+    """The classes' names where the data has them (one per class): a constructor that takes
+    `class_names` gets them (model=hf: its config's id2label)."""
 
     @classmethod
     def of(cls, input_shape: tuple[int, ...], num_classes: int,
-           vocab_size: int | None = None, text: tuple[int, int] | None = None) -> InputSpec:
+           vocab_size: int | None = None, text: tuple[int, int] | None = None,
+           class_names: tuple[str, ...] = ()) -> InputSpec:
         """From one sample's shape: channels first, the last dimension as the image size."""
         shape = tuple(input_shape)
-        return cls(shape[0], shape[-1], num_classes, shape, vocab_size, text)
+        names = tuple(class_names) if len(class_names) == num_classes else ()
+        return cls(shape[0], shape[-1], num_classes, shape, vocab_size, text, names)
 
     @property
     def token_ids(self) -> bool:
@@ -43,15 +48,16 @@ class InputSpec:
     def sample_shape(self) -> tuple[int, ...]:
         return self.input_shape or (self.channels, self.image_size, self.image_size)
 
-    def constructor_values(self) -> dict[str, int]:
+    def constructor_values(self) -> dict[str, Any]:
         """What a custom model's constructor may take from the data (by these names)."""
         if self.vocab_size is not None:  # token windows: a language model's sizes
             return {"vocab_size": self.vocab_size, "seq_len": self.input_shape[0]}
+        names = {"class_names": list(self.class_names)} if self.class_names else {}
         if self.text is not None:  # padded texts: a classifier's, and its tokenizer's
             return {"num_classes": self.num_classes, "vocab_size": self.text[0],
-                    "pad_token_id": self.text[1], "seq_len": self.input_shape[0]}
+                    "pad_token_id": self.text[1], "seq_len": self.input_shape[0], **names}
         return {"num_classes": self.num_classes, "in_channels": self.channels,
-                "channels": self.channels, "image_size": self.image_size}
+                "channels": self.channels, "image_size": self.image_size, **names}
 
 
 def _cnn(cfg: ModelConfig, spec: InputSpec) -> nn.Module:

@@ -114,7 +114,7 @@ def build(auto_class: str = "causal_lm", path: str | None = None,
           config: dict[str, Any] | None = None, vocab_size: int | None = None,
           seq_len: int | None = None, num_classes: int | None = None,
           channels: int | None = None, image_size: int | None = None,
-          pad_token_id: int | None = None) -> HFModel:
+          pad_token_id: int | None = None, class_names: list[str] | None = None) -> HFModel:
     """The model (see the module's docstring). `seq_len`: taken, so that the filling rule
     hands it, but the config's own context (n_positions, max_position_embeddings) decides."""
     del seq_len
@@ -126,6 +126,11 @@ def build(auto_class: str = "causal_lm", path: str | None = None,
                             auto_class, sizes)
     else:
         model = _from_config(model_class, _filled(dict(config or {}), auto_class, sizes))
+    if class_names and auto_class != "causal_lm" \
+            and getattr(model.config, "num_labels", None) == len(class_names):
+        # the classes' names in the config, as transformers' pipelines and users read them
+        model.config.id2label = dict(enumerate(class_names))
+        model.config.label2id = {name: i for i, name in enumerate(class_names)}
     if vocab_size is not None and getattr(model.config, "vocab_size", vocab_size) < vocab_size:
         fix = ("tokenize the data with the model's own tokenizer (data.tokenizer=<its "
                "directory>)" if path is not None else "set model.config.vocab_size")
