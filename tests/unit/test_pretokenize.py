@@ -21,7 +21,8 @@ def _tokenized(root: str, tokenizer: str, max_length: int, out: str) -> list[lis
     from train.data.tokenize import TextEncoder
 
     layout = arrow.find(root)
-    cached = pretokenize.tokenized(layout, "text", TextEncoder(tokenizer, max_length), out)
+    cached = pretokenize.tokenized(layout, "text", TextEncoder(tokenizer, max_length), out,
+                                   arrow.digest(layout))
     split = arrow.open_split(cached.splits["val"])
     return [list(map(int, ids)) for ids in split[pretokenize.COLUMN]]
 

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from train.data import arrow
-from train.data.tokenize import TOKENIZER_FILE, TextEncoder
+from train.data.tokenize import TextEncoder
 
 log = logging.getLogger("train")
 COLUMN = "input_ids"
@@ -59,20 +59,21 @@ def writable_problem(root: str | Path, tokenized_to: str | None) -> str | None:
             "data.tokenize=workers.")
 
 
-def key(layout: arrow.Layout, encoder: TextEncoder, column: str) -> str:
-    tokenizer = Path(encoder.path).expanduser()
-    tokenizer = tokenizer / TOKENIZER_FILE if tokenizer.is_dir() else tokenizer
-    h = hashlib.sha256(f"{arrow.digest(layout)}\0{encoder.max_length}\0{column}\0".encode())
-    h.update(tokenizer.read_bytes())
+def key(digest: str, encoder: TextEncoder, column: str) -> str:
+    """12 hex digits of what the ids depend on: the data's `digest` (arrow.digest), the
+    tokenizer file's bytes, max_length and the column."""
+    h = hashlib.sha256(f"{digest}\0{encoder.max_length}\0{column}\0".encode())
+    h.update(Path(encoder.file).read_bytes())
     return h.hexdigest()[:12]
 
 
 def tokenized(layout: arrow.Layout, column: str, encoder: TextEncoder,
-              tokenized_to: str | None) -> arrow.Layout:
+              tokenized_to: str | None, digest: str) -> arrow.Layout:
     """The set with `column` replaced by COLUMN's token ids, from the cache - made here first
-    where this node finds none (see the module's docstring)."""
+    where this node finds none (see the module's docstring). `digest`: arrow.digest(layout),
+    which the caller has."""
     base = cache_root(layout.root, tokenized_to)
-    target = base / f"{layout.root.name}-{key(layout, encoder, column)}"
+    target = base / f"{layout.root.name}-{key(digest, encoder, column)}"
     if not (target / "dataset_dict.json").is_file():
         base.mkdir(parents=True, exist_ok=True)
         with open(base / f".{target.name}.{socket.gethostname()}.lock", "w") as lock:

@@ -271,7 +271,7 @@ def arrow_source(cfg: DataConfig, classes: bool = True) -> Source:
     if encoder is not None and cfg.tokenize == "map":  # read as ids, tokenized once per node
         from train.data import pretokenize
 
-        layout = pretokenize.tokenized(layout, input_column, encoder, cfg.tokenized_to)
+        layout = pretokenize.tokenized(layout, input_column, encoder, cfg.tokenized_to, digest)
         input_column, encoder, tokenized = pretokenize.COLUMN, None, ", tokenized once per node"
     whole = arrow.ArrowSamples(layout.splits["train"], input_column, target_column,
                                transforms(cfg, train=True), encoder)

@@ -131,12 +131,12 @@ def config_dict(cfg: TrainConfig) -> dict:
     return as_dict
 
 
-def check_text_data(cfg: TrainConfig, layout: Any, encoder: Any) -> None:
-    """data=arrow's text column: the model takes the tokenizer's ids and data.max_length of
-    them; data.tokenize=map's cache can be written (a staged set's goes into the copy)."""
+def check_text_data(cfg: TrainConfig, layout: Any, encoder: Any, target: str) -> None:
+    """data=arrow's text column (`target`: the target's column): the model takes the
+    tokenizer's ids and data.max_length of them; data.tokenize=map's cache can be written (a
+    staged set's goes into the copy)."""
     from train.data import arrow
 
-    target = arrow.columns(layout, cfg.data.input_column, cfg.data.target_column)[1]
     names = arrow.class_names(arrow.open_split(layout.splits["train"]), target) or []
     check_text_model(cfg, encoder.vocab_size, encoder.pad_id, len(names))
     if cfg.data.tokenize == "map" and (cfg.data.tokenized_to or not cfg.data.stage_to):
@@ -160,13 +160,14 @@ def check_data(cfg: TrainConfig) -> int | None:
 
         try:
             layout = arrow.check(cfg.data.root)
-            column = arrow.columns(layout, cfg.data.input_column, cfg.data.target_column)[0]
+            column, target = arrow.columns(layout, cfg.data.input_column,
+                                           cfg.data.target_column)
         except arrow.ArrowDataError as e:
             raise LaunchError(str(e)) from None
         from train.data.sources import text_encoder  # a text column: its tokenizer, loaded
 
         if (encoder := text_encoder(cfg.data, layout, column)) is not None:
-            check_text_data(cfg, layout, encoder)
+            check_text_data(cfg, layout, encoder, target)
         return None
     if cfg.data.name == "custom":
         from train.data import userdata  # imports the user's package (and torch)
