@@ -1,7 +1,10 @@
 """data=arrow through the real CLI: `python -m train prepare-data` writes shards from a folder
 of real JPEGs with 2 worker processes, and a 2-rank job trains on them from a read-only
 directory into a FINISHED run whose validation counted every sample once; a changed shard is
-named at pre-flight, before any rank starts, with no run left behind. In process:
+named at pre-flight, before any rank starts, with no run left behind; a shard truncated while a
+job reads it ends the job and its run FAILED with a line naming it, whether a DataLoader worker
+or the rank itself read it; a job on shards `datasets` wrote, killed mid-epoch at world 4 and
+again at world 3, finishes at world 1 with the losses of a job never killed. In process:
 tests/unit/test_arrow.py."""
 
 from __future__ import annotations
@@ -9,10 +12,23 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
-from tests.conftest import run_train, runs_in
+import numpy as np
+import pytest
+
+from tests.conftest import (
+    REPO,
+    history,
+    kill_job_after_checkpoints,
+    run_train,
+    runs_in,
+    wait_until,
+)
 from tests.images import write_image_folder
+from train.data import shards
 
 
 def _read_only(root: Path) -> None:
@@ -58,3 +74,91 @@ def test_prepared_shards_train_from_a_read_only_directory_and_bad_ones_are_named
     assert f"{shard} changed since it was prepared" in line
     assert len(runs_in(store["MLFLOW_TRACKING_URI"])) == 1
     assert os.access(out, os.R_OK)
+
+
+@pytest.mark.parametrize(("ranks", "workers"), [(2, 2), (1, 0)])
+def test_a_shard_truncated_mid_run_fails_the_run_naming_it(
+        tmp_path: Path, store: dict[str, str], ranks: int, workers: int) -> None:
+    """Memory-mapped shards: the process that touches a truncated one dies of SIGBUS (a worker:
+    "Bus error ... out of shared memory", the rank itself: no word). The line names the file."""
+    source = write_image_folder(tmp_path / "images", train_per_class=16, val_per_class=4)
+    out = tmp_path / "shards"
+    manifest = shards.prepare(shards.plan_image_folder(source, limit=4000), out, workers=1,
+                              command="test")
+    shard = out / manifest["splits"]["train"]["shards"][1]["file"]
+    job = tmp_path / "job"
+    log = (tmp_path / "job.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "train", "data=arrow", f"data.root={out}", "data.image_size=16",
+         "data.batch_size=8", "model.width=8", "trainer.epochs=1000",
+         f"distributed.nproc_per_node={ranks}", f"data.num_workers={workers}",
+         f"hydra.run.dir={job}"], cwd=REPO, env={**os.environ, **store}, stdout=log,
+        stderr=subprocess.STDOUT, text=True)
+    # Once epoch 1's checkpoint is written, every rank has read every shard: truncated now,
+    # the next epoch reads past its end.
+    wait_until(lambda: list((job / "checkpoints").glob("step-*.pt")), 180,
+               "the first checkpoint", job=proc)
+    os.truncate(shard, shard.stat().st_size // 2)
+    assert proc.wait(timeout=180) != 0
+    output = (tmp_path / "job.log").read_text()
+    assert f"{shard} changed while the job read it" in output, output[-3000:]
+    [run] = runs_in(store["MLFLOW_TRACKING_URI"])
+    assert run.info.status == "FAILED"
+    assert f"{shard} changed while the job read it" in run.data.tags["error"]
+
+
+def _table(root: Path) -> Path:
+    """A DatasetDict `datasets` itself wrote in 4 + 2 shards: 8 numbers and one of 3 classes
+    per sample, 203 training samples (a size that none of the world sizes 2, 3, 4 divides)."""
+    import datasets
+
+    rng = np.random.default_rng(0)
+
+    def split(n: int) -> datasets.Dataset:
+        x = rng.normal(size=(n, 8)).astype(np.float32)
+        return datasets.Dataset.from_dict({"x": x.tolist(), "label": x[:, :3].argmax(1).tolist()})
+
+    datasets.DatasetDict({"train": split(203), "validation": split(61)}).save_to_disk(
+        str(root), num_shards={"train": 4, "validation": 2})
+    return root
+
+
+def test_a_job_killed_at_world_4_and_3_finishes_at_world_1_as_if_never_killed(
+        tmp_path: Path, store_template: Path) -> None:
+    """17 steps an epoch (batches of 12 over 203 samples, dealt to the ranks), 2 epochs, a
+    checkpoint at every step: killed after its 5th checkpoint at world 4, resumed at world 3
+    and killed again after its 20th (mid-epoch 1, then in epoch 2), finished at world
+    1 - one run, each step's loss that of the job run through at world 1 (float sums in
+    another order: 1e-5), every training and validation sample counted once per epoch."""
+    from tests.conftest import new_store
+
+    args = ("data=arrow", f"data.root={_table(tmp_path / 'table')}", "data.input_column=x",
+            "data.target_column=label", "model=mlp", "model.width=16", "model.dropout=0",
+            "data.batch_size=12", "trainer.epochs=2", "trainer.log_every_n_steps=1",
+            "data.num_workers=1", "trainer.checkpoint_interval_min=0.0001",
+            "trainer.keep_checkpoints=40", "tracking.log_model=false")
+    reference = {"MLFLOW_TRACKING_URI": new_store(tmp_path / "ref.db", store_template)}
+    through = run_train(*args, f"hydra.run.dir={tmp_path / 'ref'}", env=reference)
+    assert through.returncode == 0, through.stderr[-3000:]
+    [ref] = runs_in(reference["MLFLOW_TRACKING_URI"])
+    expected = dict(history(reference["MLFLOW_TRACKING_URI"], ref.info.run_id,
+                            "train/step_loss"))
+    assert sorted(expected) == list(range(1, 35))
+    store = {"MLFLOW_TRACKING_URI": new_store(tmp_path / "mlflow.db", store_template)}
+    out = tmp_path / "job"
+    kill_job_after_checkpoints(out, store, 5, *args, "distributed.nproc_per_node=4")
+    kill_job_after_checkpoints(out, store, 20, *args, "distributed.nproc_per_node=3")
+    finished = run_train(*args, "distributed.nproc_per_node=1", f"hydra.run.dir={out}",
+                         env=store, timeout=240)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    uri = store["MLFLOW_TRACKING_URI"]
+    [run] = runs_in(uri)
+    assert run.info.status == "FINISHED" and run.data.tags["restarts"] == "2"
+    steps = history(uri, run.info.run_id, "train/step_loss")
+    assert sorted({s for s, _ in steps}) == list(range(1, 35))
+    for step, value in steps:  # a step logged twice (after a checkpoint, before the kill)
+        assert value == pytest.approx(expected[step], abs=1e-5), step
+    assert [v for _, v in history(uri, run.info.run_id, "train/samples")] == [203.0, 203.0]
+    assert [v for _, v in history(uri, run.info.run_id, "val/samples")] == [61.0, 61.0]
+    assert run.data.metrics["val/loss"] == pytest.approx(ref.data.metrics["val/loss"],
+                                                         abs=1e-5)

@@ -66,9 +66,15 @@ def test_two_rank_run_is_one_complete_mlflow_run(store: dict[str, str], tmp_path
     assert sorted(traces) == [0, 1]
     for names in traces.values():
         assert {"ProfilerStep#4", "ProfilerStep#5", "aten::conv2d"} <= names
-        assert "ProfilerStep#3" not in names  # the warm-up step
+        assert not {"ProfilerStep#3", "ProfilerStep#6"} & names  # warm-up and after: not kept
         assert any(n.startswith("autograd::engine::evaluate_function: ConvolutionBackward")
                    for n in names)
+    for rank in (0, 1):  # each rank's top operators, as text
+        summary = (out_dir / "profile" / f"rank-{rank}.txt").read_text()
+        assert summary.startswith(f"rank {rank}, optimiser step(s) 5-6, by self_cpu_time_total\n")
+        assert "Self CPU" in summary and "aten::convolution_backward" in summary
+    assert sorted(a.path for a in MlflowClient(uri).list_artifacts(run.info.run_id, "profile")) \
+        == [f"profile/rank-{r}.{kind}" for r in (0, 1) for kind in ("json.gz", "txt")]
     # Where the step time went, at each logging step; shares of rank 0's step summing to 1.
     shares = [dict(history(uri, run.info.run_id, f"time/{p}_share")) for p in PHASES]
     assert all(sum(s[step] for s in shares) == pytest.approx(1.0) for step, _ in step_losses)

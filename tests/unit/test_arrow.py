@@ -7,10 +7,7 @@ cases named at pre-flight (train/data/shards.py, train/data/arrow.py)."""
 from __future__ import annotations
 
 import io
-import os
 import shutil
-import subprocess
-import sys
 import tarfile
 from pathlib import Path
 
@@ -18,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import REPO, typed
+from tests.conftest import typed
 from tests.images import write_image_folder
 from train.data import arrow, imagefolder, shards
 from train.data.shard_order import ShardWindowSampler
@@ -246,7 +243,7 @@ def test_a_job_trains_on_shards_and_refuses_to_resume_on_other_ones(
     _prepare(shards.plan_image_folder(write_image_folder(tmp_path / "a", train_per_class=8,
                                                          val_per_class=3), 4000), out)
     args = ("data=arrow", f"data.root={out}", "data.image_size=16", "data.batch_size=8",
-            "data.num_workers=0", "model.width=8", "tracking.log_model=false",
+            "data.num_workers=1", "model.width=8", "tracking.log_model=false",
             f"tracking.uri={uri}", "tracking.batch_interval_s=0")
     run(composed(*args, "trainer.epochs=1"), str(tmp_path / "job"), "python -m train (test)")
     [first] = runs_in(uri)
@@ -262,12 +259,17 @@ def test_a_job_trains_on_shards_and_refuses_to_resume_on_other_ones(
 
 
 def test_a_hub_name_not_in_the_cache_is_named_with_where_it_was_looked_for(
-        tmp_path: Path) -> None:
-    code = ("from train.data import arrow\ntry:\n    arrow.find('nobody/nothing')\n"
-            "except arrow.ArrowDataError as e:\n    print(e)\n")
-    env = {**os.environ, "HF_DATASETS_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=120).stdout
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import datasets
+    import huggingface_hub.constants
+
+    # What HF_DATASETS_CACHE and HF_HUB_OFFLINE=1 set when these modules are imported.
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(arrow.ArrowDataError) as refused:
+        arrow.find("nobody/nothing")
+    out = str(refused.value)
     assert out.startswith(f"data=arrow data.root=nobody/nothing: neither a directory nor a "
                           f"data set in the local datasets cache ({tmp_path})"), out
     assert "load it once where the Hub can be reached" in out

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, composed, typed
+from tests.conftest import REPO, composed
 from train.__main__ import COMMANDS
 from train.config import reference
 
@@ -109,6 +109,8 @@ def test_every_train_command_shown_composes(page: str, command: str) -> None:
 
     first = train_args(command)[:1]
     assert not (first and unknown_command(first[0])), f"{page}: {command}: no such command"
-    overrides = overrides_of(command)
-    assert composed(*overrides) is not None
-    typed(*overrides)  # and reaches the typed config the job gets
+    from train.config.schema import to_container, to_typed
+
+    config = composed(*overrides_of(command))
+    assert config is not None
+    to_typed(to_container(config))  # and reaches the typed config the job gets

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from train.data import shard_guard
 from train.errors import TrainError
 
 log = logging.getLogger("train")
@@ -126,6 +127,10 @@ def shard_rows(files: list[Path]) -> list[int]:
             raise ArrowDataError(f"{path} is truncated or damaged ({e}); write the data set "
                                  "again.") from None
     return rows
+
+
+def every_shard(layout: Layout) -> list[Path]:
+    return [path for split in layout.splits.values() for path in shard_files(split)]
 
 
 def check(root: str | Path) -> Layout:
@@ -252,6 +257,7 @@ class ArrowSamples(Dataset):
         self.transform, self.encoder = transform, encoder
         """`encoder`: a text column's tokenizer (train/data/tokenize.py TextEncoder)."""
         self._data: Any = None
+        shard_guard.opened(shard_files(path))  # a shard changed under the job is named
         self.length = len(self.data)
         self.is_image = is_image(self.data.features[input_column])
 

@@ -21,10 +21,11 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler
 
+from train.data import shard_guard
 from train.data.tempdir import temp_dir_problem
 from train.distributed import devices
 from train.distributed.stopping import ignore_in_worker
-from train.errors import ConfigError
+from train.errors import ConfigError, TrainError
 
 
 @dataclass
@@ -102,7 +103,17 @@ class Batches:
 
     def raw(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Batches as stored (uint8 or float, any device)."""
-        yield from self.loader  # type: ignore[misc]
+        yield from self.loaded()
+
+    def loaded(self) -> Iterator[Any]:
+        """The loader's batches. A reader that died because a memory-mapped shard changed
+        under it is told as that (shard_guard)."""
+        try:
+            yield from self.loader  # type: ignore[misc]
+        except Exception as e:
+            if not isinstance(e, TrainError) and (line := shard_guard.changed()) is not None:
+                raise shard_guard.ShardChangedError(line) from e
+            raise
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
         for inputs, labels in self.raw():

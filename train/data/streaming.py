@@ -145,7 +145,7 @@ class StreamedBatches(batching.Batches):
         self.skipped: set[str] = set()
 
     def raw(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for inputs, labels, unreadable in self.loader:  # type: ignore[union-attr]
+        for inputs, labels, unreadable in self.loaded():
             for bad in unreadable:
                 if bad.path not in self.skipped:
                     self.skipped.add(bad.path)

@@ -104,6 +104,7 @@ def start_local_ranks(config: dict[str, Any], output_dir: str, command: str, npr
     procs = [ctx.Process(target=rank_process.rank_entry, name=f"rank {ranks[local]}", args=(
         config, output_dir, command, os.getpid(), {**os.environ, **node.env(local)}, umask,
         outcomes, ending[local])) for local in range(nproc)]
+    watched = _watched_shards(config["data"])
     started = time.time()
     with stopping.PassOn(procs) as forwarding:
         for p in procs:
@@ -134,9 +135,10 @@ def start_local_ranks(config: dict[str, Any], output_dir: str, command: str, npr
         return next((o.payload for o in sorted(results, key=lambda o: o.rank)
                      if o.kind == "result"), {})
     stopped |= forwarding.signalled_ranks(exits)
+    why = _shard_changed(exits, stopped, watched)
     _end_abandoned_run(output_dir, started, exits, results, stopped,
-                       {ranks[local]: p.pid for local, p in enumerate(procs)})
-    cause = root_cause(exits, results, stopped)
+                       {ranks[local]: p.pid for local, p in enumerate(procs)}, why)
+    cause = root_cause(exits, results, stopped) + (f": {why}" if why else "")
     failed = failure(cause, Path(output_dir), command, root_trace(results, cause),
                      since=started)
     raise JobFailedError(failed.block(), failed)
@@ -192,18 +194,53 @@ def _start_resource_tracker() -> None:
         signal.signal(signal.SIGHUP, previous)
 
 
+def reads_shards_itself(data: dict[str, Any]) -> bool:
+    """A rank that reads memory-mapped shards in its own process (data=arrow without
+    DataLoader workers) dies of SIGBUS, without a word, if a shard changes under it: such a
+    job's one rank runs as a process of its own, whose death this one reports
+    (_shard_changed), instead of in this process, which would die with it."""
+    return data.get("name") == "arrow" and data.get("num_workers") == 0
+
+
+def _watched_shards(data: dict[str, Any]) -> dict[str, Any] | None:
+    """data=arrow's shards as the job begins (data/shard_guard.py), to be compared with after
+    a rank died of SIGBUS; None for any other data (staged copies are the ranks' to watch)."""
+    if data.get("name") != "arrow":
+        return None
+    from train.data import arrow, shard_guard
+    from train.errors import TrainError
+
+    try:
+        return shard_guard.stamps(arrow.every_shard(arrow.find(data["root"])))
+    except TrainError:  # pre-flight said what is wrong, or the ranks will
+        return None
+
+
+def _shard_changed(exits: dict[int, int | None], stopped: set[int],
+                   watched: dict[str, Any] | None) -> str | None:
+    """Why a rank died of SIGBUS, when a shard it had memory-mapped changed since."""
+    if not watched or not any(code == -signal.SIGBUS and rank not in stopped
+                              for rank, code in exits.items()):
+        return None
+    from train.data import shard_guard
+
+    return shard_guard.changed(watched)
+
+
 def _end_abandoned_run(output_dir: str, started: float, exits: dict[int, int | None],
                        results: list[RankOutcome], stopped: set[int],
-                       pids: dict[int, int | None]) -> None:
+                       pids: dict[int, int | None], why: str | None = None) -> None:
     """Rank 0 alone ends the run. If it died without a word, its run would stay RUNNING; if
     another rank was killed, rank 0 blamed the closed connection it saw. Either way this
-    process knows better: it ends the run FAILED with the rank that died."""
+    process knows better: it ends the run FAILED with the rank that died (and `why`, where
+    this process knows it)."""
     killed = sorted((rank, -code) for rank, code in exits.items()
                     if code is not None and code < 0 and rank not in stopped)
     reported = {o.rank for o in results}
     if killed:
         rank, number = killed[0]
         cause = f"rank {rank} (pid {pids[rank]}) killed by {signal_name(number)}"
+        cause += f": {why}" if why else ""
     elif 0 in exits and 0 not in reported:  # hung and stopped, or gone without a word
         lines = root_cause(exits, results, stopped).strip().splitlines()
         cause = lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"

@@ -3,6 +3,7 @@ config and what the data is: one sample's shape and the number of classes."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -73,7 +74,7 @@ def _cnn(cfg: ModelConfig, spec: InputSpec) -> nn.Module:
 
 def _mlp(cfg: ModelConfig, spec: InputSpec) -> nn.Module:
     layers: list[nn.Module] = [nn.Flatten()]
-    width_in = spec.channels * spec.image_size ** 2
+    width_in = math.prod(spec.sample_shape)  # an image's pixels, or a table row's numbers
     for _ in range(cfg.depth):
         layers += [nn.Linear(width_in, cfg.width), nn.ReLU(inplace=True)]
         width_in = cfg.width
