@@ -1,7 +1,7 @@
 """`python -m bench.arrow_shuffle`: data=arrow's two training orders - data.shuffle=shards (the
 default: the shards in a random order, then the samples of each window of shuffle_window shards)
 against data.shuffle=global (one permutation of every sample) - read through the service's own
-pieces (ArrowSamples, the samplers, the DataLoader and its collate) over one epoch.
+pieces (arrow_samples.ArrowSamples, the samplers, the DataLoader and its collate) over one epoch.
 
 Figures per order: how many shards a batch touches (from the order itself), and samples/s of
 reading and decoding the epoch with a warm page cache and with a cold one (the kernel's caches
@@ -28,6 +28,7 @@ from bench.arrow import make_set
 from bench.run import machine_info
 from train.config.groups import DataConfig
 from train.data import arrow
+from train.data.arrow_samples import ArrowSamples
 from train.data.shard_order import ShardWindowSampler
 from train.data.streaming import collate_readable, transforms
 
@@ -50,7 +51,7 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def sampler(order: str, samples: arrow.ArrowSamples, sizes: list[int], window: int) -> object:
+def sampler(order: str, samples: ArrowSamples, sizes: list[int], window: int) -> object:
     if order == "shards":
         return ShardWindowSampler(samples, 1, 0, seed=0, shard_sizes=sizes, window=window)
     return DistributedSampler(samples, num_replicas=1, rank=0, seed=0)
@@ -73,7 +74,7 @@ def drop_caches() -> bool:
         return False
 
 
-def read_epoch(samples: arrow.ArrowSamples, order: object, args: argparse.Namespace) -> float:
+def read_epoch(samples: ArrowSamples, order: object, args: argparse.Namespace) -> float:
     """Samples/s of one epoch read, decoded and collated by the DataLoader's workers."""
     loader = DataLoader(samples, batch_size=args.batch_size, sampler=order,  # type: ignore[arg-type]
                         num_workers=args.workers, collate_fn=collate_readable)
@@ -92,7 +93,7 @@ def main() -> None:
     sizes = arrow.shard_rows(arrow.shard_files(split))
     cfg = DataConfig(name="arrow", image_size=args.size)
     columns = arrow.columns(layout, "auto", "auto")
-    samples = arrow.ArrowSamples(split, *columns, transforms(cfg, train=False))
+    samples = ArrowSamples(split, *columns, transforms(cfg, train=False))
     results = {"command": f"python -m bench.arrow_shuffle --per-class {args.per_class} "
                           f"--shard-mb {args.shard_mb} --repeats {args.repeats}",
                "date": datetime.now(UTC).isoformat(timespec="seconds"),

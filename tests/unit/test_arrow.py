@@ -18,6 +18,7 @@ import torch
 from tests.conftest import typed
 from tests.images import write_image_folder
 from train.data import arrow, imagefolder, shards
+from train.data.arrow_samples import ArrowSamples
 from train.data.shard_order import ShardWindowSampler
 
 
@@ -105,7 +106,7 @@ def test_a_users_dataset_becomes_shards_read_back_as_its_tensors(
     spec = {"_target_": "userpkg.data.Lines", "length": 30, "size": 8}
     manifest = _prepare(shards.plan_dataset(spec, limit=2000), tmp_path / "out")
     assert manifest["classes"] == Lines.classes and manifest["splits"]["train"]["samples"] == 30
-    samples = arrow.ArrowSamples(tmp_path / "out" / "train", "input", "target")
+    samples = ArrowSamples(tmp_path / "out" / "train", "input", "target")
     original = Lines(30, 8)
     for i in (0, 17, 29):
         x, y = samples[i]

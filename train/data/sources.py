@@ -259,6 +259,7 @@ def arrow_source(cfg: DataConfig, classes: bool = True) -> Source:
     import functools
 
     from train.data import arrow
+    from train.data.arrow_samples import ArrowSamples
     from train.data.shard_order import ShardWindowSampler
     from train.data.staging import staged
 
@@ -273,14 +274,14 @@ def arrow_source(cfg: DataConfig, classes: bool = True) -> Source:
 
         layout = pretokenize.tokenized(layout, input_column, encoder, cfg.tokenized_to, digest)
         input_column, encoder, tokenized = pretokenize.COLUMN, None, ", tokenized once per node"
-    whole = arrow.ArrowSamples(layout.splits["train"], input_column, target_column,
+    whole = ArrowSamples(layout.splits["train"], input_column, target_column,
                                transforms(cfg, train=True), encoder)
     images = whole.is_image
     evaluation = transforms(cfg, train=False) if images else None
     sampler: Any = DistributedSampler
     if "val" in layout.splits:
         train: Dataset = whole
-        val: Dataset = arrow.ArrowSamples(layout.splits["val"], input_column, target_column,
+        val: Dataset = ArrowSamples(layout.splits["val"], input_column, target_column,
                                           evaluation, encoder)
         if cfg.shuffle == "shards":
             sizes = arrow.shard_rows(arrow.shard_files(layout.splits["train"]))
@@ -290,7 +291,7 @@ def arrow_source(cfg: DataConfig, classes: bool = True) -> Source:
         parts = batching.split(len(whole), cfg.val_fraction, cfg.split_seed)
         train, val = Rows(whole, parts.train_idx), Rows(whole.with_transform(evaluation),
                                                         parts.val_idx)
-    test = (arrow.ArrowSamples(layout.splits["test"], input_column, target_column, evaluation,
+    test = (ArrowSamples(layout.splits["test"], input_column, target_column, evaluation,
                                encoder) if "test" in layout.splits else None)
     names = arrow.class_names(whole.data, target_column) if classes else None
     if classes and names is None:
