@@ -1,20 +1,23 @@
 """Shards that change under a running job, named.
 
-data=arrow's shards are memory-mapped (train/data/arrow.py). A shard truncated or rewritten in
-place while a job reads it raises nothing Python sees: the process that touches the lost pages
-dies of SIGBUS. A DataLoader worker's death reaches its rank as "killed by signal: Bus error ...
-out of shared memory" (the wrong lead); a rank reading in its own process (data.num_workers=0)
-dies without a word. So each process keeps the size and modification time of the shards it
-opened, and whoever sees a reader die - the rank, for its workers (data/batches.py), the
-launcher, for its ranks (launch/local.py) - compares them with the files as they are now: the
-failure then names the file that changed. Only on a failure: no stat per step.
+data=arrow's shards are memory-mapped (train/data/arrow_samples.py). A shard truncated or
+rewritten in place while a job reads it raises nothing Python sees: the process that touches the
+lost pages dies of SIGBUS. A DataLoader worker's death reaches its rank as "killed by signal:
+Bus error ... out of shared memory" (the wrong lead); a rank reading in its own process
+(data.num_workers=0) dies without a word. So each process keeps the size and modification time
+of the shards it opened, and whoever sees a reader die - the rank, for its workers
+(data/batches.py), the launcher, for its ranks (launch/local.py) - compares them with the files
+as they are now: the failure then names the file that changed. Only on a failure: no stat per
+step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
+from train.data import arrow
 from train.errors import TrainError
 
 Stamp = tuple[int, int] | None
@@ -65,3 +68,14 @@ def changed(before: dict[str, Stamp] | None = None) -> str | None:
                 "are while a job reads them; put the data set back as it was to resume, or "
                 "prepare the new one in another directory for a new run.")
     return None
+
+
+def watch(data: dict[str, Any]) -> dict[str, Stamp] | None:
+    """data=arrow's shards as a job begins, for its launcher to compare with after a rank died
+    of SIGBUS (`changed`); None for any other data (a staged copy is its ranks' to watch)."""
+    if data.get("name") != "arrow":
+        return None
+    try:
+        return stamps(arrow.every_shard(arrow.find(data["root"])))
+    except TrainError:  # pre-flight said what is wrong, or the ranks will
+        return None

@@ -104,7 +104,9 @@ def start_local_ranks(config: dict[str, Any], output_dir: str, command: str, npr
     procs = [ctx.Process(target=rank_process.rank_entry, name=f"rank {ranks[local]}", args=(
         config, output_dir, command, os.getpid(), {**os.environ, **node.env(local)}, umask,
         outcomes, ending[local])) for local in range(nproc)]
-    watched = _watched_shards(config["data"])
+    from train.data import shard_guard
+
+    watched = shard_guard.watch(config["data"])  # to name a shard a rank died of (SIGBUS)
     started = time.time()
     with stopping.PassOn(procs) as forwarding:
         for p in procs:
@@ -200,20 +202,6 @@ def reads_shards_itself(data: dict[str, Any]) -> bool:
     job's one rank runs as a process of its own, whose death this one reports
     (_shard_changed), instead of in this process, which would die with it."""
     return data.get("name") == "arrow" and data.get("num_workers") == 0
-
-
-def _watched_shards(data: dict[str, Any]) -> dict[str, Any] | None:
-    """data=arrow's shards as the job begins (data/shard_guard.py), to be compared with after
-    a rank died of SIGBUS; None for any other data (staged copies are the ranks' to watch)."""
-    if data.get("name") != "arrow":
-        return None
-    from train.data import arrow, shard_guard
-    from train.errors import TrainError
-
-    try:
-        return shard_guard.stamps(arrow.every_shard(arrow.find(data["root"])))
-    except TrainError:  # pre-flight said what is wrong, or the ranks will
-        return None
 
 
 def _shard_changed(exits: dict[int, int | None], stopped: set[int],
