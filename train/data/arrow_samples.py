@@ -26,7 +26,8 @@ class ArrowSamples(Dataset):
         self.transform, self.encoder = transform, encoder
         """`encoder`: a text column's tokenizer (train/data/tokenize.py TextEncoder)."""
         self._data: Any = None
-        shard_guard.opened(shard_files(path))  # a shard changed under the job is named
+        self.files = shard_files(path)
+        shard_guard.opened(self.files)  # a shard changed under the job is named
         self.length = len(self.data)
         self.is_image = is_image(self.data.features[input_column])
 

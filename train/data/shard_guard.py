@@ -64,9 +64,9 @@ def changed(before: dict[str, Stamp] | None = None) -> str | None:
         else:
             detail = "rewritten since the job opened it"
         return (f"{path} changed while the job read it ({detail}): a data set's shards are "
-                "memory-mapped and must stay as they "
-                "are while a job reads them; put the data set back as it was to resume, or "
-                "prepare the new one in another directory for a new run.")
+                "memory-mapped and must stay as they are while a job reads them; put the data "
+                "set back as it was to resume, or prepare the new one in another directory for "
+                "a new run.")
     return None
 
 

@@ -275,16 +275,16 @@ def arrow_source(cfg: DataConfig, classes: bool = True) -> Source:
         layout = pretokenize.tokenized(layout, input_column, encoder, cfg.tokenized_to, digest)
         input_column, encoder, tokenized = pretokenize.COLUMN, None, ", tokenized once per node"
     whole = ArrowSamples(layout.splits["train"], input_column, target_column,
-                               transforms(cfg, train=True), encoder)
+                         transforms(cfg, train=True), encoder)
     images = whole.is_image
     evaluation = transforms(cfg, train=False) if images else None
     sampler: Any = DistributedSampler
     if "val" in layout.splits:
         train: Dataset = whole
         val: Dataset = ArrowSamples(layout.splits["val"], input_column, target_column,
-                                          evaluation, encoder)
+                                    evaluation, encoder)
         if cfg.shuffle == "shards":
-            sizes = arrow.shard_rows(arrow.shard_files(layout.splits["train"]))
+            sizes = arrow.shard_rows(whole.files)
             sampler = functools.partial(ShardWindowSampler, shard_sizes=sizes,
                                         window=cfg.shuffle_window)
     else:
@@ -292,7 +292,7 @@ def arrow_source(cfg: DataConfig, classes: bool = True) -> Source:
         train, val = Rows(whole, parts.train_idx), Rows(whole.with_transform(evaluation),
                                                         parts.val_idx)
     test = (ArrowSamples(layout.splits["test"], input_column, target_column, evaluation,
-                               encoder) if "test" in layout.splits else None)
+                         encoder) if "test" in layout.splits else None)
     names = arrow.class_names(whole.data, target_column) if classes else None
     if classes and names is None:
         raise ConfigError(f"data=arrow: column {target_column!r} of {cfg.root} holds no class "
