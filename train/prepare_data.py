@@ -7,8 +7,11 @@ reads them). Run it once, on a login or data node: it needs no GPU and no networ
 
 SOURCE is an image folder (train/<class>/*.jpg, val/..., test/...: imagefolder's layout and
 class indices), a folder of WebDataset tars (<key>.jpg with <key>.cls), or the dotted path of
-your map-style Dataset (its arguments with --arg name=value). An interrupted call keeps the
-shards it finished: the same command again writes only the rest.
+your map-style Dataset (its arguments with --arg name=value). The training split is written in
+a mixed order (--seed; --source-order keeps the source's), so that each shard holds every class
+and data=arrow's shard-local shuffle makes mixed batches; validation and test keep the source's
+order. An interrupted call keeps the shards it finished: the same command again writes only the
+rest.
 """
 
 from __future__ import annotations
@@ -33,6 +36,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=1, help="processes writing shards (default 1)")
     p.add_argument("--shard-mb", type=float, default=500.0,
                    help="about this many MB of samples a shard (default 500)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="the seed of the training split's mixed order (default 0)")
+    p.add_argument("--source-order", action="store_true",
+                   help="write the training split in the source's order (a folder's and a "
+                        "tar set's are class by class: batches of one class under "
+                        "data.shuffle=shards)")
     p.add_argument("--arg", action="append", default=[], metavar="NAME=VALUE",
                    help="an argument of the Dataset named as SOURCE (repeatable)")
     return p.parse_args(argv)
@@ -53,10 +62,11 @@ def _dataset_spec(target: str, args: list[str]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
-    from train.data import shards
+    from train.data import shard_plan, shards
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     source, limit = Path(args.source), int(args.shard_mb * 1e6)
+    seed = None if args.source_order else args.seed
     if args.workers < 1 or args.shard_mb <= 0:
         print("error: --workers and --shard-mb must be positive.", file=sys.stderr)
         return 2
@@ -64,18 +74,18 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     try:
         if source.is_dir():
-            plan = (shards.plan_tars(source, limit) if any(source.rglob("*.tar"))
-                    else shards.plan_image_folder(source, limit))
+            plan = (shard_plan.plan_tars(source, limit, seed) if any(source.rglob("*.tar"))
+                    else shard_plan.plan_image_folder(source, limit, seed))
         elif "/" not in args.source and "." in args.source:
-            plan = shards.plan_dataset(_dataset_spec(args.source, args.arg), limit)
+            plan = shard_plan.plan_dataset(_dataset_spec(args.source, args.arg), limit, seed)
         else:
-            raise shards.PrepareError(f"{source}: no such directory (and no Dataset's dotted "
+            raise shard_plan.PrepareError(f"{source}: no such directory (and no Dataset's dotted "
                                       "path).")
         total = sum(len(s.items) if plan.kind != "dataset" else
                     sum(b - a for a, b in s.items) for s in plan.shards)
         with tqdm(total=total, unit=" samples", desc="prepare-data", file=sys.stderr) as bar:
             manifest = shards.prepare(plan, args.out, args.workers, command, bar.update)
-    except (shards.PrepareError, TrainError, ValueError, OSError) as e:
+    except (shard_plan.PrepareError, TrainError, ValueError, OSError) as e:
         print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
               file=sys.stderr)
         return 2

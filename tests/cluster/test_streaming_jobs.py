@@ -46,10 +46,10 @@ def test_arrow_shards_on_two_nodes_staged_once_per_node(cluster: None, folders: 
     """prepare-data's shards in the shared directory; 2 nodes of 2 ranks each read their share
     from a copy staged to node-local storage (one per node: `$SLURMD_NODENAME` tells the two
     local nodes of this cluster apart), into one run with every validation sample once."""
-    from train.data import shards
+    from train.data import shard_plan, shards
 
     out = tmp_path / "shards"
-    shards.prepare(shards.plan_image_folder(folders["split"], limit=20_000), out, workers=1,
+    shards.prepare(shard_plan.plan_image_folder(folders["split"], limit=20_000), out, workers=1,
                    command="test")
     result = slurm_job(tmp_path, "data=arrow", f"data.root={out}", *SMALL, "cluster.nodes=2",
                        "cluster.tasks_per_node=2", "data.batch_size=16", "trainer.epochs=1",

@@ -28,7 +28,7 @@ from tests.conftest import (
     wait_until,
 )
 from tests.images import write_image_folder
-from train.data import shards
+from train.data import shard_plan, shards
 
 
 def _read_only(root: Path) -> None:
@@ -83,7 +83,7 @@ def test_a_shard_truncated_mid_run_fails_the_run_naming_it(
     "Bus error ... out of shared memory", the rank itself: no word). The line names the file."""
     source = write_image_folder(tmp_path / "images", train_per_class=16, val_per_class=4)
     out = tmp_path / "shards"
-    manifest = shards.prepare(shards.plan_image_folder(source, limit=4000), out, workers=1,
+    manifest = shards.prepare(shard_plan.plan_image_folder(source, limit=4000), out, workers=1,
                               command="test")
     shard = out / manifest["splits"]["train"]["shards"][1]["file"]
     job = tmp_path / "job"
@@ -129,17 +129,20 @@ def _table(root: Path) -> Path:
 def test_a_job_killed_at_world_4_and_3_finishes_at_world_1_as_if_never_killed(
         tmp_path: Path, store_template: Path) -> None:
     """17 steps an epoch (batches of 12 over 204 samples, dealt to the ranks), 2 epochs, a
-    checkpoint at every step: killed after its 5th checkpoint at world 4, resumed at world 3
-    and killed again after its 20th (mid-epoch 1, then in epoch 2), finished at world
-    1 - one run, each step's loss that of the job run through at world 1 (float sums in
-    another order: 1e-5), every training and validation sample counted once per epoch."""
+    checkpoint at every step: killed after its 5th checkpoint at world 4 (mid-epoch 1),
+    resumed at world 3 and killed again after epoch 1's end (its 17th), finished at world 1
+    from there - one run, each step's loss that of the job run through at world 1 (float sums
+    in another order: 1e-5), every training and validation sample counted once per epoch."""
     from tests.conftest import new_store
 
     args = ("data=arrow", f"data.root={_table(tmp_path / 'table')}", "data.input_column=x",
             "data.target_column=label", "model=mlp", "model.width=16", "model.dropout=0",
             "data.batch_size=12", "trainer.epochs=2", "trainer.log_every_n_steps=1",
             "data.num_workers=1", "trainer.checkpoint_interval_min=0.0001",
-            "trainer.keep_checkpoints=40", "tracking.log_model=false")
+            "trainer.keep_checkpoints=40", "tracking.log_model=false",
+            # Killed right after epoch 1's checkpoint: its metrics must be in the store by
+            # then however loaded this machine is (a checkpoint waits 5 s for them by default).
+            "tracking.checkpoint_flush_s=120")
     reference = {"MLFLOW_TRACKING_URI": new_store(tmp_path / "ref.db", store_template)}
     through = run_train(*args, f"hydra.run.dir={tmp_path / 'ref'}", env=reference)
     assert through.returncode == 0, through.stderr[-3000:]
@@ -150,7 +153,13 @@ def test_a_job_killed_at_world_4_and_3_finishes_at_world_1_as_if_never_killed(
     store = {"MLFLOW_TRACKING_URI": new_store(tmp_path / "mlflow.db", store_template)}
     out = tmp_path / "job"
     kill_job_after_checkpoints(out, store, 5, *args, "distributed.nproc_per_node=4")
-    kill_job_after_checkpoints(out, store, 20, *args, "distributed.nproc_per_node=3")
+    kill_job_after_checkpoints(out, store, 17, *args, "distributed.nproc_per_node=3")
+    # As if killed right after epoch 1's own checkpoint (step 17, the epoch's last): the
+    # world-1 job resumes exactly at an epoch end.
+    later = sorted(out.glob("checkpoints/step-*.pt"))[17:]
+    for path in later:
+        path.unlink()
+    assert sorted(out.glob("checkpoints/step-*.pt"))[-1].name == "step-000000017.pt"
     finished = run_train(*args, "distributed.nproc_per_node=1", f"hydra.run.dir={out}",
                          env=store, timeout=240)
     assert finished.returncode == 0, finished.stderr[-3000:]

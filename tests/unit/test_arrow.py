@@ -12,12 +12,13 @@ import tarfile
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 
 from tests.conftest import typed
 from tests.images import write_image_folder
-from train.data import arrow, imagefolder, shards
+from train.data import arrow, imagefolder, shard_plan, shards
 from train.data.arrow_samples import ArrowSamples
 from train.data.shard_order import ShardWindowSampler
 
@@ -28,7 +29,7 @@ def _stored(out: Path, split: str) -> list[tuple[bytes, int]]:
     return [(row["image"]["bytes"], row["label"]) for row in data]
 
 
-def _prepare(plan: shards.Plan, out: Path) -> dict:
+def _prepare(plan: shard_plan.Plan, out: Path) -> dict:
     return shards.prepare(plan, out, workers=1, command="test")
 
 
@@ -38,24 +39,37 @@ def test_an_image_folder_becomes_shards_holding_each_files_bytes_and_imagefolder
 
     root = write_image_folder(tmp_path / "images", train_per_class=12, val_per_class=4)
     layout = imagefolder.find(str(root))
-    manifest = _prepare(shards.plan_image_folder(root, limit=4000), tmp_path / "out")
+    manifest = _prepare(shard_plan.plan_image_folder(root, limit=4000), tmp_path / "out")
     assert manifest["classes"] == layout.train.classes
     assert {s: i["samples"] for s, i in manifest["splits"].items()} == {"train": 36,
                                                                        "validation": 12}
     assert len(manifest["splits"]["train"]["shards"]) > 3  # ~4 KB a shard: several
-    for split, folder in (("train", layout.train), ("validation", layout.val)):
-        expected = [((folder.path / f).read_bytes(), label)
-                    for f, label in zip(folder.files, folder.labels, strict=True)]
-        assert _stored(tmp_path / "out", split) == expected  # as written: no re-encoding
+    train, val = ([((f.path / name).read_bytes(), label)
+                   for name, label in zip(f.files, f.labels, strict=True)]
+                  for f in (layout.train, layout.val))
+    stored = _stored(tmp_path / "out", "train")
+    # Each file's bytes as they are (no re-encoding), with its class; the training split in
+    # a mixed order - the folder's is class by class, and shards of one class each would make
+    # data.shuffle=shards' batches of one class - and validation in the folder's.
+    assert sorted(stored) == sorted(train) and stored != train
+    assert _stored(tmp_path / "out", "validation") == val
+    first = arrow.open_split(tmp_path / "out" / "train")["label"][:12]
+    assert len(set(first)) == 3, first  # the first shards hold every class
+    assert manifest["train_order"] == "mixed, seed 0"
     loaded = datasets.load_from_disk(str(tmp_path / "out"))  # as any datasets user reads it
     assert loaded["train"].features["label"].names == layout.train.classes
     assert (tmp_path / "out" / "train" / "state.json").is_file()
+    # The same seed writes the same order; --source-order (seed None) the folder's.
+    _prepare(shard_plan.plan_image_folder(root, limit=4000, seed=0), tmp_path / "again")
+    assert _stored(tmp_path / "again", "train") == stored
+    _prepare(shard_plan.plan_image_folder(root, limit=4000, seed=None), tmp_path / "source")
+    assert _stored(tmp_path / "source", "train") == train
 
 
 def test_an_interrupted_preparation_finishes_without_rewriting_finished_shards(
         tmp_path: Path) -> None:
     root = write_image_folder(tmp_path / "images", train_per_class=10)
-    plan = shards.plan_image_folder(root, limit=4000)
+    plan = shard_plan.plan_image_folder(root, limit=4000)
     out = tmp_path / "out"
     first = _prepare(plan, out)
     files = sorted((out / "train").glob("data-*.arrow"))
@@ -65,7 +79,7 @@ def test_an_interrupted_preparation_finishes_without_rewriting_finished_shards(
     lost = files[2]
     lost.rename(lost.with_name(f".{lost.name}.dead.tmp"))
     before = {f: f.stat().st_mtime_ns for f in files if f != lost}
-    again = _prepare(shards.plan_image_folder(root, limit=4000), out)
+    again = _prepare(shard_plan.plan_image_folder(root, limit=4000), out)
     assert again["kept_shards"] == len(files) - 1
     assert {f: f.stat().st_mtime_ns for f in before} == before  # not written again
     assert lost.is_file() and not list(out.glob("*/.*.tmp"))
@@ -75,10 +89,10 @@ def test_an_interrupted_preparation_finishes_without_rewriting_finished_shards(
     (out / "manifest.json").unlink()
     other = write_image_folder(tmp_path / "other", num_classes=2, train_per_class=3)
     with pytest.raises(shards.PrepareError, match="unfinished preparation of other data"):
-        _prepare(shards.plan_image_folder(other, limit=4000), out)
+        _prepare(shard_plan.plan_image_folder(other, limit=4000), out)
 
 
-def _tar(path: Path, samples: list[tuple[str, bytes, int]]) -> None:
+def _tar(path: Path, samples: list[tuple[str, bytes, int | str]]) -> None:
     with tarfile.open(path, "w") as tar:
         for key, image, label in samples:
             for name, data in ((f"{key}.jpg", image), (f"{key}.cls", str(label).encode())):
@@ -94,9 +108,15 @@ def test_webdataset_tars_become_shards_with_their_bytes_and_labels(tmp_path: Pat
     (tmp_path / "tars" / "train").mkdir(parents=True)
     _tar(tmp_path / "tars" / "train" / "shard-000.tar", samples[:7])
     _tar(tmp_path / "tars" / "train" / "shard-001.tar", samples[7:])
-    manifest = _prepare(shards.plan_tars(tmp_path / "tars", limit=10_000), tmp_path / "out")
+    manifest = _prepare(shard_plan.plan_tars(tmp_path / "tars", limit=10_000), tmp_path / "out")
     assert manifest["classes"] == ["0", "1", "2"]
-    assert _stored(tmp_path / "out", "train") == [(b, label) for _, b, label in samples]
+    stored = _stored(tmp_path / "out", "train")
+    assert sorted(stored) == sorted((b, label) for _, b, label in samples)  # mixed order
+    _prepare(shard_plan.plan_tars(tmp_path / "tars", limit=10_000, seed=None), tmp_path / "source")
+    assert _stored(tmp_path / "source", "train") == [(b, label) for _, b, label in samples]
+    _tar(tmp_path / "tars" / "train" / "shard-002.tar", [("s999", samples[0][1], "cat")])
+    with pytest.raises(shards.PrepareError, match=r"shard-002.tar: s999.cls holds b'cat', not"):
+        shard_plan.plan_tars(tmp_path / "tars", limit=10_000)
 
 
 def test_a_users_dataset_becomes_shards_read_back_as_its_tensors(
@@ -104,13 +124,20 @@ def test_a_users_dataset_becomes_shards_read_back_as_its_tensors(
     from userpkg.data import Lines
 
     spec = {"_target_": "userpkg.data.Lines", "length": 30, "size": 8}
-    manifest = _prepare(shards.plan_dataset(spec, limit=2000), tmp_path / "out")
+    plan = shard_plan.plan_dataset(spec, limit=2000)
+    manifest = _prepare(plan, tmp_path / "out")
     assert manifest["classes"] == Lines.classes and manifest["splits"]["train"]["samples"] == 30
     samples = ArrowSamples(tmp_path / "out" / "train", "input", "target")
-    original = Lines(30, 8)
-    for i in (0, 17, 29):
+    original, order = Lines(30, 8), plan.order(30)
+    assert sorted(order) == list(range(30)) and order != list(range(30))
+    for i in range(30):  # row i is the Dataset's sample order[i], its tensors as they were
         x, y = samples[i]
-        assert torch.equal(x, original[i][0]) and y == original[i][1]
+        assert torch.equal(x, original[order[i]][0]) and y == original[order[i]][1]
+    # Arrow record batches of ~8 MB, not of a fixed count of rows: 600 small samples are one
+    # (a process that opens a split reads every batch's header, and the pages around it).
+    _prepare(shard_plan.plan_dataset({**spec, "length": 600}, limit=10**6), tmp_path / "600")
+    with pa.memory_map(str(tmp_path / "600" / "train" / "data-00000-of-00001.arrow")) as source:
+        assert [b.num_rows for b in pa.ipc.open_stream(source)] == [600]
 
 
 def test_a_directory_written_by_datasets_itself_is_read_with_its_columns(
@@ -177,7 +204,7 @@ def test_the_shard_local_order_covers_every_sample_once_at_any_world_size(world:
 def test_bad_shards_are_named_before_any_rank_starts(tmp_path: Path) -> None:
     root = write_image_folder(tmp_path / "images", train_per_class=6, val_per_class=2)
     out = tmp_path / "out"
-    _prepare(shards.plan_image_folder(root, limit=3000), out)
+    _prepare(shard_plan.plan_image_folder(root, limit=3000), out)
     layout = arrow.check(out)
     digest = arrow.digest(layout)
     shutil.copytree(out, tmp_path / "copy")
@@ -217,7 +244,7 @@ def test_staging_copies_the_set_once_per_node_whatever_its_ranks(tmp_path: Path,
 
     root = write_image_folder(tmp_path / "images", train_per_class=4)
     out = tmp_path / "shards"
-    _prepare(shards.plan_image_folder(root, limit=3000), out)
+    _prepare(shard_plan.plan_image_folder(root, limit=3000), out)
     monkeypatch.setenv("TMPDIR", str(tmp_path / "node-local"))
     with multiprocessing.get_context("fork").Pool(3) as pool:
         copies = set(pool.map(_stage, [(str(out), "$TMPDIR/stage")] * 3))
@@ -241,7 +268,7 @@ def test_a_job_trains_on_shards_and_refuses_to_resume_on_other_ones(
 
     uri = new_store(tmp_path / "mlflow.db", store_template)
     out = tmp_path / "shards"
-    _prepare(shards.plan_image_folder(write_image_folder(tmp_path / "a", train_per_class=8,
+    _prepare(shard_plan.plan_image_folder(write_image_folder(tmp_path / "a", train_per_class=8,
                                                          val_per_class=3), 4000), out)
     args = ("data=arrow", f"data.root={out}", "data.image_size=16", "data.batch_size=8",
             "data.num_workers=1", "model.width=8", "tracking.log_model=false",
@@ -251,7 +278,7 @@ def test_a_job_trains_on_shards_and_refuses_to_resume_on_other_ones(
     assert first.info.status == "FINISHED"
     assert history(uri, first.info.run_id, "val/samples") == [(1, 9.0)]
     shutil.rmtree(out)
-    _prepare(shards.plan_image_folder(write_image_folder(tmp_path / "b", train_per_class=8,
+    _prepare(shard_plan.plan_image_folder(write_image_folder(tmp_path / "b", train_per_class=8,
                                                          val_per_class=3, seed=9), 4000), out)
     with pytest.raises(TrainError, match="written on data=arrow shards of digest .* now holds"):
         run(composed(*args, "trainer.epochs=2"), str(tmp_path / "job"), "python -m train (test)")

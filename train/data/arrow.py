@@ -177,6 +177,12 @@ def is_text(feature: Any) -> bool:
     return getattr(feature, "dtype", None) in ("string", "large_string")
 
 
+def holds_text(layout: Layout, column: str) -> bool:
+    """The training split's `column` is text or words (tokenized: train/data/sources.py)."""
+    feature = open_split(layout.splits["train"]).features[column]
+    return is_text(feature) or is_words(feature)
+
+
 def is_words(feature: Any) -> bool:
     """A list of strings per row: a text split into words (conll's `tokens`), whose per-word
     targets the tokenizer's pieces inherit (TextEncoder.words)."""

@@ -5,11 +5,12 @@ The output is what Hugging Face `datasets`' `save_to_disk` writes - `OUT/<split>
 NNNNN.arrow`, each split's `state.json` and `dataset_info.json`, `OUT/dataset_dict.json` - so
 `datasets.load_from_disk(OUT)` reads it as any other; the shards are written by `datasets`' own
 ArrowWriter. What this module adds is how a data set of millions of files gets there:
-- from an image folder (imagefolder's layout and class indices), a folder of WebDataset tars
-  (`<key>.jpg` + `<key>.cls`), or the user's map-style Dataset (`_target_`): images keep their
-  encoded bytes as they are (no re-encoding), arrays their values;
-- shards planned up front (~`shard_mb` each, contiguous runs of samples) and written by
-  `workers` processes, each shard to a temporary file renamed into place once whole;
+- from an image folder, a folder of WebDataset tars or the user's map-style Dataset, planned up
+  front by train/data/shard_plan.py (the training split in a mixed order, shards of
+  ~`shard_mb`): images keep their encoded bytes as they are (no re-encoding), arrays their
+  values;
+- the shards written by `workers` processes, each to a temporary file renamed into place once
+  whole;
 - resumable: the plan is kept in OUT/.prepare/plan.json, each finished shard's record beside it;
   a second call with the same source writes only the shards still missing;
 - OUT/manifest.json last (`MANIFEST`): samples per split, classes, the source, the command and
@@ -21,50 +22,18 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tarfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from train.data.shard_plan import Plan, PrepareError, Shard, read_at
+
 MANIFEST = "manifest.json"
 WORK_DIR = ".prepare"
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
-LABEL_SUFFIXES = (".cls", ".label")
-
-
-class PrepareError(ValueError):
-    """One line for the user: a source that cannot be read, an OUT that holds another set."""
-
-
-@dataclass
-class Shard:
-    split: str
-    index: int
-    count: int
-    items: list[Any]
-    """What its rows are made from: (image path, label), (tar path, member, label member),
-    or (start, stop) of the user's Dataset."""
-
-    @property
-    def name(self) -> str:
-        return f"data-{self.index:05d}-of-{self.count:05d}.arrow"
-
-
-@dataclass
-class Plan:
-    kind: str
-    """images, tars or dataset"""
-    source: str
-    classes: list[str]
-    features: dict[str, Any]
-    """datasets.Features.to_dict() of every split"""
-    shards: list[Shard]
-    dataset: dict[str, Any] | None = None
-    """kind=dataset: {_target_: ..., its arguments}"""
 
 
 def sha256(path: Path) -> str:
@@ -75,133 +44,20 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _chunks(items: list[Any], sizes: list[int], limit: int) -> list[list[Any]]:
-    """Contiguous runs of `items` of about `limit` bytes each (at least one item a run)."""
-    runs: list[list[Any]] = [[]]
-    total = 0
-    for item, size in zip(items, sizes, strict=True):
-        if runs[-1] and total + size > limit:
-            runs.append([])
-            total = 0
-        runs[-1].append(item)
-        total += size
-    return [run for run in runs if run] or [[]]
-
-
-def _shards(split: str, items: list[Any], sizes: list[int], limit: int) -> list[Shard]:
-    runs = _chunks(items, sizes, limit)
-    return [Shard(split, k, len(runs), run) for k, run in enumerate(runs)]
-
-
-def _image_features(classes: list[str]) -> dict[str, Any]:
-    from datasets import ClassLabel, Features, Image
-
-    return Features({"image": Image(), "label": ClassLabel(names=classes)}).to_dict()
-
-
-def plan_image_folder(root: Path, limit: int) -> Plan:
-    """imagefolder's layout (train/<class>/..., val/..., test/...; the same class indices)."""
-    from train.data import imagefolder
-
-    layout = imagefolder.find(str(root))
-    shards: list[Shard] = []
-    for split, folder in (("train", layout.train), ("validation", layout.val),
-                          ("test", layout.test)):
-        if folder is None:
-            continue
-        paths = [str(folder.path / f) for f in folder.files]
-        sizes = [os.stat(p).st_size for p in paths]
-        shards += _shards(split, list(zip(paths, folder.labels, strict=True)), sizes, limit)
-    return Plan("images", str(root), layout.train.classes,
-                _image_features(layout.train.classes), shards)
-
-
-def _tar_samples(path: Path) -> Iterator[tuple[str, str, str | None, int]]:
-    """(tar, image member, label member, image bytes) of each sample of one WebDataset tar."""
-    members: dict[str, dict[str, tarfile.TarInfo]] = {}
-    with tarfile.open(path) as tar:
-        for info in tar:
-            if info.isfile():
-                key, _, suffix = info.name.rpartition(".")
-                members.setdefault(key, {})["." + suffix.lower()] = info
-    for key, parts in members.items():
-        image = next((parts[s] for s in IMAGE_SUFFIXES if s in parts), None)
-        label = next((parts[s] for s in LABEL_SUFFIXES if s in parts), None)
-        if image is None:
-            raise PrepareError(f"{path}: sample {key!r} has no image ({', '.join(parts)}); a "
-                               f"WebDataset sample is <key>.jpg (or {', '.join(IMAGE_SUFFIXES)})"
-                               " with <key>.cls holding its class index.")
-        yield str(path), image.name, None if label is None else label.name, image.size
-
-
-def plan_tars(root: Path, limit: int) -> Plan:
-    """A folder of WebDataset tars (train/, validation/ or val/, test/ subfolders of them, or
-    the tars themselves as the training split); classes named by their index."""
-    splits = {"train": root / "train", "validation": root / "val", "test": root / "test"}
-    if (root / "validation").is_dir():
-        splits["validation"] = root / "validation"
-    if not any(d.is_dir() for d in splits.values()):
-        splits = {"train": root}
-    shards, labels = [], set()
-    for split, folder in splits.items():
-        tars = sorted(folder.glob("*.tar")) if folder.is_dir() else []
-        if not tars:
-            continue
-        samples = [s for tar in tars for s in _tar_samples(tar)]
-        for tar, _, label, _ in samples:
-            if label is None:
-                raise PrepareError(f"{tar}: a sample has no .cls (its class index).")
-        labels |= {int(_read_member(tar, label)) for tar, _, label, _ in samples}
-        shards += _shards(split, [s[:3] for s in samples], [s[3] for s in samples], limit)
-    if not shards:
-        raise PrepareError(f"{root} holds no .tar files (nor train/ val/ test/ folders of them).")
-    classes = [str(k) for k in range(max(labels) + 1)]
-    return Plan("tars", str(root), classes, _image_features(classes), shards)
-
-
-_open_tars: dict[str, tarfile.TarFile] = {}
-
-
-def _read_member(tar: str, member: str) -> bytes:
-    """A member's bytes; each tar is opened once per process."""
-    if tar not in _open_tars:
-        _open_tars[tar] = tarfile.open(tar)  # noqa: SIM115 - kept open: read member by member
-    found = _open_tars[tar].extractfile(member)
-    if found is None:
-        raise PrepareError(f"{tar}: {member} is not a file")
-    return found.read()
-
-
-def plan_dataset(spec: dict[str, Any], limit: int) -> Plan:
-    """The user's map-style Dataset (its samples (input, target)): one split, `train`."""
-    from train.data import encode, userdata
-
-    dataset = userdata.build(spec, "prepare-data")
-    first = encode.encode(dataset[0])
-    features = encode.features_of(dataset, first)
-    per_sample = max(1, encode.size_of(first))
-    n = len(dataset)  # type: ignore[arg-type]
-    step = max(1, limit // per_sample)
-    runs = [(start, min(n, start + step)) for start in range(0, n, step)] or [(0, 0)]
-    shards = [Shard("train", k, len(runs), [run]) for k, run in enumerate(runs)]
-    classes = list(getattr(dataset, "classes", None) or [])
-    return Plan("dataset", spec["_target_"], classes, features, shards, dataset=spec)
-
-
 def _rows(plan: Plan, shard: Shard) -> Iterator[dict[str, Any]]:
     if plan.kind == "images":
         for path, label in shard.items:
             yield {"image": {"bytes": Path(path).read_bytes(), "path": None}, "label": label}
     elif plan.kind == "tars":
-        for tar, image, label in shard.items:
-            yield {"image": {"bytes": _read_member(tar, image), "path": None},
-                   "label": int(_read_member(tar, label))}
+        for tar, offset, size, label in shard.items:
+            yield {"image": {"bytes": read_at(tar, offset, size), "path": None}, "label": label}
     else:
         from train.data import encode, userdata
 
         dataset = userdata.build(dict(plan.dataset or {}), "prepare-data")
+        order = plan.order(len(dataset))  # type: ignore[arg-type]
         for start, stop in shard.items:
-            for i in range(start, stop):
+            for i in order[start:stop]:
                 yield encode.encode(dataset[i])
 
 
@@ -214,7 +70,7 @@ def write_shard(plan: Plan, shard: Shard, out: Path) -> dict[str, Any]:
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".{shard.name}.{uuid.uuid4().hex[:8]}.tmp")
     writer = ArrowWriter(features=Features.from_dict(plan.features), path=str(partial),
-                         writer_batch_size=256)
+                         writer_batch_size=shard.batch_rows)
     try:
         for row in _rows(plan, shard):
             writer.write(row)
@@ -303,6 +159,7 @@ def _finish(plan: Plan, out: Path, records: list[dict[str, Any]], command: str,
                 "classes": plan.classes, "input_column": "image" if plan.kind != "dataset"
                 else "input", "target_column": "label" if plan.kind != "dataset" else "target",
                 "splits": splits, "kept_shards": kept,
+                "train_order": "source" if plan.seed is None else f"mixed, seed {plan.seed}",
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return manifest

@@ -164,10 +164,10 @@ def check_data(cfg: TrainConfig) -> int | None:
                                            cfg.data.target_column)
         except arrow.ArrowDataError as e:
             raise LaunchError(str(e)) from None
-        from train.data.sources import text_encoder  # a text column: its tokenizer, loaded
+        if arrow.holds_text(layout, column):  # its tokenizer, loaded (this imports torch)
+            from train.data.sources import text_encoder
 
-        if (encoder := text_encoder(cfg.data, layout, column)) is not None:
-            check_text_data(cfg, layout, encoder, target)
+            check_text_data(cfg, layout, text_encoder(cfg.data, layout, column), target)
         return None
     if cfg.data.name == "custom":
         from train.data import userdata  # imports the user's package (and torch)
