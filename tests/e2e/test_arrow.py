@@ -4,8 +4,9 @@ directory into a FINISHED run whose validation counted every sample once; a chan
 named at pre-flight, before any rank starts, with no run left behind; a shard truncated while a
 job reads it ends the job and its run FAILED with a line naming it, whether a DataLoader worker
 or the rank itself read it; a job on shards `datasets` wrote, killed mid-epoch at world 4 and
-again at world 3, finishes at world 1 with the losses of a job never killed. In process:
-tests/unit/test_arrow.py."""
+again at epoch 1's end at world 3, finishes at world 1 with the losses of a job never killed;
+the ranks' data path with 0, 2 and 5 DataLoader worker processes at worlds 1-4 reads every
+sample once an epoch. In process: tests/unit/test_arrow.py."""
 
 from __future__ import annotations
 
@@ -174,3 +175,58 @@ def test_a_job_killed_at_world_4_and_3_finishes_at_world_1_as_if_never_killed(
     assert [v for _, v in history(uri, run.info.run_id, "val/samples")] == [61.0, 61.0]
     assert run.data.metrics["val/loss"] == pytest.approx(ref.data.metrics["val/loss"],
                                                          abs=1e-5)
+
+
+def _keyed(root: Path) -> Path:
+    """A DatasetDict of 103 training and 37 validation samples (sizes no world size above 1
+    divides) in 4 + 3 shards, each sample's input holding its key."""
+    import datasets
+
+    def split(n: int, first: int) -> datasets.Dataset:
+        keys = np.arange(first, first + n, dtype=np.float32)
+        return datasets.Dataset.from_dict({"x": np.stack([keys, -keys], 1).tolist(),
+                                           "label": (np.arange(n) % 3).tolist()})
+
+    datasets.DatasetDict({"train": split(103, 0), "validation": split(37, 1000)}).save_to_disk(
+        str(root), num_shards={"train": 4, "validation": 3})
+    return root
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _keyed(tmp_path_factory.mktemp("keyed") / "set")
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("workers", [0, 2, 5])
+def test_every_rank_together_reads_every_sample_once_at_any_world_size_and_workers(
+        keyed: Path, world: int, workers: int) -> None:
+    """The ranks' own data path (ArrowSamples, the shard-window sampler, the DataLoader and its
+    worker processes), rank by rank: over one epoch their training batches hold every sample,
+    and only the padding DistributedSampler adds twice (-103 % world samples: the ranks take
+    as many steps); their validation batches every sample exactly once. Resumed mid-epoch
+    (from batch 2), the same epoch's remaining samples."""
+    import torch
+
+    from tests.conftest import typed
+    from train.data import sources
+    from train.distributed.env import DistEnv
+
+    cfg = typed("data=arrow", f"data.root={keyed}", "data.input_column=x",
+                "data.target_column=label", f"data.num_workers={workers}",
+                "data.shuffle_window=2")
+    train, val, resumed = [], [], []
+    for rank in range(world):
+        env = DistEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world,
+                      master_addr="127.0.0.1", master_port=0, launcher="local")
+        bundle = sources.build(cfg.data, env, torch.device("cpu"), seed=7, per_rank=4)
+        bundle.train.set_epoch(1)
+        ours = [int(k) for x, _ in bundle.train for k in x[:, 0]]
+        train += ours
+        val += [int(k) for x, _ in bundle.val for k in x[:, 0]]
+        bundle.train.set_epoch(1, start_batch=2)
+        assert [int(k) for x, _ in bundle.train for k in x[:, 0]] == ours[8:]
+        resumed.append(len(ours))
+    assert sorted(set(train)) == list(range(103))
+    assert len(train) == 103 + (-103 % world) and len(set(resumed)) == 1
+    assert sorted(val) == list(range(1000, 1037))  # exactly once, no padding
