@@ -184,14 +184,19 @@ def plan_tars(root: Path, limit: int, seed: int | None = 0) -> Plan:
     return Plan("tars", str(root), classes, _image_features(classes), shards, seed=seed)
 
 
-_open_tars: dict[str, Any] = {}
+_open_tar: dict[str, int] = {}
+"""The tar read last and its file descriptor: one open at a time (a set may hold thousands of
+tars, past a process's limit on open files), and a shard's samples are read tar by tar."""
 
 
 def read_at(tar: str, offset: int, size: int) -> bytes:
-    """`size` bytes at `offset` of a tar; each tar is opened once per process."""
-    if tar not in _open_tars:
-        _open_tars[tar] = open(tar, "rb")  # noqa: SIM115 - kept open: read sample by sample
-    return os.pread(_open_tars[tar].fileno(), size, offset)
+    """`size` bytes at `offset` of a tar."""
+    if tar not in _open_tar:
+        for fd in _open_tar.values():
+            os.close(fd)
+        _open_tar.clear()
+        _open_tar[tar] = os.open(tar, os.O_RDONLY)
+    return os.pread(_open_tar[tar], size, offset)
 
 
 def plan_dataset(spec: dict[str, Any], limit: int, seed: int | None = 0) -> Plan:
