@@ -32,8 +32,8 @@ from train import tracking
 from train.config.groups import TrainConfig
 from train.config.schema import to_typed
 from train.data import build as data_lib
-from train.distributed import devices, watch
 from train.distributed import env as distenv
+from train.distributed import host_memory, watch
 from train.distributed import process_group as distributed
 from train.distributed.stopping import Preempted, StopSignals
 from train.engine import checkpoint_folder, drill, evaluation, fsdp, loop, profiling
@@ -201,7 +201,7 @@ def run_rank(config: dict[str, Any], output_dir: str, command: str, own_process:
         # As torchrun does: ranks sharing a node share its CPUs instead of each taking all.
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // env.local_world_size))
     cfg: TrainConfig = to_typed(config)
-    kept = devices.keep_host_memory(cfg.distributed.keep_host_memory)
+    kept = host_memory.keep_host_memory(cfg.distributed.keep_host_memory)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)  # Hydra makes it; torchrun or a test may not
     device = distributed.select_device(cfg.distributed.device, env.local_rank,
