@@ -11,6 +11,7 @@ class. Validation and test keep the source's order.
 
 from __future__ import annotations
 
+import functools
 import os
 import tarfile
 from collections.abc import Iterator
@@ -56,12 +57,21 @@ class Plan:
     seed: int | None = 0
     """the training split's order: mixed with this seed, or the source's (None)"""
 
+    def indices(self, shard: Shard, n: int) -> list[int]:
+        """The user's Dataset's indices that `shard` holds, in the order its rows are written
+        (kind=dataset): its slice of the mixed order, read in the Dataset's order (`_shards`).
+        The permutation is computed once per process, not once per shard."""
+        mixed = _permutation(n, self.seed)
+        return [i for start, stop in shard.items for i in sorted(mixed[start:stop])]
+
     def order(self, n: int) -> list[int]:
-        """The user's Dataset's indices in the order its rows are written (kind=dataset):
-        each shard a slice of the mixed order, read in the Dataset's order (`_shards`)."""
-        mixed = _mixed(list(range(n)), self.seed)
-        return [i for shard in self.shards for start, stop in shard.items
-                for i in sorted(mixed[start:stop])]
+        """Every shard's `indices`, in shard order: the rows of the whole split."""
+        return [i for shard in self.shards for i in self.indices(shard, n)]
+
+
+@functools.lru_cache(maxsize=1)
+def _permutation(n: int, seed: int | None) -> list[int]:
+    return _mixed(list(range(n)), seed)
 
 
 def _mixed(items: list[Any], seed: int | None) -> list[Any]:

@@ -19,6 +19,7 @@ ArrowWriter. What this module adds is how a data set of millions of files gets t
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -52,13 +53,20 @@ def _rows(plan: Plan, shard: Shard) -> Iterator[dict[str, Any]]:
         for tar, offset, size, label in shard.items:
             yield {"image": {"bytes": read_at(tar, offset, size), "path": None}, "label": label}
     else:
-        from train.data import encode, userdata
+        from train.data import encode
 
-        dataset = userdata.build(dict(plan.dataset or {}), "prepare-data")
-        order = plan.order(len(dataset))  # type: ignore[arg-type]
-        for start, stop in shard.items:
-            for i in order[start:stop]:
-                yield encode.encode(dataset[i])
+        dataset = _users_dataset(json.dumps(plan.dataset, sort_keys=True))
+        for i in plan.indices(shard, len(dataset)):  # type: ignore[arg-type]
+            yield encode.encode(dataset[i])
+
+
+@functools.lru_cache(maxsize=1)
+def _users_dataset(spec: str) -> Any:
+    """The user's Dataset, built once per writing process (its __init__ may list a directory
+    of a million files), not once per shard."""
+    from train.data import userdata
+
+    return userdata.build(json.loads(spec), "prepare-data")
 
 
 def write_shard(plan: Plan, shard: Shard, out: Path) -> dict[str, Any]:
