@@ -7,6 +7,7 @@ cases named at pre-flight (train/data/shards.py, train/data/arrow.py)."""
 from __future__ import annotations
 
 import io
+import os
 import shutil
 import tarfile
 from pathlib import Path
@@ -301,3 +302,27 @@ def test_a_hub_name_not_in_the_cache_is_named_with_where_it_was_looked_for(
     assert out.startswith(f"data=arrow data.root=nobody/nothing: neither a directory nor a "
                           f"data set in the local datasets cache ({tmp_path})"), out
     assert "load it once where the Hub can be reached" in out
+
+
+def test_a_readers_death_anywhere_in_the_rank_is_named_after_the_shard_that_changed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's SIGCHLD handler raises a DataLoader worker's death wherever its rank is (a
+    backward pass too), so the rank's failure handler asks shard_guard as well as the wait for
+    a batch does: a RuntimeError becomes the line naming the truncated shard, its cause kept."""
+    from train.data import shard_guard
+    from train.errors import TrainError
+
+    monkeypatch.setattr(shard_guard, "_opened", {})
+    shard = tmp_path / "data-00000-of-00001.arrow"
+    shard.write_bytes(b"x" * 100)
+    worker_died = RuntimeError("DataLoader worker (pid 1) is killed by signal: Bus error.")
+    shard_guard.opened([shard])
+    assert shard_guard.named(worker_died) is worker_died  # nothing changed: as it was
+    os.truncate(shard, 50)
+    named = shard_guard.named(worker_died)
+    assert isinstance(named, shard_guard.ShardChangedError) and named.__cause__ is worker_died
+    assert f"{shard} changed while the job read it (100 bytes when the job opened it, 50 " \
+           "bytes now)" in str(named)
+    stopped = TrainError("the job's own error")
+    assert shard_guard.named(stopped) is stopped and shard_guard.named(KeyboardInterrupt()) \
+        .__class__ is KeyboardInterrupt

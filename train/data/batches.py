@@ -25,7 +25,7 @@ from train.data import shard_guard
 from train.data.tempdir import temp_dir_problem
 from train.distributed import devices
 from train.distributed.stopping import ignore_in_worker
-from train.errors import ConfigError, TrainError
+from train.errors import ConfigError
 
 
 @dataclass
@@ -111,8 +111,8 @@ class Batches:
         try:
             yield from self.loader  # type: ignore[misc]
         except Exception as e:
-            if not isinstance(e, TrainError) and (line := shard_guard.changed()) is not None:
-                raise shard_guard.ShardChangedError(line) from e
+            if (named := shard_guard.named(e)) is not e:
+                raise named from e
             raise
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:

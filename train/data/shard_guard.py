@@ -6,9 +6,10 @@ lost pages dies of SIGBUS. A DataLoader worker's death reaches its rank as "kill
 Bus error ... out of shared memory" (the wrong lead); a rank reading in its own process
 (data.num_workers=0) dies without a word. So each process keeps the size and modification time
 of the shards it opened, and whoever sees a reader die - the rank, for its workers
-(data/batches.py), the launcher, for its ranks (launch/local.py) - compares them with the files
-as they are now: the failure then names the file that changed. Only on a failure: no stat per
-step.
+(data/batches.py as it waits for a batch, engine/job.py wherever else torch's SIGCHLD handler
+raised their death), the launcher, for its ranks (launch/local.py) - compares them with the
+files as they are now: the failure then names the file that changed. Only on a failure: no stat
+per step.
 """
 
 from __future__ import annotations
@@ -47,6 +48,21 @@ def opened(files: Iterable[Path]) -> None:
     """Remember `files` as this process opens them (the first look at each is kept)."""
     for path, now in stamps(files).items():
         _opened.setdefault(path, now)
+
+
+def named(error: BaseException) -> BaseException:
+    """`error` as a ShardChangedError naming the shard, where this process's reader (or its
+    DataLoader worker) died because a shard it opened changed; else `error` itself. A worker's
+    death reaches its rank anywhere - torch's SIGCHLD handler raises it in whatever the rank is
+    doing, a backward pass as well as the wait for a batch - so the rank asks where it fails."""
+    if isinstance(error, TrainError) or not isinstance(error, Exception):
+        return error
+    line = changed()
+    if line is None:
+        return error
+    named_error = ShardChangedError(line)
+    named_error.__cause__ = error  # the reader's own error stays in the job's train.log
+    return named_error
 
 
 def changed(before: dict[str, Stamp] | None = None) -> str | None:

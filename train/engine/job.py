@@ -32,6 +32,7 @@ from train import tracking
 from train.config.groups import TrainConfig
 from train.config.schema import to_typed
 from train.data import build as data_lib
+from train.data import shard_guard
 from train.distributed import env as distenv
 from train.distributed import host_memory, watch
 from train.distributed import process_group as distributed
@@ -234,7 +235,10 @@ def run_rank(config: dict[str, Any], output_dir: str, command: str, own_process:
     except BaseException as exc:
         if cfg.trainer.memory_snapshot:
             profiling.keep_memory_snapshot(exc, out, env.rank)
-        ending.failed(exc, ending_run)
+        named = shard_guard.named(exc)  # a DataLoader worker dead of a changed shard
+        ending.failed(named, ending_run)
+        if named is not exc:
+            raise named from exc
         raise
     finally:
         watch.stop()
