@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         elif "/" not in args.source and "." in args.source:
             plan = shard_plan.plan_dataset(_dataset_spec(args.source, args.arg), limit, seed)
         else:
-            raise shard_plan.PrepareError(f"{source}: no such directory (and no Dataset's dotted "
-                                      "path).")
+            raise shard_plan.PrepareError(f"{source}: no such directory (and no Dataset's "
+                                          "dotted path).")
         total = sum(len(s.items) if plan.kind != "dataset" else
                     sum(b - a for a, b in s.items) for s in plan.shards)
         with tqdm(total=total, unit=" samples", desc="prepare-data", file=sys.stderr) as bar:
