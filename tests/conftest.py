@@ -36,6 +36,14 @@ LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER
                  "MASTER_PORT", "SUBMITIT_EXECUTOR", "CUDA_VISIBLE_DEVICES", "TRAIN_LAUNCHER")
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
+# The suite runs two pytest workers on two cores, each starting jobs whose one rank takes both
+# cores' worth of OpenMP threads (train/engine/job.py: the node's CPUs per local rank). Idle
+# OpenMP threads spin before they sleep, burning the CPU the other worker's jobs are waiting
+# for: eight one-rank jobs at once took 101 s of CPU and 60 s of wall time, 60 s and 38 s with
+# passive waiting (measured 2026-11-28). Set before any test imports torch (libgomp reads it
+# once); the ranks' own thread counts are left as a user's job sets them.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 
 def skip_or_fail(reason: str) -> None:
     """A missing real part (root, chromium) skips on a developer's machine, fails in CI."""
