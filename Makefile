@@ -11,7 +11,7 @@ SERVER_PORT ?= 5001
 SERVER_HOST ?= 127.0.0.1
 PYTEST_ARGS ?=
 # pytest-xdist workers: most tests wait on processes, servers and Slurm, not the CPU.
-PYTEST_WORKERS ?= 3
+PYTEST_WORKERS ?= 2
 # One test file per work unit, all of tests/cluster/ in one (tests/conftest.py, work_unit).
 PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile
 
