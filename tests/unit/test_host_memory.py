@@ -42,9 +42,9 @@ PAGES_PER_STEP = 10 * (8 << 20) // 4096
 """The pages one step touches: what it faults in when none is kept."""
 
 
-def _faults(keep: bool) -> dict:
-    """Steps 2-9's page faults, each step's own, in a fresh interpreter."""
-    done = subprocess.run([sys.executable, "-c", STEPS, str(keep).lower()], cwd=REPO,
+def _probe(script: str, keep: bool) -> dict:
+    """The JSON line `script` prints in a fresh interpreter, with keep_host_memory on or off."""
+    done = subprocess.run([sys.executable, "-c", script, str(keep).lower()], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -58,7 +58,7 @@ def test_freed_step_memory_is_kept_for_the_next_step_unless_turned_off() -> None
     that it either faults in 16,000-20,500 pages every step (the freed blocks at the heap's
     top, trimmed) or settles like the kept heap (3 of 10: something allocated above them), so
     the later steps are compared for the kept heap alone."""
-    kept, default = _faults(True), _faults(False)
+    kept, default = _probe(STEPS, True), _probe(STEPS, False)  # steps 2-9's faults
     assert kept["applied"] is True and default["applied"] is False
     assert max(kept["faults"][2:]) <= PAGES_PER_STEP // 100, (kept, default)
     assert default["faults"][0] >= PAGES_PER_STEP // 2, (kept, default)
@@ -84,13 +84,6 @@ print(json.dumps({"applied": applied, "heap_mb": (room[1] - room[0]) >> 20,
 """
 
 
-def _heap(keep: bool) -> dict:
-    done = subprocess.run([sys.executable, "-c", HEAP, str(keep).lower()], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def test_the_heap_has_room_at_the_start_and_serves_large_blocks_and_keeps_them() -> None:
     """What keep_host_memory sets, read from the process's own map: the room made at the heap's
     top (host_memory.HEAP_ROOM_BYTES, address space), a 16 MiB tensor served from the heap
@@ -98,7 +91,7 @@ def test_the_heap_has_room_at_the_start_and_serves_large_blocks_and_keeps_them()
     is freed. (Whether 32 MiB blocks then come from that room too - no page faults at each
     pass - depends on the heap's layout: measured 2,048-20,477 faults a step of three, from
     process to process, against 24,579 without; not asserted.)"""
-    kept, default = _heap(True), _heap(False)
+    kept, default = _probe(HEAP, True), _probe(HEAP, False)
     assert kept["applied"] and not default["applied"]
     assert kept["heap_mb"] >= host_memory.HEAP_ROOM_BYTES >> 20, kept
     assert kept["in_heap"] and kept["kept"], kept
