@@ -139,7 +139,7 @@ def test_a_job_killed_at_world_4_and_3_finishes_at_world_1_as_if_never_killed(
     args = ("data=arrow", f"data.root={_table(tmp_path / 'table')}", "data.input_column=x",
             "data.target_column=label", "model=mlp", "model.width=16", "model.dropout=0",
             "data.batch_size=12", "trainer.epochs=2", "trainer.log_every_n_steps=1",
-            "data.num_workers=1", "trainer.checkpoint_interval_min=0.0001",
+            "data.num_workers=1", "trainer.checkpoint_interval_min=0",
             "trainer.keep_checkpoints=40", "tracking.log_model=false",
             # Killed right after epoch 1's checkpoint: its metrics must be in the store by
             # then however loaded this machine is (a checkpoint waits 5 s for them by default).

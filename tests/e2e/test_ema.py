@@ -24,7 +24,7 @@ from tests.conftest import (
 DECAY = 0.75
 EMA = (*TINY_GPT, "trainer.max_steps=8", "tracking.log_model=false",
        # A checkpoint at every step (each is a logging step), all of them kept.
-       "trainer.checkpoint_interval_min=0.0001", "trainer.keep_checkpoints=20",
+       "trainer.checkpoint_interval_min=0", "trainer.keep_checkpoints=20",
        "trainer.ema.enabled=true", f"trainer.ema.decay={DECAY}",
        # A copy of the weights at step 4, one averaging step at step 8: the trained weights
        # of those two checkpoints make the average by hand.

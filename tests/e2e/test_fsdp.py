@@ -164,7 +164,7 @@ def test_a_job_killed_mid_epoch_at_world_2_resumes_at_another_world_size(
     strategy, world = RESUMES[case]
     first = "ddp" if case.startswith("ddp") else "fsdp"
     store = {"MLFLOW_TRACKING_URI": new_store(tmp_path / "mlflow.db", store_template)}
-    args = (*LM, f"data.root={small_tokens}", "trainer.checkpoint_interval_min=0.0001",
+    args = (*LM, f"data.root={small_tokens}", "trainer.checkpoint_interval_min=0",
             "trainer.keep_checkpoints=10")
     out = tmp_path / "job"
     background = ("distributed.fsdp.async_checkpoint=true",) if "async" in case else ()

@@ -105,7 +105,7 @@ def test_a_gpt2_killed_under_fsdp_resumes_with_the_ddp_losses(
     store = {"MLFLOW_TRACKING_URI": new_store(tmp_path / "mlflow.db", store_template)}
     args = (*GPT2, f"data.root={bpe_tokens}", "distributed.strategy=fsdp",
             "model.activation_checkpointing=blocks",
-            "trainer.checkpoint_interval_min=0.0001", "trainer.keep_checkpoints=20")
+            "trainer.checkpoint_interval_min=0", "trainer.keep_checkpoints=20")
     out = tmp_path / "job"
     kill_job_after_checkpoints(out, store, 4, *args, "distributed.nproc_per_node=2")
     resumed = run_train(*args, "distributed.nproc_per_node=2", f"hydra.run.dir={out}",

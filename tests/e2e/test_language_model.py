@@ -143,7 +143,7 @@ def test_a_killed_job_resumes_without_training_a_window_twice(
     every epoch's tokens once."""
     args = (*LM, f"data.root={small}", "data.seq_len=32", "data.batch_size=16",
             "trainer.epochs=2", "trainer.log_every_n_steps=2",
-            "trainer.checkpoint_interval_min=0.0001", "trainer.keep_checkpoints=10",
+            "trainer.checkpoint_interval_min=0", "trainer.keep_checkpoints=10",
             "tracking.log_model=false", "task.sample_tokens=0", "distributed.nproc_per_node=2")
     killed_dir, whole_dir = tmp_path / "killed", tmp_path / "whole"
     kill_job_after_checkpoints(killed_dir, store, 3, *args)

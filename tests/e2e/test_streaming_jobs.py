@@ -103,7 +103,7 @@ def test_a_killed_streaming_job_resumes_mid_epoch_into_the_same_run(
     out_dir, uri = tmp_path / "job", store["MLFLOW_TRACKING_URI"]
     args = ("data=imagefolder", f"data.root={folders['flat']}", *SMALL, "data.batch_size=16",
             "trainer.epochs=3", "trainer.log_every_n_steps=2",
-            "trainer.checkpoint_interval_min=0.0001", "trainer.keep_checkpoints=10")
+            "trainer.checkpoint_interval_min=0", "trainer.keep_checkpoints=10")
     kill_job_after_checkpoints(out_dir, store, 3, "distributed.nproc_per_node=2", *args)
     [killed] = runs_in(uri)
     result = run_train("distributed.nproc_per_node=2", *args, f"hydra.run.dir={out_dir}",

@@ -269,3 +269,20 @@ def test_the_stacks_signal_wakes_the_watchdog_and_is_put_back(tmp_path: Path) ->
             signal.signal(signal.SIGWINCH, winch)
     assert signal.getsignal(signal.SIGUSR1) == before
     assert signal.set_wakeup_fd(-1) == -1  # none left set
+
+
+def test_a_rank_stuck_in_the_service_names_the_innermost_frame_and_the_services_line() -> None:
+    """A Slurm rank whose frames are all the service's (its launcher plugin, train/) or a
+    library's: not "the launcher's __call__" (the outermost frame outside train/, seen in CI),
+    but the innermost frame and the service's line that called it."""
+    repo = Path(stacks.__file__).resolve().parents[2]
+    library = Path(threading.__file__).resolve()
+    dump = ("Current thread 0x00007f0000000001 (most recent call first):\n"
+            f'  File "{library}", line 331 in wait\n'
+            f'  File "{repo}/train/engine/prepare.py", line 102 in _start_run\n'
+            f'  File "{repo}/hydra_plugins/train_launcher/slurm_launcher.py", line 138 in '
+            "__call__\n")
+    frames = stacks.main_frames(dump)
+    shown = stacks.where(frames)  # (the call on line 331 as this Python's threading.py has it)
+    assert shown.startswith("threading.py:331 wait"), shown
+    assert shown.endswith(", called from train/engine/prepare.py:102 _start_run"), shown

@@ -264,7 +264,8 @@ class TrainerConfig:
     checkpoint_every: int = 1
     """Checkpoint every N epochs (0 = only on the time interval and on stop signals)."""
     checkpoint_interval_min: float | None = 30.0
-    """Also checkpoint when this many minutes passed since the last one (at a logging step)."""
+    """Also checkpoint when this many minutes passed since the last one (at a logging step;
+    0 = at every logging step, null = never on time)."""
     keep_checkpoints: int = 2
     """Newest checkpoints kept in <output dir>/checkpoints."""
     resume: str = "auto"

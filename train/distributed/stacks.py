@@ -25,6 +25,8 @@ _THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+) .*\(most recent 
 _FRAME = re.compile(r'^  File "(.*)", line (\d+) in (.*)$')
 _CALL = re.compile(r"([A-Za-z_][\w.]*)\s*\(")
 _TRAIN = str(Path(__file__).resolve().parents[1]) + os.sep
+_LAUNCHER = str(Path(__file__).resolve().parents[2] / "hydra_plugins") + os.sep
+"""The service's Hydra launcher plugins (outside train/): every Slurm rank's outer frames."""
 _LIBRARIES = tuple(sorted({sysconfig.get_paths()[k] + os.sep for k in
                            ("stdlib", "platstdlib", "purelib", "platlib")}))
 _STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible sleep (disk or NFS)",
@@ -67,7 +69,7 @@ def short_path(path: str) -> str:
 def is_service(path: str) -> bool:
     """The service's own code, Python's or an installed library's: not the user's."""
     path = as_here(path)
-    return path.startswith(_TRAIN) or path.startswith(_LIBRARIES) or path.startswith("<")
+    return path.startswith((_TRAIN, _LAUNCHER, *_LIBRARIES, "<"))
 
 
 def parse(text: str) -> dict[str, list[Frame]]:
@@ -114,8 +116,9 @@ def where(frames: list[Frame]) -> str:
     text = f"{at.short()} {at.function}"
     if m := _CALL.search(linecache.getline(at.path, at.line)):
         text += f" ({m.group(1)})"
-    if user is None:
-        return text
+    if user is None:  # in the service or a library: say from which of the service's lines
+        ours = next((f for f in frames[1:] if as_here(f.path).startswith(_TRAIN)), None)
+        return f"{text}, called from {ours.short()} {ours.function}" if ours else text
     outer = frames[user + 1:]
     if any("torch/utils/data/" in f.path for f in outer):
         return f"{text}, called from DataLoader"
