@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import posixpath
 from dataclasses import dataclass
+
+MAX_NAME = 250
+"""Longest experiment and run name: MLflow refuses experiment names over 500 characters and
+run names over 250, at the first request, after the job has started."""
+MAX_MODEL_NAME = 256
+"""MLflow stores a registered model's name in a column of 256 characters."""
 
 
 @dataclass
@@ -47,3 +54,49 @@ class TrackingConfig:
     take what is queued: the other ranks wait in a collective meanwhile (distributed.timeout_s)
     and Slurm kills a stopped job soon. Not taken by then: it stays queued (at a stop, it goes
     to the unsent file)."""
+
+    def problems(self) -> list[str]:
+        """What MLflow would refuse only once the job runs (names too long, a registered
+        model's name), or cannot be served; each one sentence. Pre-flight's (validation.py)."""
+        p = []
+        if not 0 < len(self.experiment.strip()) <= MAX_NAME:
+            p.append(f"tracking.experiment must be a name of 1 to {MAX_NAME} characters (got "
+                     f"{len(self.experiment)}).")
+        if self.run_name is not None and len(self.run_name) > MAX_NAME:
+            p.append(f"tracking.run_name can have at most {MAX_NAME} characters.")
+        if self.checkpoint_flush_s < 0 or self.flush_timeout_s < 0:
+            p.append("tracking.checkpoint_flush_s and tracking.flush_timeout_s cannot be "
+                     "negative.")
+        return p + self._registry_problems()
+
+    def _registry_problems(self) -> list[str]:
+        if self.register_model is None:
+            return [] if not self.register_best_of_sweep else [
+                "tracking.register_best_of_sweep=true needs tracking.register_model=<name>: the "
+                "registered model the sweep's best job becomes a version of."]
+        p = []
+        if (problem := model_name_problem(self.register_model)) is not None:
+            p.append(f"tracking.register_model={self.register_model!r} {problem}: give a "
+                     "registered model name without / : or ?, e.g. tracking.register_model="
+                     "digits-cnn.")
+        if not self.log_model:
+            p.append("tracking.register_model needs tracking.log_model=true: the registered "
+                     "version is the run's logged model.")
+        if not self.enabled:
+            p.append("tracking.register_model needs tracking.enabled=true: the Model Registry "
+                     "is MLflow's.")
+        return p
+
+
+def model_name_problem(name: str) -> str | None:
+    """What MLflow's Model Registry (or a models:/<name>/<version> URI) would refuse in a
+    registered model's name, else None. MLflow checks it only at registration, after training."""
+    if not name.strip():
+        return "is empty"
+    if len(name) > MAX_MODEL_NAME:
+        return f"has {len(name)} characters (at most {MAX_MODEL_NAME})"
+    if bad := sorted({c for c in name if c in "/:?"}):
+        return f"holds {' '.join(bad)} (a models:/<name>/<version> URI could not name it)"
+    if posixpath.normpath(name) != name or name == "." or name.startswith(".."):
+        return "would be read as a path (. or ..)"
+    return None

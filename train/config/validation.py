@@ -5,7 +5,7 @@ every rank of an externally launched job (torchrun, srun), which has no pre-flig
 
 from __future__ import annotations
 
-from train.config.groups import CustomModelConfig, OptimConfig, TrackingConfig, TrainConfig
+from train.config.groups import CustomModelConfig, OptimConfig, TrainConfig
 from train.config.task import TOP_K as TOP_K  # accuracy_top5: with more classes than this
 from train.errors import ConfigError
 
@@ -25,13 +25,6 @@ EXAMPLES = {"optim._target_": "torch.optim.Adadelta",
             "optim.scheduler._target_": "torch.optim.lr_scheduler.StepLR"}
 BACKENDS = ("auto", "gloo", "nccl")
 DIRECTIONS = ("maximize", "minimize")
-MAX_NAME = 250
-"""Longest experiment and run name: MLflow refuses experiment names over 500 characters and
-run names over 250, at the first request, after the job has started."""
-
-
-MAX_MODEL_NAME = 256
-"""MLflow stores a registered model's name in a column of 256 characters."""
 
 
 def _require(ok: bool, message: str, problems: list[str]) -> None:
@@ -44,8 +37,8 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     p: list[str] = []
     _model_and_data(cfg, p)
     _training(cfg, p)
-    _tracking_and_ranks(cfg, world_size, p)
-    _registry(cfg.tracking, p)
+    _ranks(cfg, world_size, p)
+    p += cfg.tracking.problems()
     for problem in (cfg.eval.problem(), cfg.predict.problem(), cfg.trainer.ema.problem()):
         if problem:
             p.append(problem)
@@ -250,14 +243,7 @@ def monitor_problem(monitor: str, num_classes: int) -> str | None:
             f"{num_classes}, so the job never logs it: monitor val/accuracy or val/loss instead.")
 
 
-def _tracking_and_ranks(cfg: TrainConfig, world_size: int, p: list[str]) -> None:
-    _require(0 < len(cfg.tracking.experiment.strip()) <= MAX_NAME,
-             f"tracking.experiment must be a name of 1 to {MAX_NAME} characters (got "
-             f"{len(cfg.tracking.experiment)}).", p)
-    _require(cfg.tracking.run_name is None or len(cfg.tracking.run_name) <= MAX_NAME,
-             f"tracking.run_name can have at most {MAX_NAME} characters.", p)
-    _require(cfg.tracking.checkpoint_flush_s >= 0 and cfg.tracking.flush_timeout_s >= 0,
-             "tracking.checkpoint_flush_s and tracking.flush_timeout_s cannot be negative.", p)
+def _ranks(cfg: TrainConfig, world_size: int, p: list[str]) -> None:
     _require(0 < cfg.data.val_fraction < 1,
              f"data.val_fraction must be between 0 and 1 (got {cfg.data.val_fraction}).", p)
     _require(cfg.distributed.nproc_per_node > 0, "distributed.nproc_per_node must be positive.", p)
@@ -294,35 +280,3 @@ def _batch_split(cfg: TrainConfig, world_size: int, p: list[str]) -> None:
         f"(trainer.accumulate_grad_batches={k})")
     p.append(f"data.batch_size={cfg.data.batch_size} is the GLOBAL batch and must split evenly "
              f"over {over}; use a multiple of {unit}, e.g. data.batch_size={suggestion}.")
-
-
-def model_name_problem(name: str) -> str | None:
-    """What MLflow's Model Registry (or a models:/<name>/<version> URI) would refuse in a
-    registered model's name, else None. MLflow checks it only at registration, after training."""
-    import posixpath
-
-    if not name.strip():
-        return "is empty"
-    if len(name) > MAX_MODEL_NAME:
-        return f"has {len(name)} characters (at most {MAX_MODEL_NAME})"
-    if bad := sorted({c for c in name if c in "/:?"}):
-        return f"holds {' '.join(bad)} (a models:/<name>/<version> URI could not name it)"
-    if posixpath.normpath(name) != name or name == "." or name.startswith(".."):
-        return "would be read as a path (. or ..)"
-    return None
-
-
-def _registry(t: TrackingConfig, p: list[str]) -> None:
-    if t.register_model is None:
-        _require(not t.register_best_of_sweep, "tracking.register_best_of_sweep=true needs "
-                 "tracking.register_model=<name>: the registered model the sweep's best job "
-                 "becomes a version of.", p)
-        return
-    problem = model_name_problem(t.register_model)
-    _require(problem is None, f"tracking.register_model={t.register_model!r} {problem}: give "
-             "a registered model name without / : or ?, e.g. tracking.register_model="
-             "digits-cnn.", p)
-    _require(t.log_model, "tracking.register_model needs tracking.log_model=true: the "
-             "registered version is the run's logged model.", p)
-    _require(t.enabled, "tracking.register_model needs tracking.enabled=true: the Model "
-             "Registry is MLflow's.", p)
