@@ -286,3 +286,27 @@ def test_a_rank_stuck_in_the_service_names_the_innermost_frame_and_the_services_
     shown = stacks.where(frames)  # (the call on line 331 as this Python's threading.py has it)
     assert shown.startswith("threading.py:331 wait"), shown
     assert shown.endswith(", called from train/engine/prepare.py:102 _start_run"), shown
+
+
+def test_a_child_that_cannot_answer_is_named_with_its_kernel_state(tmp_path: Path) -> None:
+    """A rank's child with no dump of its own (a DataLoader worker not yet at worker_init_fn:
+    SIGUSR1 would kill it) is listed by pid with its state and what its threads wait in, and
+    signalled with nothing; no frame of it is taken for the rank's."""
+    import io
+
+    from train.distributed import workers
+
+    (tmp_path / rankfiles.STACKS_DIR).mkdir()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        out = io.StringIO()
+        workers.write_stacks(out, tmp_path, 0)
+        assert child.poll() is None  # not signalled
+    finally:
+        child.kill()
+        child.wait()
+    line = f"{rankfiles.WORKER_SECTION}? (pid {child.pid}, not answering: state "
+    assert line in out.getvalue(), out.getvalue()
+    assert f"threads waiting in {child.pid}: " in out.getvalue()
+    assert stacks.stuck_in("Thread 0x1 (most recent call first):\n" + out.getvalue()) \
+        == "no Python frame"

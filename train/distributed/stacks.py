@@ -137,7 +137,8 @@ def stuck_in(text: str) -> str:
         worker, _, dump = section.partition(":\n")
         for thread in parse(dump).values():
             if any(not is_service(f.path) for f in thread):
-                return f"its DataLoader worker {worker}, at {where(thread)}"
+                number = worker.split(" (pid")[0]  # the file names its pid too
+                return f"its DataLoader worker {number}, at {where(thread)}"
     return where(frames)
 
 

@@ -38,7 +38,8 @@ def in_worker(worker_id: int, own: Owner | None) -> None:
     global _worker_dump
     if own is None:
         return
-    path = worker_dump_path(own.out, own.rank, worker_id)
+    # One file per process: the training, validation and test loaders' workers share ids.
+    path = worker_dump_path(own.out, own.rank, f"{worker_id}.{os.getpid()}")
     _worker_dump = path.open("a")
     _worker_dump.write(header({"rank": own.rank, "worker": worker_id,
                                "pid": os.getpid(), "host": own.host,
@@ -50,13 +51,18 @@ def in_worker(worker_id: int, own: Owner | None) -> None:
 _worker_dump: TextIO | None = None
 
 
-def stacks_of_workers(out: Path, rank: int) -> dict[Path, str]:
-    """Each live DataLoader worker of this rank asked for its stacks: {worker dump: its new
-    text}. Only this process's children that wrote a worker header are signalled."""
+def _children() -> set[int]:
     children: set[int] = set()
     for task in Path("/proc/self/task").glob("*/children"):
         with contextlib.suppress(OSError, ValueError):
             children |= {int(p) for p in task.read_text().split()}
+    return children
+
+
+def stacks_of_workers(out: Path, rank: int) -> dict[Path, str]:
+    """Each live DataLoader worker of this rank asked for its stacks: {worker dump: its new
+    text}. Only this process's children that wrote a worker header are signalled."""
+    children = _children()
     asked: dict[Path, int] = {}
     pattern = worker_dump_path(out, rank, "*")
     for path in pattern.parent.glob(pattern.name):
@@ -76,5 +82,25 @@ def stacks_of_workers(out: Path, rank: int) -> dict[Path, str]:
 def write_stacks(f: TextIO, out: Path, rank: int) -> None:
     """Each live worker's stacks appended to its rank's stacks file `f`, each after
     WORKER_SECTION and its number (stacks.stuck_in splits the file there)."""
+    answered = set()
     for worker, text in stacks_of_workers(out, rank).items():
-        f.write(f"{WORKER_SECTION}{worker.stem.rsplit('-', 1)[1]}:\n{text}")
+        number, _, pid = worker.stem.rsplit("-", 1)[1].partition(".")
+        answered.add(pid)
+        f.write(f"{WORKER_SECTION}{number}{f' (pid {pid})' if pid else ''}:\n{text}")
+    # A child that has not reached worker_init_fn has no dump (and SIGUSR1 would kill it): its
+    # kernel state says whether it runs, or waits - and on what.
+    for pid in sorted(_children() - {int(p) for p in answered if p.isdigit()}):
+        f.write(f"{WORKER_SECTION}? (pid {pid}, not answering: {_kernel_state(pid)}):\n")
+
+
+def _kernel_state(pid: int) -> str:
+    proc = Path(f"/proc/{pid}")
+    try:
+        state = next((line.split(":", 1)[1].strip() for line in
+                      (proc / "status").read_text().splitlines() if line.startswith("State:")),
+                     "?")
+        threads = [f"{t.name}: {(t / 'wchan').read_text() or '-'}"
+                   for t in sorted((proc / "task").iterdir())]
+        return f"state {state}; threads waiting in {', '.join(threads)}"
+    except OSError as e:
+        return f"unknown ({e.strerror})"
