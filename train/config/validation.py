@@ -37,7 +37,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     p: list[str] = []
     _model_and_data(cfg, p)
     _training(cfg, p)
-    _ranks(cfg, world_size, p)
+    _ranges_and_batch_split(cfg, world_size, p)
     p += cfg.tracking.problems()
     for problem in (cfg.eval.problem(), cfg.predict.problem(), cfg.trainer.ema.problem()):
         if problem:
@@ -243,7 +243,7 @@ def monitor_problem(monitor: str, num_classes: int) -> str | None:
             f"{num_classes}, so the job never logs it: monitor val/accuracy or val/loss instead.")
 
 
-def _ranks(cfg: TrainConfig, world_size: int, p: list[str]) -> None:
+def _ranges_and_batch_split(cfg: TrainConfig, world_size: int, p: list[str]) -> None:
     _require(0 < cfg.data.val_fraction < 1,
              f"data.val_fraction must be between 0 and 1 (got {cfg.data.val_fraction}).", p)
     _require(cfg.distributed.nproc_per_node > 0, "distributed.nproc_per_node must be positive.", p)

@@ -82,14 +82,15 @@ def stacks_of_workers(out: Path, rank: int) -> dict[Path, str]:
 def write_stacks(f: TextIO, out: Path, rank: int) -> None:
     """Each live worker's stacks appended to its rank's stacks file `f`, each after
     WORKER_SECTION and its number (stacks.stuck_in splits the file there)."""
-    answered = set()
+    answered: set[int] = set()
     for worker, text in stacks_of_workers(out, rank).items():
         number, _, pid = worker.stem.rsplit("-", 1)[1].partition(".")
-        answered.add(pid)
+        if pid.isdigit():
+            answered.add(int(pid))
         f.write(f"{WORKER_SECTION}{number}{f' (pid {pid})' if pid else ''}:\n{text}")
     # A child that has not reached worker_init_fn has no dump (and SIGUSR1 would kill it): its
     # kernel state says whether it runs, or waits - and on what.
-    for pid in sorted(_children() - {int(p) for p in answered if p.isdigit()}):
+    for pid in sorted(_children() - answered):
         f.write(f"{WORKER_SECTION}? (pid {pid}, not answering: {_kernel_state(pid)}):\n")
 
 
