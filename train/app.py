@@ -16,7 +16,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from train.config import groups as config_lib
@@ -26,9 +26,11 @@ from train.config.keys import override_hint
 from train.config.schema import register_schema, to_container, to_typed
 from train.distributed import env as distenv
 from train.errors import ConfigError, LaunchError, StoppedBySignal, TrainError
-from train.launch import joblock
+from train.launch import joblock, rundir
 
 register_schema()
+# hydra.run.dir's default: one directory per job, cached as ${now:} is (see rundir.py).
+OmegaConf.register_new_resolver("launch_dir", rundir.launch_dir, use_cache=True, replace=True)
 
 # An absolute path: under `python -m train` Hydra would read a relative one as a module name.
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")

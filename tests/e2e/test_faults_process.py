@@ -142,6 +142,30 @@ def test_ranks_after_the_first_do_not_take_the_lock(
         joblock.take(tmp_path)
 
 
+def test_jobs_started_together_from_one_directory_each_get_their_own(
+        tmp_path: Path, store: dict[str, str]) -> None:
+    """A shell loop's `python -m train optim.lr=$lr &`: Hydra's outputs/<date>/<time> is one
+    directory for the jobs of one second, where the second job would be refused after its
+    .hydra/ overwrote the first's. Each job: its own directory, record and MLflow run."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in LAUNCHER_VARS and not k.startswith("SLURM_")}
+    lrs = ["0.01", "0.02", "0.03"]
+    jobs = [subprocess.Popen([sys.executable, "-m", "train", f"optim.lr={lr}", "trainer.epochs=1",
+                              "trainer.max_steps=2"], cwd=tmp_path, env={**env, **store},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            for lr in lrs]
+    for job in jobs:
+        assert job.wait(timeout=300) == 0, job.stderr.read() if job.stderr else ""
+    dirs = sorted((tmp_path / "outputs").glob("*/*"))
+    recorded = [(d / ".hydra" / "overrides.yaml").read_text() for d in dirs]
+    assert sorted(r.split("\n")[0] for r in recorded) == [f"- optim.lr={lr}" for lr in lrs]
+    runs = runs_in(store["MLFLOW_TRACKING_URI"])
+    assert sorted(r.data.params["optim.lr"] for r in runs) == lrs
+    assert {r.info.status for r in runs} == {"FINISHED"}
+    assert {json.loads((d / "mlflow_run.json").read_text())["run_id"] for d in dirs} == \
+        {r.info.run_id for r in runs}
+
+
 # -- DataLoader workers (one forked worker) --------------------------------------------------
 
 def test_a_temporary_directory_too_long_for_the_workers_sockets_is_refused(

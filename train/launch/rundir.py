@@ -1,0 +1,56 @@
+"""The default output directory of a single job (`hydra.run.dir`): one per launch, even for two
+jobs started in the same second from the same directory.
+
+Hydra's default, `outputs/<date>/<HH-MM-SS>`, is one directory for every job started in that
+second: a shell loop that starts jobs with `&` gives them one directory, and the second job's
+`.hydra/` overwrites the first's record of what it ran before job.lock refuses it. Here the
+launching process claims the directory with mkdir (atomic, also on NFS and Lustre); where it is
+taken, the next free `<HH-MM-SS>-2`, `-3`, ... is claimed instead.
+
+Ranks that torchrun or srun started each compose the config themselves and must agree on one
+directory without talking: they claim nothing and all take the time their launcher (their
+parent process) started, not their own, which a slow import can push past a second boundary.
+
+Registered as the `${launch_dir:<strftime pattern>}` resolver with Hydra's cache, as `${now:}`
+is: Hydra copies the cache into every config it composes again for the same job.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from train.distributed import env as distenv
+
+MOST_PER_SECOND = 1000
+"""Directories tried for one second's name before giving up (a runaway loop, not a user)."""
+
+
+def launch_dir(pattern: str) -> str:
+    """`pattern` (strftime, e.g. `outputs/%Y-%m-%d/%H-%M-%S`) at this launch's start time;
+    claimed for this process unless its ranks were started by torchrun or srun."""
+    if distenv.external_world_size() is not None:
+        return time.strftime(pattern, time.localtime(_started(os.getppid()) or time.time()))
+    base = time.strftime(pattern)
+    Path(base).parent.mkdir(parents=True, exist_ok=True)
+    for n in range(1, MOST_PER_SECOND + 1):
+        candidate = base if n == 1 else f"{base}-{n}"
+        try:
+            os.mkdir(candidate)
+        except FileExistsError:
+            continue
+        return candidate
+    raise FileExistsError(f"{base}: {MOST_PER_SECOND} jobs started in one second; "
+                          "give each a hydra.run.dir")
+
+
+def _started(pid: int) -> float | None:
+    """When process `pid` started (seconds since the epoch), from /proc; None without it."""
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[19])
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
