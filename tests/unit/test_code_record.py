@@ -130,7 +130,11 @@ def test_a_submission_snapshot_holds_the_tree_and_the_user_package_as_they_are(
     from train.launch import snapshot
 
     user_repo = checkout(tmp_path / "research", {"src/snappkg/__init__.py": PACKAGE,
-                                                 "src/snappkg/old.py": "OLD = 1\n"})
+                                                 "src/snappkg/old.py": "OLD = 1\n",
+                                                 "src/snappkg/before.py": "MOVED = 1\n",
+                                                 "src/snappkg/gone.py": "GONE = 1\n"})
+    git(user_repo, "mv", "src/snappkg/before.py", "src/snappkg/after.py")  # staged, both
+    git(user_repo, "rm", "-q", "src/snappkg/gone.py")
     (user_repo / "src" / "snappkg" / "__init__.py").write_text(PACKAGE + "# edited\n")
     (user_repo / "src" / "snappkg" / "extra.py").write_text("NEW = 1\n")  # untracked
     (user_repo / "src" / "snappkg" / "old.py").unlink()  # deleted, not yet committed
@@ -156,6 +160,13 @@ def test_a_submission_snapshot_holds_the_tree_and_the_user_package_as_they_are(
     assert (package / "snappkg" / "__init__.py").read_text().endswith("# edited\n")
     assert (package / "snappkg" / "extra.py").read_text() == "NEW = 1\n"
     assert not (package / "snappkg" / "old.py").exists()
+    assert (package / "snappkg" / "after.py").read_text() == "MOVED = 1\n"
+    assert not (package / "snappkg" / "before.py").exists()
+    assert not (package / "snappkg" / "gone.py").exists()
+    # What a job from the snapshot records: the rename as the user's tree shows it.
+    recorded_diff = code.git_state(package.parent)["diff"]  # type: ignore[index]
+    assert "rename from src/snappkg/before.py\nrename to src/snappkg/after.py" in recorded_diff
+    assert "deleted file mode 100644" in recorded_diff.split("a/src/snappkg/gone.py")[1]
     assert not (package / "snappkg" / "api_secret.py").exists()
     assert snap.pythonpath == [str(project), str(package), str(project / "tests")]
     assert snap.setup_lines()[:2] == [

@@ -79,6 +79,9 @@ def _git_snapshot(into: Path, top: Path) -> None:
     if clone.returncode != 0:
         raise SubmitError(f"cluster.snapshot_code=true: git could not clone {top} into {into}: "
                           f"{clone.stderr.strip()[-300:]}; or set cluster.snapshot_code=false.")
+    added, removed = _staged(top, "A"), _staged(top, "D")
+    for rel in removed:  # `git rm` or the source of a `git mv`: out of the index, not listed
+        (into / rel).unlink(missing_ok=True)
     for rel in [*_tracked_files(top), *code.untracked_in(top)]:
         if _secret(rel):
             continue
@@ -90,6 +93,14 @@ def _git_snapshot(into: Path, top: Path) -> None:
         if target.is_symlink() or target.is_file():
             target.unlink()
         shutil.copy2(source, target, follow_symlinks=False)
+    # The copy's index gets the same additions and removals, so that its `git diff HEAD` (the
+    # diff its runs record) is the tree's own: a `git mv` a rename there as here.
+    for verb, paths in ((["add", "-f"], [r for r in added if not _secret(r)]),
+                        (["rm", "--cached", "-q", "--ignore-unmatch"], removed)):
+        if paths:
+            subprocess.run(["git", "-C", str(into), *verb, "--pathspec-from-file=-",
+                            "--pathspec-file-nul"], input="\0".join(paths), text=True,
+                           capture_output=True, check=True)
 
 
 def _tracked_files(top: Path) -> list[str]:
@@ -98,6 +109,15 @@ def _tracked_files(top: Path) -> list[str]:
                             capture_output=True, text=True, check=True).stdout
     return [entry.split("\t", 1)[1] for entry in listed.split("\0")
             if entry and not entry.startswith("160000")]
+
+
+def _staged(top: Path, kind: str) -> list[str]:
+    """The paths the index of `top` adds ("A") or removes ("D") against HEAD (a rename as
+    both)."""
+    listed = subprocess.run(["git", "-C", str(top), "diff", "--cached", "--name-only",
+                             "--no-renames", f"--diff-filter={kind}", "-z"],
+                            capture_output=True, text=True, check=True).stdout
+    return [rel for rel in listed.split("\0") if rel]
 
 
 def _secret(rel: str) -> bool:
