@@ -17,6 +17,7 @@ e2e or unit), never the other way round.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import subprocess
@@ -134,14 +135,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 "(tests/conftest.py, work_unit).")
 
 
+@functools.cache
+def _schema_registered() -> None:
+    """register_schema() once per test process, as `python -m train` does it once: building
+    the structured configs again for every compose was a third of its time."""
+    from train.config.schema import register_schema
+
+    register_schema()
+
+
 @contextlib.contextmanager
 def hydra_conf() -> Iterator[None]:
     """Hydra initialised on conf/ with the schema registered, as `python -m train` has it."""
     from hydra import initialize_config_dir
 
-    from train.config.schema import register_schema
-
-    register_schema()
+    _schema_registered()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         yield
 

@@ -9,7 +9,7 @@ tests/e2e/test_optim_target.py.
 from __future__ import annotations
 
 import copy
-import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ import yaml
 from torch import nn
 from torch.optim import lr_scheduler
 
-from tests.conftest import composed, history, new_store, runs_in, typed
+from tests.conftest import LAUNCHER_VARS, composed, history, new_store, runs_in, typed
 from tests.unit.test_job import SMALL
 from train.app import run
 from train.config.groups import ConfigError, TrainConfig
@@ -290,12 +290,32 @@ def test_preflight_builds_them_on_the_models_groups_or_a_stand_in(user_path: Non
 
 # -- a job -------------------------------------------------------------------------------------
 
+FIVE_EPOCHS = (*SMALL, *ADADELTA, *STEPLR, "trainer.epochs=5",
+               "optim.param_groups=[{prefix: '3', lr_scale: 0.1}]",
+               # a checkpoint at every logging step (2 steps; 5 per epoch), all of them kept
+               "trainer.checkpoint_interval_min=0", "trainer.keep_checkpoints=100")
+
+
+@pytest.fixture(scope="module")
+def five_epochs(tmp_path_factory: pytest.TempPathFactory, store_template: Path
+                ) -> tuple[str, Path]:
+    """One 5-epoch job with Adadelta and StepLR (the store's uri, its directory), shared by
+    the tests below that read its run or resume from its checkpoints."""
+    tmp = tmp_path_factory.mktemp("five-epochs")
+    uri = new_store(tmp / "mlflow.db", store_template)
+    with pytest.MonkeyPatch.context() as env:  # started as on a login node (no_launcher_env)
+        for key in [*LAUNCHER_VARS, *(k for k in os.environ if k.startswith("SLURM_"))]:
+            env.delenv(key, raising=False)
+        env.setenv("MLFLOW_TRACKING_URI", "")  # recorded: mlflow.set_tracking_uri's value is
+        env.delenv("MLFLOW_TRACKING_URI")      # undone with the rest (no_leaked_tracking_uri)
+        run(composed(*FIVE_EPOCHS, f"tracking.uri={uri}"), str(tmp / "job"),
+            "python -m train (test)")
+    return uri, tmp / "job"
+
+
 def test_a_job_with_adadelta_and_steplr_logs_steplrs_lr_each_epoch(
-        tmp_path: Path, store_template: Path, no_launcher_env: None) -> None:
-    uri = new_store(tmp_path / "mlflow.db", store_template)
-    cfg = composed(*SMALL, *ADADELTA, *STEPLR, "trainer.epochs=5", f"tracking.uri={uri}",
-                   "optim.param_groups=[{prefix: '3', lr_scale: 0.1}]")
-    run(cfg, str(tmp_path / "job"), "python -m train (test)")
+        five_epochs: tuple[str, Path]) -> None:
+    uri, _ = five_epochs
     [mlflow_run] = runs_in(uri)
     run_id = mlflow_run.info.run_id
     assert mlflow_run.info.status == "FINISHED"
@@ -313,15 +333,13 @@ def test_a_job_with_adadelta_and_steplr_logs_steplrs_lr_each_epoch(
 @pytest.mark.parametrize(("step", "where"), [(10, "at the end of epoch 2"),
                                              (12, "mid-epoch 3, after 2 of its 5 steps")])
 def test_a_job_resumed_from_a_checkpoint_steps_the_per_epoch_scheduler_once_per_epoch(
-        tmp_path: Path, store_template: Path, no_launcher_env: None, step: int, where: str) -> None:
+        five_epochs: tuple[str, Path], tmp_path: Path, store_template: Path,
+        no_launcher_env: None, step: int, where: str) -> None:
     """An epoch-end checkpoint is taken after the epoch's scheduler step, a mid-epoch one
     before it: either way the resumed job goes on with StepLR's lr, no epoch's step twice or
-    left out. Checkpoints at every logging step (2 steps; 5 per epoch) give both kinds."""
+    left out."""
+    _, first = five_epochs
     uri = new_store(tmp_path / "mlflow.db", store_template)
-    common = (*SMALL, *ADADELTA, *STEPLR, "trainer.epochs=5", f"tracking.uri={uri}",
-              "trainer.checkpoint_interval_min=0", "trainer.keep_checkpoints=100")
-    first = tmp_path / "first"
-    run(composed(*common), str(first), "python -m train (test)")
     resumed_from = first / "checkpoints" / f"step-{step:09d}.pt"
     saved = checkpoint_folder.load_newest([resumed_from])
     assert saved is not None and saved.state["step"] == step
@@ -329,10 +347,9 @@ def test_a_job_resumed_from_a_checkpoint_steps_the_per_epoch_scheduler_once_per_
         (2, 0) if step == 10 else (2, 2))
     assert saved.state["scheduler"]["last_epoch"] == 2  # after epochs 1 and 2: not epoch 3's
 
-    run(composed(*common, f"trainer.resume={resumed_from}"), str(tmp_path / "second"),
-        "python -m train (test)")
-    first_run = json.loads((first / "summary.json").read_text())["run_id"]
-    [second] = [r for r in runs_in(uri) if r.info.run_id != first_run]  # another directory
+    run(composed(*FIVE_EPOCHS, f"tracking.uri={uri}", f"trainer.resume={resumed_from}"),
+        str(tmp_path / "second"), "python -m train (test)")
+    [second] = runs_in(uri)  # a run of its own: another directory, another store
     lrs = history(uri, second.info.run_id, "lr")
     assert [s for s, _ in lrs] == [3, 4, 5], where
     assert [v for _, v in lrs] == pytest.approx([0.5, 0.5, 0.25]), where

@@ -49,7 +49,9 @@ def test_ranks_starting_together_on_one_node_tokenize_once(
         sentences: Path, bpe_tokens: Path, tmp_path: Path) -> None:
     out = tmp_path / "cache"
     args = (str(sentences), str(bpe_tokens), 16, str(out))
-    with multiprocessing.get_context("spawn").Pool(3) as pool:
+    # Forked, not spawned: three fresh interpreters importing torch and datasets were four
+    # seconds of the quick layer; the cache's lock and rename are the same across forks.
+    with multiprocessing.get_context("fork").Pool(3) as pool:
         results = pool.starmap(_tokenized, [args] * 3)
     assert results[0] == results[1] == results[2]
     assert len((out / "tokenize.log").read_text().splitlines()) == 1

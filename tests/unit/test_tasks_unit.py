@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from sklearn import metrics as skm
 
 from tests.conftest import composed, history, new_store, runs_in
 from train.app import run
@@ -41,6 +40,8 @@ def _added(task: Task, outputs: Iterable[torch.Tensor], targets: Iterable[torch.
 
 
 def test_regression_metrics_from_uneven_shards_equal_sklearn_on_the_whole_set() -> None:
+    from sklearn import metrics as skm  # here: 0.8 s to import, in this test's worker only
+
     g = torch.Generator().manual_seed(0)
     target = torch.randn(sum(UNEVEN), generator=g) * 3 + 1
     output = (target + torch.randn(sum(UNEVEN), generator=g)).unsqueeze(1)  # (n, 1), a model's
@@ -56,6 +57,8 @@ def test_regression_metrics_from_uneven_shards_equal_sklearn_on_the_whole_set() 
 
 def test_regression_r2_of_targets_of_several_values_per_sample() -> None:
     """Targets of shape (n, 2): r2 over every value (sklearn's, flattened)."""
+    from sklearn import metrics as skm  # here: 0.8 s to import, in this test's worker only
+
     g = torch.Generator().manual_seed(1)
     target = torch.randn(sum(UNEVEN), 2, generator=g)
     output = target + 0.5 * torch.randn(sum(UNEVEN), 2, generator=g)
@@ -81,6 +84,8 @@ def test_segmentation_metrics_from_a_hand_made_confusion() -> None:
 
 
 def test_segmentation_sums_of_uneven_shards_ignore_the_frame() -> None:
+    from sklearn import metrics as skm  # here: 0.8 s to import, in this test's worker only
+
     g = torch.Generator().manual_seed(2)
     masks = torch.randint(0, 3, (sum(UNEVEN), 6, 6), generator=g)
     masks[:, 0, :] = 255  # a frame row ignored
