@@ -64,6 +64,39 @@ def test_local_sweep_groups_jobs_under_a_parent_run(store: dict[str, str],
     assert f"best val/accuracy = {best_value:.4g} (run {best.info.run_id})" in result.stdout
 
 
+
+def test_sweeps_started_together_from_one_directory_each_get_their_own(
+        store: dict[str, str], tmp_path: Path) -> None:
+    """Two `python -m train -m ...` started at once: Hydra's multirun/<date>/<time> would be
+    one directory for both (one multirun.yaml, one sweep.json, jobs 0 and 1 twice). Each:
+    its own directory, jobs and parent run."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in LAUNCHER_VARS and not k.startswith("SLURM_")}
+    sweeps = {"model=cnn": "0.1,0.2", "model=mlp": "0.3,0.4"}
+    started = [subprocess.Popen([sys.executable, "-m", "train", "-m", model, f"optim.lr={lrs}",
+                                 "trainer.epochs=1", "trainer.max_steps=2",
+                                 "tracking.log_model=false"], cwd=tmp_path, env={**env, **store},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+               for model, lrs in sweeps.items()]
+    for sweep in started:
+        assert sweep.wait(timeout=300) == 0, sweep.stderr.read() if sweep.stderr else ""
+    dirs = sorted((tmp_path / "multirun").glob("*/*"))
+    recorded = {yaml.safe_load((d / "multirun.yaml").read_text())["hydra"]["overrides"]["task"][0]
+                for d in dirs}
+    assert recorded == set(sweeps) and all(sorted(p.name for p in d.iterdir()) == [
+        "0", "1", "multirun.yaml", "sweep.json"] for d in dirs)
+    runs = runs_in(store["MLFLOW_TRACKING_URI"])
+    parents = {r.info.run_id: r for r in runs if r.data.tags.get("sweep") == "true"}
+    assert len(parents) == 2 and {p.info.status for p in parents.values()} == {"FINISHED"}
+    children = [r for r in runs if r.info.run_id not in parents]
+    assert sorted((c.data.params["model.name"], c.data.params["optim.lr"]) for c in children) == \
+        [("cnn", "0.1"), ("cnn", "0.2"), ("mlp", "0.3"), ("mlp", "0.4")]
+    for child in children:  # each under its own sweep's parent, in its own sweep's directory
+        parent = parents[child.data.tags["mlflow.parentRunId"]]
+        assert Path(child.data.tags["output_dir"]).parent.name == \
+            Path(parent.data.tags["sweep.dir"]).name
+
+
 def test_a_sweep_whose_jobs_are_all_refused_leaves_no_run(store: dict[str, str],
                                                          tmp_path: Path) -> None:
     result = run_train("-m", "optim.lr=-0.1,-0.2", f"hydra.sweep.dir={tmp_path}/sweep",

@@ -1,9 +1,11 @@
-"""The default output directory of a single job (`hydra.run.dir`): one per launch, even for two
-jobs started in the same second from the same directory.
+"""The default output directory of a job (`hydra.run.dir`) and of a sweep or Slurm submission
+(`hydra.sweep.dir`): one per launch, even for two started in the same second from the same
+directory.
 
 Hydra's default, `outputs/<date>/<HH-MM-SS>`, is one directory for every job started in that
 second: a shell loop that starts jobs with `&` gives them one directory, and the second job's
-`.hydra/` overwrites the first's record of what it ran before job.lock refuses it. Here the
+`.hydra/` overwrites the first's record of what it ran before job.lock refuses it (two sweeps:
+one multirun.yaml and sweep.json, jobs 0, 1, ... twice). Here the
 launching process claims the directory with mkdir (atomic, also on NFS and Lustre); where it is
 taken, the next free `<HH-MM-SS>-2`, `-3`, ... is claimed instead.
 
