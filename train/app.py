@@ -29,7 +29,8 @@ from train.errors import ConfigError, LaunchError, StoppedBySignal, TrainError
 from train.launch import joblock, rundir
 
 register_schema()
-# hydra.run.dir's default: one directory per job, cached as ${now:} is (see rundir.py).
+# hydra.run.dir's and hydra.sweep.dir's defaults: one directory per launch, cached as ${now:}
+# is (see rundir.py).
 OmegaConf.register_new_resolver("launch_dir", rundir.launch_dir, use_cache=True, replace=True)
 
 # An absolute path: under `python -m train` Hydra would read a relative one as a module name.

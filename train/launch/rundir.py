@@ -43,8 +43,8 @@ def launch_dir(pattern: str) -> str:
         except FileExistsError:
             continue
         return candidate
-    raise FileExistsError(f"{base}: {MOST_PER_SECOND} jobs started in one second; "
-                          "give each a hydra.run.dir")
+    raise FileExistsError(f"{base}: {MOST_PER_SECOND} launches in one second; give each its "
+                          "own hydra.run.dir (hydra.sweep.dir with -m or +cluster=slurm)")
 
 
 def _started(pid: int) -> float | None:

@@ -95,7 +95,9 @@ def _git_snapshot(into: Path, top: Path) -> None:
         shutil.copy2(source, target, follow_symlinks=False)
     # The copy's index gets the same additions and removals, so that its `git diff HEAD` (the
     # diff its runs record) is the tree's own: a `git mv` a rename there as here.
-    for verb, paths in ((["add", "-f"], [r for r in added if not _secret(r)]),
+    copied = [r for r in added if not _secret(r)  # nor one deleted again since its `git add`
+              and ((into / r).exists() or (into / r).is_symlink())]
+    for verb, paths in ((["add", "-f"], copied),
                         (["rm", "--cached", "-q", "--ignore-unmatch"], removed)):
         if paths:
             subprocess.run(["git", "-C", str(into), *verb, "--pathspec-from-file=-",
