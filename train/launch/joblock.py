@@ -50,7 +50,7 @@ class Holder:
         return f"pid {self.pid} on {self.host}{job}, since {when}"
 
 
-def _start_ticks(pid: int) -> str:
+def start_ticks(pid: int) -> str:
     """Field 22 of /proc/<pid>/stat ('' where there is no /proc, no such process, or only
     its zombie: an orphan's exit status waits for PID 1, which reaps lazily)."""
     try:
@@ -62,7 +62,7 @@ def _start_ticks(pid: int) -> str:
 
 
 def me() -> Holder:
-    return Holder(os.getpid(), socket.gethostname(), _start_ticks(os.getpid()),
+    return Holder(os.getpid(), socket.gethostname(), start_ticks(os.getpid()),
                   os.environ.get("SLURM_JOB_ID", ""), time.time())
 
 
@@ -102,7 +102,7 @@ def is_live(holder: Holder, mine: Holder) -> bool:
 
 
 def _lives(pid: int, started: str) -> bool:
-    ticks = _start_ticks(pid)
+    ticks = start_ticks(pid)
     return bool(ticks) and (not started or ticks == started)
 
 
@@ -133,7 +133,7 @@ def add_ranks(output_dir: Path, pids: list[int]) -> None:
         holder = _read(path)
         if holder is None or (holder.pid, holder.host) != (os.getpid(), socket.gethostname()):
             return
-        ranks = tuple((pid, _start_ticks(pid)) for pid in pids)
+        ranks = tuple((pid, start_ticks(pid)) for pid in pids)
         draft = output_dir / f".{LOCK_FILE}.{os.getpid()}"
         draft.write_text(json.dumps(asdict(replace(holder, ranks=ranks))))
         os.replace(draft, path)

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from train.distributed import env as distenv
+from train.launch import joblock
 
 MOST_PER_SECOND = 1000
 """Directories tried for one second's name before giving up (a runaway loop, not a user)."""
@@ -48,11 +49,12 @@ def launch_dir(pattern: str) -> str:
 
 
 def _started(pid: int) -> float | None:
-    """When process `pid` started (seconds since the epoch), from /proc; None without it."""
+    """When process `pid` started (seconds since the epoch): its start in clock ticks after
+    boot (joblock's reading of /proc) plus the boot time; None without /proc."""
+    ticks = joblock.start_ticks(pid)
     try:
-        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[19])
         boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
                     if line.startswith("btime "))
     except (OSError, ValueError, IndexError, StopIteration):
         return None
-    return boot + ticks / os.sysconf("SC_CLK_TCK")
+    return boot + int(ticks) / os.sysconf("SC_CLK_TCK") if ticks else None
