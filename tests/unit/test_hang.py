@@ -310,3 +310,59 @@ def test_a_child_that_cannot_answer_is_named_with_its_kernel_state(tmp_path: Pat
     assert f"threads waiting in {child.pid}: " in out.getvalue()
     assert stacks.stuck_in("Thread 0x1 (most recent call first):\n" + out.getvalue()) \
         == "no Python frame"
+
+
+def _stuck_before_worker_init(lock: threading.Lock) -> None:
+    lock.acquire()  # held by the parent: as a lock another thread held at the fork
+
+
+def test_a_worker_stuck_before_its_init_is_named_with_its_line(tmp_path: Path) -> None:
+    """Children forked from a watched rank answer SIGUSR1 from birth: one stuck before
+    worker_init_fn (a lock inherited held) shows its Python frames; one past it has the
+    worker's number. Neither is killed by the asking."""
+    import io
+    import types
+
+    from train.distributed import workers
+
+    (tmp_path / rankfiles.STACKS_DIR).mkdir()
+    owner = types.SimpleNamespace(out=tmp_path, rank=0, host="here",
+                                  main=threading.main_thread().ident or 0)
+    held = threading.Lock()
+    held.acquire()
+    children: list[int] = []
+    workers.follow_forks(owner)  # type: ignore[arg-type]
+    try:
+        for worker in (None, 3):
+            pid = os.fork()
+            if pid == 0:  # the child: never returns into pytest
+                try:
+                    if worker is not None:
+                        workers.in_worker(worker, owner)  # type: ignore[arg-type]
+                    _stuck_before_worker_init(held)
+                finally:
+                    os._exit(0)
+            children.append(pid)
+    finally:
+        workers.follow_forks(None)
+    try:
+        names = {workers.UNKNOWN_WORKER: children[0], 3: children[1]}
+        dumps = {n: rankfiles.worker_dump_path(tmp_path, 0, f"{n}.{pid}")
+                 for n, pid in names.items()}
+        deadline = time.monotonic() + 30
+        while not all(p.exists() and p.read_text().count("\n") for p in dumps.values()):
+            assert time.monotonic() < deadline, sorted(p.name for p in tmp_path.rglob("*"))
+            time.sleep(0.05)
+        out = io.StringIO()
+        workers.write_stacks(out, tmp_path, 0)
+        text = out.getvalue()
+        for number, pid in names.items():
+            section = f"{rankfiles.WORKER_SECTION}{number} (pid {pid}):\n"
+            assert section in text, text
+            assert "in _stuck_before_worker_init" in text.split(section)[1], text
+        assert "not answering" not in text, text
+        assert all(os.waitpid(pid, os.WNOHANG) == (0, 0) for pid in children)  # alive
+    finally:
+        for pid in children:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)

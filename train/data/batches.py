@@ -202,6 +202,11 @@ class WorkersBornDeaf(DataLoader):
     def _get_iterator(self) -> Any:
         if self.num_workers == 0:
             return super()._get_iterator()
+        # torch's worker seeds numpy's global RNG before worker_init_fn, and numpy loads
+        # numpy.random on first use: loaded once here, no forked worker dlopens its eight
+        # extension modules (under the loader's locks, which glibc does not all reset in a
+        # child of a multithreaded process) before it starts.
+        import numpy.random  # noqa: F401
         before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         try:
             return super()._get_iterator()

@@ -147,6 +147,7 @@ class Watch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="train-watchdog", daemon=True)
         self._thread.start()
+        workers.follow_forks(self)
 
     def beat(self) -> dict[str, Any]:
         b = _beat
@@ -156,6 +157,7 @@ class Watch:
                 "main_thread": f"0x{self.main:016x}"}
 
     def close(self) -> None:
+        workers.follow_forks(None)
         self._stop.set()
         self._thread.join(2 * POLL_S)
         self._restore()

@@ -32,23 +32,76 @@ class Owner(Protocol):
     main: int
 
 
+def follow_forks(own: Owner | None) -> None:
+    """While `own` (a rank's watch) is set, every child forked from this process answers
+    SIGUSR1 from its first moment (`_answer_from_birth`): a DataLoader worker stuck before its
+    worker_init_fn - in torch's own set-up after the fork, where a child of a multithreaded
+    rank can wait forever for a lock another thread held when it forked - is named with its
+    line instead of only its kernel state."""
+    global _owner, _hooked
+    _owner = own
+    if own is not None and not _hooked:
+        os.register_at_fork(after_in_child=_answer_from_birth)
+        _hooked = True
+
+
+def _answer_from_birth() -> None:
+    """In a child just forked from a watched rank: its own dump file, header and faulthandler
+    on SIGUSR1 (in C: it answers even when stuck in a lock, the GIL held). Its own children
+    are not the rank's, so it follows no forks itself."""
+    global _owner
+    own, _owner = _owner, None
+    if own is not None:
+        with contextlib.suppress(OSError):
+            _open_dump(own, UNKNOWN_WORKER)
+
+
 def in_worker(worker_id: int, own: Owner | None) -> None:
     """In a DataLoader worker (forked from its rank, the rank's watch `own` inherited): SIGUSR1
-    dumps into the worker's own file, whose header names its process for the rank to ask."""
-    global _worker_dump
+    dumps into the worker's own file, whose header names its process for the rank to ask. The
+    file its birth opened (follow_forks) takes the worker's number."""
+    global _dump_path
     if own is None:
         return
+    path = _worker_path(own, worker_id)
+    if _worker_dump is None or _dump_pid != os.getpid() or _dump_path is None:
+        _open_dump(own, worker_id)
+        return
+    with contextlib.suppress(OSError):
+        os.replace(_dump_path, path)
+    _dump_path = path
+    _answer_into(_worker_dump, own, worker_id)
+
+
+UNKNOWN_WORKER = "?"
+"""A child's number until its worker_init_fn names it (write_stacks shows it as is)."""
+
+
+def _worker_path(own: Owner, worker: int | str) -> Path:
     # One file per process: the training, validation and test loaders' workers share ids.
-    path = worker_dump_path(own.out, own.rank, f"{worker_id}.{os.getpid()}")
-    _worker_dump = path.open("a")
-    _worker_dump.write(header({"rank": own.rank, "worker": worker_id,
-                               "pid": os.getpid(), "host": own.host,
-                               "main_thread": f"0x{own.main:016x}"}))
-    _worker_dump.flush()
-    faulthandler.register(STACKS_SIGNAL, file=_worker_dump, all_threads=True)
+    return worker_dump_path(own.out, own.rank, f"{worker}.{os.getpid()}")
+
+
+def _open_dump(own: Owner, worker: int | str) -> None:
+    global _worker_dump, _dump_path, _dump_pid
+    _dump_path, _dump_pid = _worker_path(own, worker), os.getpid()
+    _worker_dump = _dump_path.open("a")
+    _answer_into(_worker_dump, own, worker)
+
+
+def _answer_into(dump: TextIO, own: Owner, worker: int | str) -> None:
+    """A header (the last one is what the rank reads), then SIGUSR1 dumps every thread."""
+    dump.write(header({"rank": own.rank, "worker": worker, "pid": os.getpid(),
+                       "host": own.host, "main_thread": f"0x{own.main:016x}"}))
+    dump.flush()
+    faulthandler.register(STACKS_SIGNAL, file=dump, all_threads=True)
 
 
 _worker_dump: TextIO | None = None
+_dump_path: Path | None = None
+_dump_pid = 0
+_owner: Owner | None = None
+_hooked = False
 
 
 def _children() -> set[int]:
@@ -88,8 +141,8 @@ def write_stacks(f: TextIO, out: Path, rank: int) -> None:
         if pid.isdigit():
             answered.add(int(pid))
         f.write(f"{WORKER_SECTION}{number}{f' (pid {pid})' if pid else ''}:\n{text}")
-    # A child that has not reached worker_init_fn has no dump (and SIGUSR1 would kill it): its
-    # kernel state says whether it runs, or waits - and on what.
+    # A child with no dump (started by exec, or forked while no watch ran) is not signalled
+    # (SIGUSR1 could kill it): its kernel state says whether it runs, or waits - and on what.
     for pid in sorted(_children() - answered):
         f.write(f"{WORKER_SECTION}? (pid {pid}, not answering: {_kernel_state(pid)}):\n")
 
