@@ -10,7 +10,8 @@ UI_STORE ?= $(CURDIR)/mlruns
 SERVER_PORT ?= 5001
 SERVER_HOST ?= 127.0.0.1
 PYTEST_ARGS ?=
-# pytest-xdist workers: most tests wait on processes, servers and Slurm, not the CPU.
+# pytest-xdist workers: two, one per core here. The suite is CPU-bound (the cores 97-100 %
+# busy through a run); a third worker made it no faster (CONTRIBUTING.md).
 PYTEST_WORKERS ?= 2
 # One test file per work unit, all of tests/cluster/ in one (tests/conftest.py, work_unit).
 PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile
