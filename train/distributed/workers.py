@@ -141,8 +141,9 @@ def write_stacks(f: TextIO, out: Path, rank: int) -> None:
         if pid.isdigit():
             answered.add(int(pid))
         f.write(f"{WORKER_SECTION}{number}{f' (pid {pid})' if pid else ''}:\n{text}")
-    # A child with no dump (started by exec, or forked while no watch ran) is not signalled
-    # (SIGUSR1 could kill it): its kernel state says whether it runs, or waits - and on what.
+    # A child with no dump (started by exec, forked while no watch ran, or stuck inside fork()
+    # itself, before Python's after-fork callbacks) is not signalled (SIGUSR1 could kill it):
+    # its kernel state says whether it runs, or waits - and on what.
     for pid in sorted(_children() - answered):
         f.write(f"{WORKER_SECTION}? (pid {pid}, not answering: {_kernel_state(pid)}):\n")
 
