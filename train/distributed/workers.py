@@ -63,10 +63,10 @@ def in_worker(worker_id: int, own: Owner | None) -> None:
     global _dump_path
     if own is None:
         return
-    path = _worker_path(own, worker_id)
     if _worker_dump is None or _dump_pid != os.getpid() or _dump_path is None:
         _open_dump(own, worker_id)
         return
+    path = _worker_path(own, worker_id)
     with contextlib.suppress(OSError):
         os.replace(_dump_path, path)
     _dump_path = path
