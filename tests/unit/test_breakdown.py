@@ -5,6 +5,7 @@ arithmetic and `train status`'s line from written heartbeats."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from statistics import median
@@ -94,6 +95,24 @@ def test_the_slowest_rank_is_the_one_with_the_most_own_work_and_it_sets_the_verd
     assert lines[0].endswith("try trainer.precision=bf16-mixed or trainer.compile=true")
     assert lines[1].endswith("try trainer.compile=true")  # not what the run already does
     assert lines[2].endswith(": a smaller model, or more GPUs")
+
+
+def test_the_input_advice_fits_the_ranks_cpus_and_its_data(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """More workers only while a rank has idle CPUs; a sharded data set only for data that is
+    not one already."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(8)))
+    starving = Breakdown()
+    starving.interval([[1.9, 0.2, 0.2, 0.1, 0.0, 0.0]], steps=10)
+    few = starving.verdict(num_workers=1, ranks_here=2).line  # type: ignore[union-attr]
+    assert "4 CPUs per rank: raise data.num_workers (up to 4)" in few
+    assert few.endswith("or use a sharded data set (data=arrow, written by "
+                        "`train prepare-data`)")
+    busy = starving.verdict(num_workers=4, ranks_here=2,  # type: ignore[union-attr]
+                            sharded=True).line
+    assert "raise data.num_workers" not in busy and "sharded" not in busy
+    assert busy.endswith("give each rank more CPUs (cluster.cpus_per_task, or fewer ranks per "
+                         "node), or lighter per-sample work (data transforms, decoding)")
 
 
 def test_status_shows_each_ranks_wait_for_data(tmp_path: Path) -> None:

@@ -303,7 +303,8 @@ def _fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.de
             raise duties.stop.preempted()
     workers = data.train.loader.num_workers if data.train.loader is not None else 0
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    sharded = cfg.data.name in ("arrow", "tokens")  # a few large files already
     if (verdict := duties.breakdown.verdict(workers, ranks_here, cfg.trainer.precision,
-                                            cfg.trainer.compile)) is not None:
+                                            cfg.trainer.compile, sharded)) is not None:
         duties.logger.bottleneck(verdict)
     return val

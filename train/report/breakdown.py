@@ -92,11 +92,12 @@ class Breakdown:
         return values
 
     def verdict(self, num_workers: int, ranks_here: int, precision: str = "fp32",
-                compiled: bool = False) -> Verdict | None:
+                compiled: bool = False, sharded: bool = False) -> Verdict | None:
         """What held the run back (None before any logging step): what the slowest rank spent
         most of its step time on - the others wait for it, and their waits, inside backward
         under DDP, are its doing, not theirs. Of the compute settings, only those the run has
-        not set (`precision`, `compiled`) are suggested."""
+        not set (`precision`, `compiled`) are suggested; `sharded`: the data already comes
+        from a few large files (data=arrow, tokens), so that is not suggested either."""
         untried = [o for o, on in (("trainer.precision=bf16-mixed", precision != "fp32"),
                                    ("trainer.compile=true", compiled)) if not on]
         if not self.totals or not any(sum(row) for row in self.totals):
@@ -108,9 +109,8 @@ class Breakdown:
         if kind == "input":
             cpus = len(os.sched_getaffinity(0)) // max(1, ranks_here)
             line = (f"rank {rank} waited for data {by_kind[kind]:.0%} of its step time with "
-                    f"data.num_workers={num_workers} and {cpus} CPUs per rank: raise "
-                    "data.num_workers, or use a sharded data set (data=arrow, written by "
-                    "`train prepare-data`)")
+                    f"data.num_workers={num_workers} and {cpus} CPUs per rank: "
+                    + _input_advice(num_workers, cpus, sharded))
         elif kind == "compute":
             line = (f"rank {rank} computed {by_kind[kind]:.0%} of its step time (forward, "
                     "backward with DDP's gradient all-reduce, the optimiser step)" +
@@ -121,3 +121,17 @@ class Breakdown:
                     "log less often (trainer.log_every_n_steps) or take larger steps "
                     "(data.batch_size, trainer.accumulate_grad_batches)")
         return Verdict(kind, line)
+
+
+def _input_advice(num_workers: int, cpus: int, sharded: bool) -> str:
+    """What to try for a rank that waits for its data: more workers while it has idle CPUs
+    (workers beyond its CPUs only take turns on them), else more CPUs or less work per
+    sample; a sharded data set where it reads a file per sample."""
+    if num_workers < cpus:
+        tries = [f"raise data.num_workers (up to {cpus})"]
+    else:
+        tries = ["give each rank more CPUs (cluster.cpus_per_task, or fewer ranks per node)",
+                 "or lighter per-sample work (data transforms, decoding)"]
+    if not sharded:
+        tries.append("or use a sharded data set (data=arrow, written by `train prepare-data`)")
+    return ", ".join(tries)
