@@ -59,15 +59,17 @@ def test_without_an_error_or_a_signal_the_exit_codes_are_the_root_cause() -> Non
 
 
 def test_the_first_stop_signal_names_the_stop_and_a_second_ctrl_c_aborts() -> None:
-    """A closed terminal sends HUP to the group, the launcher passes TERM on: HUP it was. A
-    second Ctrl-C does not wait for the checkpoint."""
+    """A closed terminal sends HUP to the group, the launcher passes TERM on: HUP it was.
+    Ctrl-C's INT names the stop even after the TERM the launcher made of it. A second Ctrl-C
+    does not wait for the checkpoint."""
     before = signal.getsignal(signal.SIGHUP)  # SIG_DFL, or SIG_IGN under nohup
     with stopping.StopSignals() as stop:
         os.kill(os.getpid(), signal.SIGHUP)
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.received == "SIGHUP"
         assert str(stop.preempted()) == "stopped by SIGHUP after saving a checkpoint"
-    with stopping.StopSignals() as stop:
+    with stopping.StopSignals() as stop:  # Ctrl-C: the launcher's TERM handled before the INT
+        os.kill(os.getpid(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGINT)
         assert stop.received == "SIGINT"
         with pytest.raises(KeyboardInterrupt):

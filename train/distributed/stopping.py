@@ -113,7 +113,10 @@ class StopSignals:
         name = signal.Signals(signum).name
         if name == "SIGINT" and self.received == "SIGINT":
             raise KeyboardInterrupt  # Ctrl-C twice: stop now, without the checkpoint
-        if self.received is None:  # the first one names the stop (a group gets several)
+        # The first one names the stop (a group gets several) - but Ctrl-C's INT names it
+        # over a TERM before it: the local launcher passes the terminal's INT on as TERM,
+        # and under load that TERM was handled first (the job then ended "by SIGTERM", 143).
+        if self.received is None or (name, self.received) == ("SIGINT", "SIGTERM"):
             self.received = name
             log.warning("received %s: checkpointing at the next step boundary", name)
 
