@@ -191,12 +191,21 @@ def run(cfg: DictConfig, output_dir: str, command: str,
         # The job's first rank holds its directory for all of its ranks (they share it).
         with joblock.held(Path(output_dir), holds=distenv.external_rank() == 0):
             return objective(typed, run_rank(config, output_dir, command))
-    from train.launch.local import reads_shards_itself, run_in_process, start_local_ranks
+    from train.launch.local import (
+        rank_context,
+        reads_shards_itself,
+        run_in_process,
+        start_local_ranks,
+    )
 
     with joblock.held(Path(output_dir)):  # before anything is checked, created or started
+        nproc = typed.distributed.nproc_per_node
+        if nproc > 1 or reads_shards_itself(config["data"]):
+            # The ranks' fork server imports torch (~3 s) while the pre-flight runs; it
+            # starts no rank, and ends with this process if the pre-flight refuses the job.
+            rank_context(config["data"])
         if not preflighted:
             preflight([typed], output_dir=output_dir)
-        nproc = typed.distributed.nproc_per_node
         if nproc == 1 and not reads_shards_itself(config["data"]):
             return objective(typed, run_in_process(config, output_dir, command))
         return objective(typed, start_local_ranks(config, output_dir, command, nproc))

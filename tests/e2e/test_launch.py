@@ -144,7 +144,8 @@ def test_a_rank_ending_its_run_gets_longer_than_the_grace_period(
 
 
 def test_the_fork_servers_imports_leave_cuda_alone() -> None:
-    """Ranks are forked after train/launch/fork_server.py's imports: none of them may ask
+    """Ranks are forked after train/launch/fork_server.py's imports (and `preloads`'): none
+    of them may ask
     CUDA anything (a driver initialised before a fork is unusable in the child). The calls
     that would are counted while the fork server's module is imported."""
     code = """
@@ -156,9 +157,44 @@ for module, names in ((torch._C, ("_cuda_getDeviceCount", "_cuda_init")),
         original = getattr(module, name)
         setattr(module, name, lambda *a, _o=original, _n=name: calls.append(_n) or _o(*a))
 import train.launch.fork_server
+from train.launch.local import preloads
+for name in preloads({"name": "arrow"}):  # what it imports for a job on images as well
+    __import__(name)
 import sys
 print(sorted(calls), "torch._dynamo" in sys.modules, "train.engine.job" in sys.modules)
 """
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                             text=True, timeout=120, check=True)
     assert result.stdout.split() == ["[]", "True", "True"]
+
+
+def test_a_job_refused_at_pre_flight_leaves_no_process_behind(tmp_path: Path) -> None:
+    """The ranks' fork server starts as the launch begins, importing torch while the pre-flight
+    runs; a job the pre-flight refuses ends with its one line, and the server with it."""
+    missing = tmp_path / "no-such-images"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "train", "data=imagefolder", f"data.root={missing}",
+         "distributed.nproc_per_node=2", f"hydra.run.dir={tmp_path / 'job'}"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)  # its processes, and only they, in a session of their own
+    output, _ = launcher.communicate(timeout=120)
+    assert launcher.returncode != 0
+    assert str(missing) in output and "Traceback" not in output, output
+
+    def left() -> list[int]:
+        mine = []
+        for p in psutil.process_iter():
+            try:
+                if os.getsid(p.pid) == launcher.pid and p.status() != psutil.STATUS_ZOMBIE:
+                    mine.append(p.pid)
+            except (OSError, psutil.Error):
+                continue  # gone meanwhile
+        return mine
+
+    deadline = time.monotonic() + 20
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if survivors := left():
+        for pid in survivors:  # this test's own orphans
+            os.kill(pid, signal.SIGKILL)
+        raise AssertionError(f"processes of the refused job outlived its launcher: {survivors}")

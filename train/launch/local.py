@@ -95,7 +95,7 @@ def start_local_ranks(config: dict[str, Any], output_dir: str, command: str, npr
     JobStoppedError. `node`: this machine's share of a multi-node job (a Slurm node's one
     task, cluster.ranks=per_node); None = the whole job is here."""
     node = node or distenv.this_machine(nproc)
-    ctx = rank_context()
+    ctx = rank_context(config["data"])
     umask = os.umask(0)  # read, and put back at once: the ranks get this process's
     os.umask(umask)
     outcomes: mp.Queue = ctx.Queue()
@@ -158,20 +158,21 @@ def _only_silent_left(procs: list[mp.Process], ranks: list[int], outcomes: mp.Qu
                                 for local, p in enumerate(procs) if p.is_alive())
 
 
-def rank_context() -> Any:
+def rank_context(data: dict[str, Any] | None = None) -> Any:
     """Ranks are forked from multiprocessing's fork server (one per launching process, shared
     by the jobs of a local sweep): a clean process that imported torch once
     (train/launch/fork_server.py), rather than each rank a fresh interpreter importing it
-    again. Not a fork of this process: it may hold threads and locks (mlflow, a sweep's). What
-    the ranks need of this process's state comes with them: its environment and umask as
-    arguments, its working directory and sys.path from multiprocessing. The server starts with
-    the stop signals blocked - a TERM to the job's process group must not kill it, as the
-    ranks' exit codes come back through it - and each rank unblocks them once its own handlers
-    are in place (rank_process.end_with)."""
+    again, with what the job's data needs (`preloads`); the first call starts it, later ones
+    find it running. Not a fork of this process: it may hold threads and locks (mlflow, a
+    sweep's). What the ranks need of this process's state comes with them: its environment and
+    umask as arguments, its working directory and sys.path from multiprocessing. The server
+    starts with the stop signals blocked - a TERM to the job's process group must not kill it,
+    as the ranks' exit codes come back through it - and each rank unblocks them once its own
+    handlers are in place (rank_process.end_with)."""
     from multiprocessing import forkserver
 
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["train.launch.fork_server"])
+    ctx.set_forkserver_preload(["train.launch.fork_server", *preloads(data or {})])
     _start_resource_tracker()
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, rank_process.HELD_SIGNALS)
     os.environ[distenv.FORK_SERVER_VAR] = str(os.getpid())
@@ -181,6 +182,14 @@ def rank_context() -> Any:
         os.environ.pop(distenv.FORK_SERVER_VAR, None)
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     return ctx
+
+
+def preloads(data: dict[str, Any]) -> list[str]:
+    """What the fork server imports, beyond torch and the training code, for the ranks of a
+    job on `data`: torchvision for image transforms (each rank imported it after the fork,
+    0.3-0.5 s). Not `datasets`: importing it starts pyarrow's jemalloc thread, and the
+    server is kept free of threads beyond torch's own."""
+    return ["torchvision"] if data.get("name") in ("imagefolder", "arrow") else []
 
 
 def _start_resource_tracker() -> None:
