@@ -3,7 +3,9 @@ files and the MLflow store: the average is the EMA rule applied to the trained w
 checkpoints hold; validation, the test and model.pt are the average's, and model_raw.pt the
 trained weights; `python -m train eval` of the average computed here from the checkpoints gives
 the run's own val metrics; an FSDP job killed mid-epoch at world 2 and resumed at world 3 ends
-with the average of a DDP job never killed (the average resharded from its checkpoint)."""
+with the average of a DDP job never killed (the average resharded from its checkpoint), and
+one in this process: a DDP job's single-file checkpoint continued under FSDP (whole tensors
+into each rank's shards) ends with the average of a job never stopped."""
 
 from __future__ import annotations
 
@@ -15,11 +17,13 @@ import torch
 from tests.conftest import (
     TINY_GPT,
     assert_refused,
+    composed,
     kill_job_after_checkpoints,
     new_store,
     run_train,
     runs_in,
 )
+from train.app import run
 
 DECAY = 0.75
 EMA = (*TINY_GPT, "trainer.max_steps=8", "tracking.log_model=false",
@@ -125,3 +129,34 @@ def test_a_bad_average_is_refused_before_any_rank(override: str, expected: str,
                      f"hydra.run.dir={tmp_path / 'job'}", env=store, timeout=60)
     assert_refused(done, expected, store)
     assert not (tmp_path / "job" / "checkpoints").exists()
+
+
+SMALL_CNN = ("data=synthetic", "data.num_samples=96", "data.val_fraction=0.2",
+             "data.image_size=8", "data.batch_size=16", "model=cnn",
+             "trainer.log_every_n_steps=2", "data.num_workers=0", "tracking.batch_interval_s=0",
+             "tracking.log_model=false", "trainer.ema.enabled=true", "trainer.ema.decay=0.6",
+             "trainer.ema.start_step=2", "trainer.ema.every=2",
+             "optim.schedule=constant")  # a job of one epoch continued to two: the same steps
+"""One rank in the test's own process: jobs of a few seconds each (a conv net for BatchNorm)."""
+
+
+def test_a_ddp_checkpoint_continued_under_fsdp_keeps_the_average(
+        tmp_path: Path, store_template: Path, no_launcher_env: None) -> None:
+    """One epoch under DDP (a single-file checkpoint holding the whole average), the second
+    under FSDP (each rank's shards of it): the average and the trained weights of a DDP job of
+    two epochs, BatchNorm's statistics included."""
+    uri = new_store(tmp_path / "mlflow.db", store_template)
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    run(composed(*SMALL_CNN, "trainer.epochs=2", f"tracking.uri={uri}"), str(whole), "test")
+    run(composed(*SMALL_CNN, "trainer.epochs=1", f"tracking.uri={uri}"), str(split), "test")
+    run(composed(*SMALL_CNN, "trainer.epochs=2", "distributed.strategy=fsdp",
+                 f"tracking.uri={uri}"), str(split), "test")
+    assert len(runs_in(uri)) == 2  # the second start continued the first's run
+    for name in ("model.pt", "model_raw.pt"):
+        ours = torch.load(split / name, weights_only=True)
+        reference = torch.load(whole / name, weights_only=True)
+        worst = max(float((ours[k].float() - reference[k].float()).abs().max())
+                    for k in reference)
+        assert worst < 1e-5, (name, worst)
+    assert not torch.equal(torch.load(whole / "model.pt", weights_only=True)["0.weight"],
+                           torch.load(whole / "model_raw.pt", weights_only=True)["0.weight"])

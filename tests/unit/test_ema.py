@@ -1,7 +1,6 @@
 """trainer.ema's average (train/engine/ema.py) against torch's own AveragedModel, its swap in
-and out of the model, and jobs in process: a DDP job's single-file checkpoint continued by an
-FSDP job (whole tensors into each rank's shards) ends with the average of a job never
-stopped; a checkpoint of an EMA run evaluates its average."""
+and out of the model; a checkpoint of an EMA run evaluates its average. (Jobs of it:
+tests/e2e/test_ema.py.)"""
 
 from __future__ import annotations
 
@@ -11,17 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.conftest import composed, new_store, runs_in
-from train.app import run
 from train.config.ema import EmaConfig
 from train.engine.ema import Ema
-
-SMALL = ("data=synthetic", "data.num_samples=96", "data.val_fraction=0.2", "data.image_size=8",
-         "data.batch_size=16", "model=cnn", "trainer.log_every_n_steps=2",
-         "data.num_workers=0", "tracking.batch_interval_s=0", "tracking.log_model=false",
-         "trainer.ema.enabled=true", "trainer.ema.decay=0.6", "trainer.ema.start_step=2",
-         "trainer.ema.every=2",
-         "optim.schedule=constant")  # a job of one epoch continued to two: the same steps
 
 
 def _model() -> nn.Module:
@@ -72,28 +62,6 @@ def test_applied_swaps_the_average_in_and_the_trained_weights_back() -> None:
     assert all(torch.equal(model.state_dict()[k], v) for k, v in trained.items())
     average.apply()
     assert all(torch.equal(model.state_dict()[k], v) for k, v in average.state_dict().items())
-
-
-def test_a_ddp_checkpoint_continued_under_fsdp_keeps_the_average(
-        tmp_path: Path, store_template: Path, no_launcher_env: None) -> None:
-    """One epoch under DDP (a single-file checkpoint holding the whole average), the second
-    under FSDP (each rank's shards of it): the average and the trained weights of a DDP job of
-    two epochs, BatchNorm's statistics included."""
-    uri = new_store(tmp_path / "mlflow.db", store_template)
-    whole, split = tmp_path / "whole", tmp_path / "split"
-    run(composed(*SMALL, "trainer.epochs=2", f"tracking.uri={uri}"), str(whole), "test")
-    run(composed(*SMALL, "trainer.epochs=1", f"tracking.uri={uri}"), str(split), "test")
-    run(composed(*SMALL, "trainer.epochs=2", "distributed.strategy=fsdp", f"tracking.uri={uri}"),
-        str(split), "test")
-    assert len(runs_in(uri)) == 2  # the second start continued the first's run
-    for name in ("model.pt", "model_raw.pt"):
-        ours = torch.load(split / name, weights_only=True)
-        reference = torch.load(whole / name, weights_only=True)
-        worst = max(float((ours[k].float() - reference[k].float()).abs().max())
-                    for k in reference)
-        assert worst < 1e-5, (name, worst)
-    assert not torch.equal(torch.load(whole / "model.pt", weights_only=True)["0.weight"],
-                           torch.load(whole / "model_raw.pt", weights_only=True)["0.weight"])
 
 
 def test_a_checkpoint_of_an_ema_run_evaluates_its_average(tmp_path: Path) -> None:
