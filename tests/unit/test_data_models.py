@@ -245,3 +245,30 @@ def test_any_torchvision_builder_takes_the_data_shape() -> None:
     with pytest.raises(ValueError, match="choose one of"):
         models.build(ModelConfig(name="no_such_net", source="torchvision"),
                      models.InputSpec(3, 32, 10))
+
+
+class _FrozenInWorker(torch.utils.data.Dataset):
+    """Each sample: how many objects the worker reading it holds frozen (gc's permanent
+    generation: objects its collections never walk)."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> int:
+        import gc
+
+        return gc.get_freeze_count()
+
+
+def test_a_worker_collects_none_of_the_objects_it_inherits_and_the_rank_all_of_its_own() -> None:
+    """DataLoader workers are forked with the rank's objects frozen: a worker's garbage
+    collection does not walk them (copying every page it shares with the rank), and the rank,
+    once the workers are forked, collects its own as before."""
+    import gc
+
+    order = batches.ShardOrder(None, 4, batch_size=2)
+    loader = batches.loader(_FrozenInWorker(), order, workers=1, device=torch.device("cpu"),
+                            collate=lambda samples: samples)
+    frozen = [count for batch in loader for count in batch]
+    assert min(frozen) > 10_000  # torch's and this process's objects, inherited
+    assert gc.get_freeze_count() == 0
