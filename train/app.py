@@ -200,13 +200,14 @@ def run(cfg: DictConfig, output_dir: str, command: str,
 
     with joblock.held(Path(output_dir)):  # before anything is checked, created or started
         nproc = typed.distributed.nproc_per_node
-        if nproc > 1 or reads_shards_itself(config["data"]):
+        own_processes = nproc > 1 or reads_shards_itself(config["data"])
+        if own_processes:
             # The ranks' fork server imports torch (~3 s) while the pre-flight runs; it
             # starts no rank, and ends with this process if the pre-flight refuses the job.
             rank_context(config["data"])
         if not preflighted:
             preflight([typed], output_dir=output_dir)
-        if nproc == 1 and not reads_shards_itself(config["data"]):
+        if not own_processes:
             return objective(typed, run_in_process(config, output_dir, command))
         return objective(typed, start_local_ranks(config, output_dir, command, nproc))
 

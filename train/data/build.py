@@ -35,6 +35,9 @@ from train.distributed.env import DistEnv
 
 STREAMED = ("imagefolder", "arrow", "custom", "tokens")
 """Data sets read from disk batch by batch (train/data/sources.py); the others are in memory."""
+SHARDED = ("arrow", "tokens")
+"""Data read from a few large files (not a file per sample): the bottleneck line does not
+suggest a sharded data set to a job on one."""
 
 
 class _Subset(torch.utils.data.Dataset):

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from train.config.groups import TrainConfig
-from train.data.build import Batches, DataBundle
+from train.data.build import SHARDED, Batches, DataBundle
 from train.distributed import process_group as distributed
 from train.distributed import watch
 from train.distributed.stopping import StopSignals
@@ -303,8 +303,8 @@ def _fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.de
             raise duties.stop.preempted()
     workers = data.train.loader.num_workers if data.train.loader is not None else 0
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    sharded = cfg.data.name in ("arrow", "tokens")  # a few large files already
     if (verdict := duties.breakdown.verdict(workers, ranks_here, cfg.trainer.precision,
-                                            cfg.trainer.compile, sharded)) is not None:
+                                            cfg.trainer.compile,
+                                            cfg.data.name in SHARDED)) is not None:
         duties.logger.bottleneck(verdict)
     return val
