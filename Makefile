@@ -5,6 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+LIGHTNING := $(VENV)/lightning
 UI_PORT ?= 5000
 UI_STORE ?= $(CURDIR)/mlruns
 SERVER_PORT ?= 5001
@@ -16,7 +17,7 @@ PYTEST_WORKERS ?= 2
 # One test file per work unit, all of tests/cluster/ in one (tests/conftest.py, work_unit).
 PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile
 
-.PHONY: setup train test test-fast lint ui mlflow-server bench cluster-up cluster-down clean
+.PHONY: setup train test test-fast lint ui mlflow-server bench bench-gpu cluster-up cluster-down clean
 
 setup: $(STAMP)
 
@@ -26,6 +27,11 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.14.1 torchvision==0.29.1
 	$(PY) -m pip install --quiet -e '.[dev,hf]'
+	# Lightning for the GPU bench's peer (and its CPU smoke test), in a folder of its own
+	# rather than the venv: on the venv's path, mlflow.pytorch imports all of Lightning at
+	# every model a job logs (seconds per job; tests/e2e/test_bench_gpu.py adds the folder).
+	$(PY) -m pip install --quiet --no-deps --target $(LIGHTNING) lightning==2.6.6 \
+	  lightning-utilities==0.15.3 torchmetrics==1.9.0
 	touch $(STAMP)
 
 # The main job on the embedded defaults: digits, the small CNN, 2 local gloo ranks.
@@ -83,6 +89,15 @@ bench: setup
 	$(PY) -m bench.profiling --results .bench/profiling.json
 	$(PY) -m bench.recompute --results .bench/recompute.json
 	$(PY) -m bench.evaluate --results .bench/evaluate.json
+
+# `make bench-gpu`: the service against plain loops (nanoGPT's, torchvision's reference script,
+# Lightning) on one CUDA GPU, ~8 minutes; BENCH_GPU_ARGS=--quick for ~3 (bench/gpu.py). No
+# setup: on a bare GPU machine it runs on the machine's own torch with PYTHONPATH at this
+# checkout (plus hydra-core, omegaconf and antlr4-python3-runtime; docs/benchmarks.md).
+BENCH_PY := $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+bench-gpu:
+	PYTHONPATH=$(CURDIR)$(if $(wildcard $(LIGHTNING)),:$(CURDIR)/$(LIGHTNING))$${PYTHONPATH:+:$$PYTHONPATH} \
+	  PYTHONUNBUFFERED=1 $(BENCH_PY) -m bench.gpu $(BENCH_GPU_ARGS)
 
 cluster-up:
 	bash slurm/cluster-up.sh

@@ -177,14 +177,12 @@ def _fsdp(cfg: TrainConfig, p: list[str]) -> None:
     _require(d.fsdp.init_on in ("auto", "cpu", "meta"),
              f"distributed.fsdp.init_on={d.fsdp.init_on!r}; choose auto, cpu or meta.", p)
     why = {"trainer.precision=fp16-mixed": cfg.trainer.precision == "fp16-mixed",
-           "trainer.compile=true": cfg.trainer.compile,
            "distributed.sync_batchnorm=true": d.sync_batchnorm,
            "distributed.static_graph=true": d.static_graph,
            "distributed.find_unused_parameters=true": d.find_unused_parameters,
            "model.freeze": bool(cfg.model.freeze)}
     hint = {"trainer.precision=fp16-mixed": "use bf16-mixed (FSDP's MixedPrecisionPolicy: bf16 "
-            "parameters, fp32 gradient reduction) or fp32",
-            "trainer.compile=true": "set trainer.compile=false"}
+            "parameters, fp32 gradient reduction) or fp32"}
     for key in (k for k, on in why.items() if on):
         p.append(f"distributed.strategy=fsdp cannot be combined with {key} (not supported by this "
                  f"service's FSDP path); {hint.get(key, 'remove it')}, or use "

@@ -71,6 +71,8 @@ class Beat:
 _beat = Beat()
 _watch: Watch | None = None
 _spent: dict[str, float] = {}
+_clock: Any = None
+"""A GPU rank's DeviceClock (`use_device_clock`): `take_spent` then reads the device's time."""
 
 
 def enter(phase: str, step: int | None = None) -> None:
@@ -82,6 +84,8 @@ def enter(phase: str, step: int | None = None) -> None:
         now = time.time()
         _spent[beat.phase] = _spent.get(beat.phase, 0.0) + now - beat.since
         beat.phase, beat.since = phase, now
+        if _clock is not None:
+            _clock.mark(phase)
     if step is not None:
         beat.step = step
 
@@ -106,10 +110,29 @@ def reading(batches: Iterable[Any]) -> Iterator[Any]:
 
 
 def take_spent() -> dict[str, float]:
-    """Seconds spent in each phase since the last call (the straggler check's)."""
+    """Seconds spent in each phase since the last call (the breakdown's, the straggler
+    check's): the host's clock, or on a GPU rank the device's (device_clock.py), which waits
+    for the device's queue - only where the rank is about to wait for it anyway."""
     spent = dict(_spent)
     _spent.clear()
-    return spent
+    return _clock.take() if _clock is not None else spent
+
+
+def forget_spent() -> None:
+    """Start the next take_spent from here, without waiting for the device."""
+    _spent.clear()
+    if _clock is not None:
+        _clock.forget()
+
+
+def use_device_clock(device: Any) -> None:
+    """Time this rank's phases on its device where it is a GPU (CUDA events), else the host."""
+    global _clock
+    _clock = None
+    if getattr(device, "type", None) == "cuda":
+        from train.distributed.device_clock import DeviceClock  # torch: not at import
+
+        _clock = DeviceClock(device, _beat.phase)
 
 
 def all_gone(ranks: Iterable[int]) -> bool:
@@ -235,7 +258,8 @@ def start(out: Path, rank: int, world_size: int) -> Watch:
 
 
 def stop() -> None:
-    global _watch
+    global _watch, _clock
+    _clock = None
     if _watch is not None:
         _watch.close()
         _watch = None

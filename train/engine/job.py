@@ -218,6 +218,7 @@ def run_rank(config: dict[str, Any], output_dir: str, command: str, own_process:
     try:  # from the process group on: a job that fails in it has ended too (sweep, below)
         distributed.init(env, backend, device, cfg.distributed.timeout_s)
         watch.start(out, env.rank, env.world_size)
+        watch.use_device_clock(device)  # a GPU's phases on its own clock (time/*)
         drill.check(job.fail_at, 0, env.rank)
         with StopSignals() as stop:
             final = _train(job, logger, stop, ending)

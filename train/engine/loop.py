@@ -191,7 +191,7 @@ def train_epoch(cfg: TrainConfig, state: TrainState, batches: Batches, device: t
     every, k = cfg.trainer.log_every_n_steps, cfg.trainer.accumulate_grad_batches
     count = len(batches)
     watch.enter("data")  # ends what came before (validation, a checkpoint, the set-up) ...
-    watch.take_spent()  # ... which the breakdown's first interval must not hold
+    watch.forget_spent()  # ... which the breakdown's first interval must not hold
     if duties.profiler is not None:
         duties.profiler.epoch_begins()
     window_start, window_steps = time.perf_counter(), 0

@@ -74,10 +74,7 @@ def apply(module: nn.Module, mode: str, shard_modules: list[str]) -> None:
 def compile_blocks(module: nn.Module) -> None:
     """trainer.compile for a model whose blocks recompute: each block's forward compiled in
     place (the hooks stay outside it, so the forward and its recompute run one graph)."""
-    import torch
-
-    for block in module.__dict__[BLOCKS]:
-        block.forward = torch.compile(block.forward)
+    fsdp.compile_each(module.__dict__[BLOCKS])
 
 
 def applied(module: nn.Module) -> str | None:

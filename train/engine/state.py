@@ -169,6 +169,8 @@ def _build_sharded(cfg: TrainConfig, spec: models.InputSpec, steps_per_epoch: in
     module = fsdp.shard(module, cfg, device)
     if place == "meta":
         fsdp.materialise(module, device, cfg.distributed.fsdp.cpu_offload)
+    if cfg.trainer.compile:
+        log.info("trainer.compile under FSDP2: %s compiled", fsdp.compile_sharded(module, cfg))
     state = _with_optimiser(cfg, module, module, steps_per_epoch, device)
     state.initialised_on = place
     kind = torch.long if spec.token_ids else torch.float32

@@ -15,9 +15,11 @@ is added to the other steps.
   collective  explicit collectives: the logging step's, a varying-items task's item count
   other       anything else in the interval (logging, a checkpoint, a validation)
 
-Host clock, so on a GPU forward and backward hold the time to queue their kernels, and the
-device's own time shows up where the host next waits for it (the optimiser step or a logging
-step); timing them there with CUDA events is the GPU bench's part (issue 42).
+On the CPU the host's clock. On a GPU the device's: a CUDA event at each change of phase,
+read back at the logging step (train/distributed/device_clock.py), so forward and backward
+hold their kernels' time rather than the time to queue them, and data the time the device sat
+idle for want of a batch; the host clock would put the device's work wherever the host next
+waits for it.
 """
 
 from __future__ import annotations

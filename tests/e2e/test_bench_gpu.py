@@ -1,0 +1,76 @@
+"""`make bench-gpu` kept from rotting between the rare GPU windows: `python -m bench.gpu
+--device cpu --smoke` runs every arm at tiny sizes on the CPU, each in its own process under
+the meter, and writes every figure, with the service's loss agreeing with its plain peer's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.gpu_arms import ARMS, STEPS
+from bench.gpu_report import PAIRS
+from tests.conftest import REPO, skip_or_fail
+
+FIGURES = ("rate", "window_rates", "step_s", "first_step_s", "compile_s", "peak_rss_gb",
+           "losses", "tflops", "mfu_of_matmul", "items_per_step", "sync_sites")
+GPU_ONLY = ("mfu", "host_syncs", "host_syncs_outside_logging", "peak_allocated_gb",
+            "peak_reserved_gb")
+"""Figures a CPU has no value for: present, and None."""
+
+
+LIGHTNING = REPO / ".venv" / "lightning"
+"""Where `make test`'s set-up installs Lightning for the bench's peer (Makefile: not in the
+venv, where mlflow.pytorch would import it at every logged model)."""
+
+
+def test_the_gpu_bench_runs_every_arm_on_the_cpu(tmp_path: Path) -> None:
+    if not (LIGHTNING / "lightning").is_dir():
+        skip_or_fail(f"no Lightning for the bench's peer in {LIGHTNING} (`make setup` puts it)")
+    out = tmp_path / "gpu.jsonl"
+    path = os.pathsep.join(filter(None, (str(LIGHTNING), os.environ.get("PYTHONPATH"))))
+    done = subprocess.run([sys.executable, "-m", "bench.gpu", "--device", "cpu", "--smoke",
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONPATH": path})
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    machine, *arms, summary = lines
+    assert machine["kind"] == "machine" and machine["size"] == "smoke"
+    assert machine["matmul_tflops"] > 0 and machine["copy_gbps"] > 0
+    assert machine["torch"] and machine["gpu"] is None
+    assert [a["arm"] for a in arms] == [a.name for a in ARMS]
+    for arm in arms:
+        assert arm["status"] == "ok", arm
+        for key in FIGURES:
+            assert arm[key] is not None, (arm["arm"], key)
+        for key in GPU_ONLY:
+            assert key in arm and arm[key] is None, (arm["arm"], key)
+        warmup, window, windows, _ = STEPS["smoke"][arm["workload"]]
+        assert len(arm["window_rates"]) == windows
+        assert arm["steps"] == warmup + window * windows + 1
+        # The loss of the first step, the warm-up's last and the last, each a finite number.
+        assert sorted(map(int, arm["losses"])) == [1, warmup, arm["steps"]]
+        assert arm["rate"] > 0 and 0 < arm["first_step_s"] < arm["wall_s"]
+    # Every service arm's loss agrees with its peer's, and the ratios behind the floors exist.
+    ratios = summary["ratios"]
+    agreement = {k: v for k, v in ratios.items() if k.startswith("loss ")}
+    assert set(agreement) == {f"loss {arm} vs {peer}" for arm, (peer, _) in PAIRS.items()}
+    assert all(v["agrees"] for v in agreement.values()), agreement
+    # The resnet and input peers read the service's batches in its order: the same training,
+    # step by step, down to the last digits on a CPU.
+    by_name = {a["arm"]: a for a in arms}
+    for arm, plain in (("resnet/service", "resnet/plain"), ("resnet/lightning", "resnet/plain"),
+                       ("input/service", "input/plain")):
+        assert by_name[arm]["losses"] == pytest.approx(by_name[plain]["losses"], rel=1e-5), arm
+    assert {"gpt/service / gpt/plain", "gpt/service-fsdp / gpt/service",
+            "resnet/service / resnet/plain", "resnet/service / resnet/lightning",
+            "input/service / input/plain"} <= set(ratios)
+    # The table a docs/benchmarks.md section is made of, from the file alone.
+    table = subprocess.run([sys.executable, "-m", "bench.gpu_report", str(out)], cwd=REPO,
+                           capture_output=True, text=True, timeout=120)
+    assert table.returncode == 0, table.stderr
+    assert all(f"| {a['arm']} |" in table.stdout for a in arms)
