@@ -210,8 +210,9 @@ def materialise(module: nn.Module, device: torch.device, offload: bool = False) 
 @contextlib.contextmanager
 def gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
     """DDP's no_sync under either strategy: `sync=False` accumulates this micro-batch's
-    gradient on the rank only; the step's last micro-batch reduces the sum."""
-    if sync:
+    gradient on the rank only; the step's last micro-batch reduces the sum. A one-rank job's
+    bare model (train/engine/state.py) has nothing to reduce."""
+    if sync or not (is_sharded(model) or hasattr(model, "no_sync")):
         yield
     elif is_sharded(model):
         model.set_requires_gradient_sync(False)  # type: ignore[operator]

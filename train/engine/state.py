@@ -62,8 +62,8 @@ class GradScaler(torch.amp.GradScaler):
 @dataclass
 class TrainState:
     model: nn.Module
-    """What the loop calls: DDP around the model (and torch.compile around that if asked);
-    under FSDP the sharded model itself."""
+    """What the loop calls: DDP around the model where the job has more than one rank (and
+    torch.compile around that if asked); under FSDP the sharded model itself."""
     module: nn.Module
     """The bare model: what checkpoints, the saved weights and evaluation use; under FSDP the
     same sharded model as `model` (train/engine/fsdp.py: whole state dicts are collectives)."""
@@ -113,10 +113,10 @@ class TrainState:
 
 def build(cfg: TrainConfig, spec: models.InputSpec, steps_per_epoch: int,
           device: torch.device, resuming: bool = False) -> TrainState:
-    """The model on `device` in DDP, with its optimiser, schedule and scaler. Seed the RNG
-    first: every rank must start from the same weights. model.weights are loaded unless
-    `resuming` (the checkpoint's weights win); model.freeze's parameters are frozen before
-    DDP and the optimiser see them."""
+    """The model on `device` in DDP (one rank: bare), with its optimiser, schedule and scaler.
+    Seed the RNG first: every rank must start from the same weights. model.weights are loaded
+    unless `resuming` (the checkpoint's weights win); model.freeze's parameters are frozen
+    before DDP and the optimiser see them."""
     if cfg.distributed.strategy == "fsdp":
         return _build_sharded(cfg, spec, steps_per_epoch, device)
     module = models.build(cfg.model, spec)
@@ -132,16 +132,26 @@ def build(cfg: TrainConfig, spec: models.InputSpec, steps_per_epoch: int,
     module = module.to(device)
     if cfg.trainer.channels_last:
         module = module.to(memory_format=torch.channels_last)
-    ddp: nn.Module = DDP(module, device_ids=devices.ddp_device_ids(device),
-                         find_unused_parameters=cfg.distributed.find_unused_parameters,
-                         gradient_as_bucket_view=cfg.distributed.gradient_as_bucket_view,
-                         static_graph=cfg.distributed.static_graph,
-                         bucket_cap_mb=cfg.distributed.bucket_cap_mb)
+    model = module if one_rank() else DDP(
+        module, device_ids=devices.ddp_device_ids(device),
+        find_unused_parameters=cfg.distributed.find_unused_parameters,
+        gradient_as_bucket_view=cfg.distributed.gradient_as_bucket_view,
+        static_graph=cfg.distributed.static_graph, bucket_cap_mb=cfg.distributed.bucket_cap_mb)
     if cfg.trainer.compile and recompute.applied(module):
         recompute.compile_blocks(module)  # per block: the recompute runs the same graph
     elif cfg.trainer.compile:
-        ddp = torch.compile(ddp)  # type: ignore[assignment]
-    return _with_optimiser(cfg, ddp, module, steps_per_epoch, device)
+        model = torch.compile(model)  # type: ignore[assignment]
+    return _with_optimiser(cfg, model, module, steps_per_epoch, device)
+
+
+def one_rank() -> bool:
+    """A job of one rank has no gradients to average: it trains the bare model, as Lightning's
+    single-device strategy does. DDP's wrapper would only cost - its reducer copies every
+    gradient into buckets at each step, and its constructor imports torch._dynamo (a second
+    or two of every one-rank job's start)."""
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_world_size() == 1
 
 
 def _build_sharded(cfg: TrainConfig, spec: models.InputSpec, steps_per_epoch: int,
