@@ -30,6 +30,8 @@ from typing import Any, TypeVar
 import psutil
 import pytest
 
+from tests import warm as warm_start
+
 REPO = Path(__file__).resolve().parent.parent
 USER_PATH = str(REPO / "tests")
 """What a user puts on PYTHONPATH: the directory that holds their package (tests/userpkg)."""
@@ -172,13 +174,17 @@ def typed(*overrides: str) -> Any:
 
 
 def run_train(*overrides: str, env: dict[str, str] | None = None, timeout: float = 300,
-              cwd: Path = REPO, module: tuple[str, ...] = ("-m", "train"),
+              cwd: Path = REPO, module: tuple[str, ...] = ("-m", "train"), warm: bool = True,
               ) -> subprocess.CompletedProcess[str]:
-    """`python -m train <overrides>` as a user would type it; output captured as text."""
+    """`python -m train <overrides>` as a user would type it; output captured as text. Forked
+    from this worker's warm interpreter (tests/warm.py: the imports done once) unless `warm`
+    is false or the job could differ from a fresh interpreter's."""
     # A clean launch environment: no torchrun/Slurm variables from the test process itself.
     full_env = {k: v for k, v in os.environ.items()
                 if k not in LAUNCHER_VARS and not k.startswith("SLURM_")}
     full_env.update(env or {})
+    if warm and warm_start.eligible(module, cwd, full_env):
+        return warm_start.run(list(overrides), full_env, cwd, timeout)
     return subprocess.run([sys.executable, *module, *overrides], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
 
