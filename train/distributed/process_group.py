@@ -81,6 +81,23 @@ def publish_failure(env: DistEnv, exc: BaseException) -> None:
         pass
 
 
+def lost_a_peer(exc: BaseException) -> bool:
+    """Whether `exc` is what gloo/nccl say when a peer stopped answering (not this rank's own
+    error)."""
+    return any(p in str(exc).lower() for p in _PEER_LOST)
+
+
+def main_answers() -> bool:
+    """Whether rank 0 is still there: its process hosts the job's store."""
+    if not dist.is_initialized():
+        return False
+    try:
+        dist.distributed_c10d._get_default_store().check([_FAILURE_KEY])
+    except Exception:  # noqa: BLE001 - any failure to reach the store: it is gone
+        return False
+    return True
+
+
 def first_failure(wait_s: float = 2.0) -> str | None:
     """The error the first failing rank published, if any (waits briefly for it)."""
     if not dist.is_initialized():
@@ -107,7 +124,7 @@ def failure_reason(env: DistEnv, exc: BaseException, node_of: Callable[[int], st
     the one that stopped answering.
     """
     own = f"rank {env.rank} on {socket.gethostname()}: {stacks.error_line(exc)}"
-    if not dist.is_initialized() or not any(p in str(exc).lower() for p in _PEER_LOST):
+    if not dist.is_initialized() or not lost_a_peer(exc):
         publish_failure(env, exc)
         return first_failure() or own, []
     watch.note_waited(exc)

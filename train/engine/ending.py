@@ -20,14 +20,18 @@ from pathlib import Path
 from train.config.groups import TrainConfig
 from train.distributed import process_group as distributed
 from train.distributed import rankfiles, slurm, stacks
-from train.distributed.env import DistEnv
+from train.distributed.env import LOCAL, DistEnv
 from train.distributed.stopping import Preempted
 from train.engine import checkpoint_folder
 from train.errors import FAILURE_FILE, FAILURE_REASON, SILENT_RANKS, USER_TRACE
 from train.report.runlog import RunLogger
 from train.tracking import records, sweep
+from train.tracking.backend import RUN_FILE
 
 log = logging.getLogger("train")
+RUN_WAIT_S = 60.0
+"""How long a rank that failed of its own error waits, before it leaves, for rank 0's MLflow run
+to exist (see JobEnding._leave_once_the_run_exists)."""
 
 
 class JobEnding:
@@ -76,6 +80,29 @@ class JobEnding:
             self._end_sweep_if_last(reason)
         if main and silent and self.cfg.cluster is not None:
             slurm.end_job_after_lost_peer(reason)
+        if not main and not silent:
+            self._leave_once_the_run_exists(exc)
+
+    def _leave_once_the_run_exists(self, exc: BaseException) -> None:
+        """A rank's own failure ends the job as soon as its process leaves: srun's
+        --kill-on-bad-exit (and torchrun) then give rank 0 seconds (Slurm's KillWait) before
+        SIGKILL, too few to import MLflow and open the store on a busy node when rank 0 had not
+        created its run yet - the job left no run at all. So this rank stays, up to RUN_WAIT_S,
+        until the run exists (rank 0's mlflow_run.json); ending it FAILED then takes rank 0 one
+        request. Not before the ranks started their logger (rank 0 is then held up in the
+        same collective, its run not asked for), not under this package's local launcher,
+        which waits for rank 0's ending itself, nor when rank 0 is gone."""
+        if (self.env.launcher == LOCAL or not self.cfg.tracking.enabled or not self.logger.started
+                or distributed.lost_a_peer(exc) or (self.out / RUN_FILE).exists()
+                or not distributed.main_answers()):
+            return
+        log.warning("rank %d: waiting up to %.0f s for rank 0 to create the job's MLflow run "
+                    "before leaving, so that the run records this failure", self.env.rank,
+                    RUN_WAIT_S)
+        deadline = time.monotonic() + RUN_WAIT_S
+        while (not (self.out / RUN_FILE).exists() and time.monotonic() < deadline
+               and distributed.main_answers()):
+            time.sleep(0.2)
 
     def _log_traceback(self, exc: BaseException) -> None:
         """This rank's traceback into the job's train.log, not the terminal (which shows the

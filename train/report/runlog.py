@@ -47,6 +47,9 @@ class RunLogger:
         self.training = TrainingLog(cfg, run, progress)
         """What the training loop reports (train/report/trainlog.py), over the same backend."""
         self.restarts = 0
+        self.started = False
+        """Whether start() ran - on every rank, right after the ranks' first collective: from
+        then on rank 0's run is on its way to the store."""
         self.config_yaml = ""
         self.data_digest: str | None = None
         """data=arrow: the shards' digest (train/data/arrow.py), kept in checkpoints."""
@@ -66,6 +69,7 @@ class RunLogger:
         """Create the run, or continue `previous` = (run id, restarts so far) as RUNNING."""
         import torch
 
+        self.started = True
         self.config_yaml = config_yaml
         hosts = ",".join(sorted({r["host"] for r in ranks}))
         devices = ",".join(sorted({r["device"] for r in ranks}))
