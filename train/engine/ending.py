@@ -20,7 +20,7 @@ from pathlib import Path
 from train.config.groups import TrainConfig
 from train.distributed import process_group as distributed
 from train.distributed import rankfiles, slurm, stacks
-from train.distributed.env import LOCAL, DistEnv
+from train.distributed.env import DistEnv
 from train.distributed.stopping import Preempted
 from train.engine import checkpoint_folder
 from train.errors import FAILURE_FILE, FAILURE_REASON, SILENT_RANKS, USER_TRACE
@@ -84,17 +84,18 @@ class JobEnding:
             self._leave_once_the_run_exists(exc)
 
     def _leave_once_the_run_exists(self, exc: BaseException) -> None:
-        """A rank's own failure ends the job as soon as its process leaves: srun's
-        --kill-on-bad-exit (and torchrun) then give rank 0 seconds (Slurm's KillWait) before
-        SIGKILL, too few to import MLflow and open the store on a busy node when rank 0 had not
-        created its run yet - the job left no run at all. So this rank stays, up to RUN_WAIT_S,
-        until the run exists (rank 0's mlflow_run.json); ending it FAILED then takes rank 0 one
-        request. Not before the ranks started their logger (rank 0 is then held up in the
-        same collective, its run not asked for), not under this package's local launcher,
-        which waits for rank 0's ending itself, nor when rank 0 is gone."""
-        if (self.env.launcher == LOCAL or not self.cfg.tracking.enabled or not self.logger.started
-                or distributed.lost_a_peer(exc) or (self.out / RUN_FILE).exists()
-                or not distributed.main_answers()):
+        """A Slurm job's rank that fails of its own error ends the job as soon as its process
+        leaves: srun's --kill-on-bad-exit then gives rank 0 KillWait seconds before SIGKILL,
+        too few to import MLflow and open the store on a busy node when rank 0 had not created
+        its run yet - the job left no run at all. So this rank stays, up to RUN_WAIT_S, until
+        the run exists (rank 0's mlflow_run.json in the job's directory, which a Slurm job's
+        ranks share); ending it FAILED then takes rank 0 one request. Not before the ranks
+        started their logger (rank 0 is then held up in the same collective, its run not asked
+        for), nor when rank 0 is gone. Outside Slurm the local launcher waits for rank 0's
+        ending itself; torchrun's ranks may each have a directory of their own."""
+        if (self.cfg.cluster is None or not self.cfg.tracking.enabled
+                or not self.logger.started or distributed.lost_a_peer(exc)
+                or (self.out / RUN_FILE).exists() or not distributed.main_answers()):
             return
         log.warning("rank %d: waiting up to %.0f s for rank 0 to create the job's MLflow run "
                     "before leaving, so that the run records this failure", self.env.rank,
