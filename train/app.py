@@ -239,7 +239,12 @@ def _run_node_task(typed: TrainConfig, config: dict, output_dir: str,
     _check_without_preflight(typed, node.world_size)  # as every rank of a per-task job does
     # The first node's task holds the job's directory for every rank (they share it).
     with joblock.held(Path(output_dir), holds=node.node_rank == 0):
-        return start_local_ranks(config, output_dir, command, per_node, node)
+        try:
+            return start_local_ranks(config, output_dir, command, per_node, node)
+        finally:  # as each of its ranks (StopSignals): a late time-limit USR2 ends nothing
+            from train.distributed.stopping import ignore_time_limit_warning
+
+            ignore_time_limit_warning()
 
 
 def objective(cfg: TrainConfig, final: dict[str, float]) -> float | None:

@@ -109,6 +109,44 @@ def test_a_rank_stops_when_its_launcher_is_killed(tmp_path: Path) -> None:
     assert report.read_text() == "SIGTERM"
 
 
+LATE_USR2 = """
+import os, signal, sys
+from train.distributed import stopping
+
+def submitits(signum, frame):  # as submitit's handler: a finished job's USR2 fails it
+    raise RuntimeError("Job not requeued because: timed-out too many times.")
+
+signal.signal(signal.SIGUSR2, submitits)
+with stopping.StopSignals(own_process=sys.argv[1] == "own") as stop:
+    pass  # training, done
+os.kill(os.getpid(), signal.SIGUSR2)  # Slurm's time-limit warning, after the work
+rank = os.getpid()
+if os.fork() == 0:  # and again while the rank's interpreter exits, until it is gone
+    os.close(1), os.close(2)
+    while True:
+        try:
+            os.kill(rank, signal.SIGUSR2)
+        except ProcessLookupError:
+            os._exit(0)
+print("finished", flush=True)
+"""
+
+
+def test_a_time_limit_warning_after_the_work_leaves_a_rank_finished(tmp_path: Path) -> None:
+    """A Slurm job that ends within the USR2 lead time of its limit gets the warning after its
+    run FINISHED: a rank in its own process ignores it, through the interpreter's exit too
+    (where Python puts USR2's default action back), so srun does not mark the step FAILED.
+    A one-rank job inside the launching process gets the previous handler back instead."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for _ in range(5):  # the exit's window is short: more than once
+        own = subprocess.run([sys.executable, "-c", LATE_USR2, "own"], env=env, cwd=tmp_path,
+                             capture_output=True, text=True, timeout=60)
+        assert own.returncode == 0 and own.stdout == "finished\n", (own.returncode, own.stderr)
+    shared = subprocess.run([sys.executable, "-c", LATE_USR2, "shared"], env=env,
+                            cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert shared.returncode == 1 and "timed-out too many times" in shared.stderr
+
+
 def test_a_failed_rank_stops_the_others_after_the_grace_period(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Never a hang: rank 0 would sleep for a minute; rank 1 exits with code 3."""

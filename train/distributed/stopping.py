@@ -86,12 +86,26 @@ def _end_on_term_from(rank: int) -> None:
             os._exit(0)  # as torch's own worker handler does for its parent's TERM
 
 
+def ignore_time_limit_warning() -> None:
+    """From here on, the process ignores USR2 (Slurm's time-limit warning): its work is over.
+    SIG_IGN, unlike a Python handler, outlives the interpreter's finalisation."""
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+
+
 class StopSignals:
     """While entered, USR2, TERM, HUP and INT set `received` instead of ending the process; on
-    exit the previous handlers come back (a one-rank job runs inside the launching process)."""
+    exit the previous handlers come back (a one-rank job runs inside the launching process).
 
-    def __init__(self) -> None:
+    `own_process`: a rank in a process of its own ignores USR2 from the exit on. That is Slurm's
+    time-limit warning, and one that comes once the work is over (a job ending within the
+    signal's lead time) has nothing left to save: the handler restored would be submitit's,
+    which fails a finished job ("timed-out too many times"), and Python's finalisation puts
+    back USR2's default action, which ended the ranks by the signal after the run FINISHED
+    (srun then marked the job FAILED)."""
+
+    def __init__(self, own_process: bool = False) -> None:
         self.received: str | None = None
+        self.own_process = own_process
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopSignals:
@@ -108,6 +122,8 @@ class StopSignals:
                  trace: TracebackType | None) -> None:
         for number, handler in self._previous.items():
             signal.signal(number, handler)
+        if self.own_process:
+            ignore_time_limit_warning()
 
     def _note(self, signum: int, _frame: Any) -> None:
         name = signal.Signals(signum).name

@@ -220,7 +220,7 @@ def run_rank(config: dict[str, Any], output_dir: str, command: str, own_process:
         watch.start(out, env.rank, env.world_size)
         watch.use_device_clock(device)  # a GPU's phases on its own clock (time/*)
         drill.check(job.fail_at, 0, env.rank)
-        with StopSignals() as stop:
+        with StopSignals(own_process) as stop:
             final = _train(job, logger, stop, ending)
         # Every rank is done with the group before any takes it down: a rank destroying it
         # while a peer still used it ended that peer in C++'s terminate() at exit (an srun step
