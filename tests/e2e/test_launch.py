@@ -116,18 +116,18 @@ from train.distributed import stopping
 def submitits(signum, frame):  # as submitit's handler: a finished job's USR2 fails it
     raise RuntimeError("Job not requeued because: timed-out too many times.")
 
-signal.signal(signal.SIGUSR2, submitits)
+# Before the rank's own: submitit's handler, or one that does nothing (Python's finalisation
+# then puts back USR2's default action, which ends the process by the signal).
+signal.signal(signal.SIGUSR2, submitits if sys.argv[2] == "submitit" else lambda *_: None)
 with stopping.StopSignals(own_process=sys.argv[1] == "own") as stop:
     pass  # training, done
 os.kill(os.getpid(), signal.SIGUSR2)  # Slurm's time-limit warning, after the work
 rank = os.getpid()
 if os.fork() == 0:  # and again while the rank's interpreter exits, until it is gone
     os.close(1), os.close(2)
-    while True:
-        try:
-            os.kill(rank, signal.SIGUSR2)
-        except ProcessLookupError:
-            os._exit(0)
+    while os.getppid() == rank:  # reparented once the rank has exited
+        os.kill(rank, signal.SIGUSR2)
+    os._exit(0)
 print("finished", flush=True)
 """
 
@@ -138,12 +138,17 @@ def test_a_time_limit_warning_after_the_work_leaves_a_rank_finished(tmp_path: Pa
     (where Python puts USR2's default action back), so srun does not mark the step FAILED.
     A one-rank job inside the launching process gets the previous handler back instead."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    for _ in range(5):  # the exit's window is short: more than once
-        own = subprocess.run([sys.executable, "-c", LATE_USR2, "own"], env=env, cwd=tmp_path,
-                             capture_output=True, text=True, timeout=60)
-        assert own.returncode == 0 and own.stdout == "finished\n", (own.returncode, own.stderr)
-    shared = subprocess.run([sys.executable, "-c", LATE_USR2, "shared"], env=env,
-                            cwd=tmp_path, capture_output=True, text=True, timeout=60)
+
+    def rank(process: str, before: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", LATE_USR2, process, before], env=env,
+                              cwd=tmp_path, capture_output=True, text=True, timeout=60)
+
+    for before in ("submitit", "none"):
+        for _ in range(3):  # the exit's window is short: more than once
+            own = rank("own", before)
+            assert own.returncode == 0 and own.stdout == "finished\n", (before, own.returncode,
+                                                                         own.stderr)
+    shared = rank("shared", "submitit")
     assert shared.returncode == 1 and "timed-out too many times" in shared.stderr
 
 
