@@ -4,9 +4,11 @@ what it imports before the first fork, and its end with the launcher that starte
 Imported by the fork server alone, as its preload (train/launch/local.py, `rank_context`):
 torch, the training code, and torch._dynamo, which DDP's constructor imports in every rank.
 Each spawned rank used to import them anew (~3.5 s of CPU per rank here; eight ranks importing
-at once from a parallel filesystem, seconds more). None of these imports starts a thread or
-initialises CUDA, so forking after them is safe - the fork DataLoader workers have always made
-after `import torch`.
+at once from a parallel filesystem, seconds more). None of these imports initialises CUDA,
+and the one thread they start, numpy's OpenBLAS pool, is shut down by OpenBLAS's own fork
+handler before every fork (and started again at the next BLAS call: checked, one thread left
+in the parent after a fork), so forking after them is safe - the fork DataLoader workers have
+always made after `import torch`.
 
 The server dies with its launcher, even one killed by SIGKILL: the ranks have it as their
 parent, so their death signal (rank_process.end_with) fires when it ends. CPython's own way
