@@ -2,7 +2,7 @@
 subprocess, the real MLflow store read back; and the layout of the tests by kind.
 
 - tests/unit/: in process - no CLI, rank, launcher, server or lock holder started
-  (`make test-fast`, under a minute);
+  (`make test-fast`, aimed at under a minute);
 - tests/e2e/: real processes - `python -m train`, torchrun, spawned ranks, lock holders,
   servers, the browser - and the tests that wait on real stores for long (marked `slow`);
 - tests/cluster/: the local Slurm cluster (marked `slow` and `slurm`; one work unit, one
