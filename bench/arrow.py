@@ -12,6 +12,11 @@ data set opened over one epoch by every process (launcher, ranks, DataLoader wor
 
     python -m bench.arrow                       # the issue's sizes: ~40 min on 2 cores
     python -m bench.arrow --per-class 5000      # 50,000 + 200,000 images: ~15 min
+    python -m bench.arrow --first-step-only --repeats 7   # the base set's first step: ~6 min
+
+--first-step-only: only the base set's --steps-step runs, interleaved: imagefolder, arrow, and
+arrow with each rank importing `datasets` itself (JE_ARROW_MALLOC_CONF set, which keeps the
+ranks' fork server from importing it: train/launch/preload_arrow.py).
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=30, help="steps of the larger set's runs")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--skip-opens", action="store_true", help="no strace runs")
+    p.add_argument("--first-step-only", action="store_true",
+                   help="only the base set's first step (see below)")
     p.add_argument("--opens-only", action="store_true",
                    help="only prepare the sets and count each variant's file opens (strace)")
     p.add_argument("--data", type=Path, help="where the images and shards go (kept)")
@@ -95,10 +102,11 @@ def command(args: argparse.Namespace, variant: str, root: Path, out: Path,
 
 
 def run_one(args: argparse.Namespace, variant: str, root: Path, tmp: Path, name: str,
-            limit: list[str], trace: bool = False) -> tuple[Measurement, int | None]:
+            limit: list[str], trace: bool = False, label: str | None = None,
+            env: dict[str, str] | None = None) -> tuple[Measurement, int | None]:
     out = tmp / f"{variant}-{name}-{len(list(tmp.iterdir()))}"
     out.mkdir(parents=True)
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{out / 'mlflow.db'}"}
+    env = {**os.environ, **(env or {}), "MLFLOW_TRACKING_URI": f"sqlite:///{out / 'mlflow.db'}"}
     cmd = command(args, variant, root, out, limit)
     if trace:
         cmd = ["strace", "-f", "-qq", "-e", "trace=openat", "-o", str(out / "opens"), *cmd]
@@ -110,7 +118,7 @@ def run_one(args: argparse.Namespace, variant: str, root: Path, tmp: Path, name:
                          + (out / "output.log").read_text()[-3000:])
     summary = json.loads((out / "summary.json").read_text())
     rates = [e["samples_per_sec"] for e in summary["by_epoch"]]
-    m = Measurement(variant, 0, cmd, rates[-1], summary["first_step_at"] - started,
+    m = Measurement(label or variant, 0, cmd, rates[-1], summary["first_step_at"] - started,
                     summary["peak_rss_mb"], time.time() - started, {"set": name})
     opens = None
     if trace:  # openat calls of a file of the data set, by any process, that did not fail
@@ -119,11 +127,39 @@ def run_one(args: argparse.Namespace, variant: str, root: Path, tmp: Path, name:
         pattern = re.compile(rf'openat\(.*"{re.escape(str(root))}/[^"]*\.(jpg|arrow)"')
         opens = sum(1 for line in (out / "opens").read_text().splitlines()
                     if pattern.search(line) and "= -1 " not in line)
-    print(f"  {variant:<12} {name:<6} {m.samples_per_sec:8.0f} samples/s  first step "
+    print(f"  {label or variant:<12} {name:<6} {m.samples_per_sec:8.0f} samples/s  first step "
           f"{m.time_to_first_step_s:5.1f} s  peak RSS "
           f"{', '.join(f'{v:.0f}' for v in m.peak_rss_mb)} MB"
           + (f"  data files opened {opens}" if opens is not None else ""), flush=True)
     return m, opens
+
+
+RANKS_IMPORT = {"JE_ARROW_MALLOC_CONF": "background_thread:true"}
+"""Set, the ranks import `datasets` after the fork, as before 2026-12-04 (preload_arrow.py)."""
+
+
+def first_step_only(args: argparse.Namespace, images: Path, shards: Path) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="train-bench-arrow-runs-"))
+    arms = [("imagefolder", images, "imagefolder", None), ("arrow", shards, "arrow", None),
+            ("arrow", shards, "arrow, ranks import datasets", RANKS_IMPORT)]
+    runs = [run_one(args, variant, root, tmp, "base", ["trainer.epochs=1",
+                                                       f"trainer.max_steps={args.steps}"],
+                    label=label, env=env)[0]
+            for _ in range(args.repeats) for variant, root, label, env in arms]
+    found = {label: statistics.median(r.time_to_first_step_s for r in runs if r.variant == label)
+             for _, _, label, _ in arms}
+    print(f"first step, base set, median of {args.repeats}: {found}")
+    write(args, {"first step, base set (s)": found}, runs)
+
+
+def write(args: argparse.Namespace, found: dict[str, object], runs: list[Measurement]) -> None:
+    results = {"date": datetime.now(UTC).isoformat(timespec="seconds"),
+               "machine": machine_info("cpu"), "settings": {k: str(v) for k, v in
+                                                            vars(args).items()},
+               "found": found, "runs": [asdict(r) for r in runs]}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    print(f"results in {args.out}")
 
 
 def main() -> None:
@@ -131,6 +167,8 @@ def main() -> None:
     where = args.data or Path(tempfile.mkdtemp(prefix="train-bench-arrow-"))
     where.mkdir(parents=True, exist_ok=True)
     base_images, base_shards, prepare_rate = make_set(args, where, 1)
+    if args.first_step_only:
+        return first_step_only(args, base_images, base_shards)
     large_images, large_shards, _ = make_set(args, where, args.scale)
     roots = {("imagefolder", "base"): base_images, ("arrow", "base"): base_shards,
              ("imagefolder", "large"): large_images, ("arrow", "large"): large_shards}
@@ -172,13 +210,7 @@ def main() -> None:
                    for n in ("base", "large")}}
     for key, value in found.items():
         print(f"{key}: {value}")
-    results = {"date": datetime.now(UTC).isoformat(timespec="seconds"),
-               "machine": machine_info("cpu"), "settings": {k: str(v) for k, v in
-                                                            vars(args).items()},
-               "found": found, "runs": [asdict(r) for r in runs]}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
-    print(f"results in {args.out}")
+    write(args, found, runs)
 
 
 if __name__ == "__main__":
