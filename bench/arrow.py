@@ -14,9 +14,7 @@ data set opened over one epoch by every process (launcher, ranks, DataLoader wor
     python -m bench.arrow --per-class 5000      # 50,000 + 200,000 images: ~15 min
     python -m bench.arrow --first-step-only --repeats 7   # the base set's first step: ~6 min
 
---first-step-only: only the base set's --steps-step runs, interleaved: imagefolder, arrow, and
-arrow with each rank importing `datasets` itself (JE_ARROW_MALLOC_CONF set, which keeps the
-ranks' fork server from importing it: train/launch/preload_arrow.py).
+--first-step-only: only the base set's --steps-step runs, imagefolder's and arrow's in turn.
 """
 
 from __future__ import annotations
@@ -102,11 +100,10 @@ def command(args: argparse.Namespace, variant: str, root: Path, out: Path,
 
 
 def run_one(args: argparse.Namespace, variant: str, root: Path, tmp: Path, name: str,
-            limit: list[str], trace: bool = False, label: str | None = None,
-            env: dict[str, str] | None = None) -> tuple[Measurement, int | None]:
+            limit: list[str], trace: bool = False) -> tuple[Measurement, int | None]:
     out = tmp / f"{variant}-{name}-{len(list(tmp.iterdir()))}"
     out.mkdir(parents=True)
-    env = {**os.environ, **(env or {}), "MLFLOW_TRACKING_URI": f"sqlite:///{out / 'mlflow.db'}"}
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{out / 'mlflow.db'}"}
     cmd = command(args, variant, root, out, limit)
     if trace:
         cmd = ["strace", "-f", "-qq", "-e", "trace=openat", "-o", str(out / "opens"), *cmd]
@@ -118,7 +115,7 @@ def run_one(args: argparse.Namespace, variant: str, root: Path, tmp: Path, name:
                          + (out / "output.log").read_text()[-3000:])
     summary = json.loads((out / "summary.json").read_text())
     rates = [e["samples_per_sec"] for e in summary["by_epoch"]]
-    m = Measurement(label or variant, 0, cmd, rates[-1], summary["first_step_at"] - started,
+    m = Measurement(variant, 0, cmd, rates[-1], summary["first_step_at"] - started,
                     summary["peak_rss_mb"], time.time() - started, {"set": name})
     opens = None
     if trace:  # openat calls of a file of the data set, by any process, that did not fail
@@ -127,27 +124,21 @@ def run_one(args: argparse.Namespace, variant: str, root: Path, tmp: Path, name:
         pattern = re.compile(rf'openat\(.*"{re.escape(str(root))}/[^"]*\.(jpg|arrow)"')
         opens = sum(1 for line in (out / "opens").read_text().splitlines()
                     if pattern.search(line) and "= -1 " not in line)
-    print(f"  {label or variant:<12} {name:<6} {m.samples_per_sec:8.0f} samples/s  first step "
+    print(f"  {variant:<12} {name:<6} {m.samples_per_sec:8.0f} samples/s  first step "
           f"{m.time_to_first_step_s:5.1f} s  peak RSS "
           f"{', '.join(f'{v:.0f}' for v in m.peak_rss_mb)} MB"
           + (f"  data files opened {opens}" if opens is not None else ""), flush=True)
     return m, opens
 
 
-RANKS_IMPORT = {"JE_ARROW_MALLOC_CONF": "background_thread:true"}
-"""Set, the ranks import `datasets` after the fork, as before 2026-12-04 (preload_arrow.py)."""
-
-
 def first_step_only(args: argparse.Namespace, images: Path, shards: Path) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="train-bench-arrow-runs-"))
-    arms = [("imagefolder", images, "imagefolder", None), ("arrow", shards, "arrow", None),
-            ("arrow", shards, "arrow, ranks import datasets", RANKS_IMPORT)]
+    arms = {"imagefolder": images, "arrow": shards}
     runs = [run_one(args, variant, root, tmp, "base", ["trainer.epochs=1",
-                                                       f"trainer.max_steps={args.steps}"],
-                    label=label, env=env)[0]
-            for _ in range(args.repeats) for variant, root, label, env in arms]
-    found = {label: statistics.median(r.time_to_first_step_s for r in runs if r.variant == label)
-             for _, _, label, _ in arms}
+                                                       f"trainer.max_steps={args.steps}"])[0]
+            for _ in range(args.repeats) for variant, root in arms.items()]
+    found = {variant: statistics.median(r.time_to_first_step_s for r in runs
+                                        if r.variant == variant) for variant in arms}
     print(f"first step, base set, median of {args.repeats}: {found}")
     write(args, {"first step, base set (s)": found}, runs)
 

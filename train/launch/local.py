@@ -187,10 +187,10 @@ def rank_context(data: dict[str, Any] | None = None) -> Any:
 def preloads(data: dict[str, Any]) -> list[str]:
     """What the fork server imports, beyond torch and the training code, for the ranks of a
     job on `data`: torchvision for image transforms (each rank imported it after the fork,
-    0.3-0.5 s) and, for Arrow shards, `datasets` (~1 s; train/launch/preload_arrow.py)."""
-    name = data.get("name")
-    return (["torchvision"] if name in ("imagefolder", "arrow") else []) + (
-        ["train.launch.preload_arrow"] if name == "arrow" else [])
+    0.3-0.5 s). Not `datasets`: importing it starts pyarrow's jemalloc thread, and the
+    server is kept free of threads beyond torch's own; with that thread turned off, the first
+    step came 0.66 s later than with each rank importing it (docs/benchmarks.md, 2026-12-04)."""
+    return ["torchvision"] if data.get("name") in ("imagefolder", "arrow") else []
 
 
 def _start_resource_tracker() -> None:
