@@ -147,7 +147,7 @@ def test_a_directory_written_by_datasets_itself_is_read_with_its_columns(
     columns are named; a column it lacks is named with those it has."""
     import datasets
 
-    from train.data.sources import arrow_source
+    from train.data.arrow_source import arrow_source
 
     jpegs = sorted(write_image_folder(tmp_path / "images", train_per_class=5).rglob("*.jpg"))
     datasets.Dataset.from_dict(

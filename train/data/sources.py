@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -20,80 +18,18 @@ from train.config.groups import DataConfig
 from train.data import batches as batching
 from train.data import imagefolder, userdata
 from train.data.batches import DataDescription
+from train.data.source import Source, first_shape
 from train.data.streaming import (
     ImageFiles,
     Rows,
     StreamedBatches,
-    Unreadable,
-    UnreadableBatchError,
     collate_pairs,
-    collate_readable,
     transforms,
 )
 from train.distributed.env import DistEnv
 from train.errors import ConfigError
 
 log = logging.getLogger("train")
-
-
-@dataclass
-class Source:
-    """A streamed data set's two sides and what the rest of the job needs to know of it."""
-
-    train: Dataset
-    val: Dataset
-    class_names: list[str]
-    input_shape: tuple[int, ...]
-    describe: Callable[[], DataDescription]
-    summary: str
-    collate: Callable[[list[Any]], Any] = collate_readable
-    normalise: dict[str, Any] = field(default_factory=dict)
-    test: Dataset | None = None
-    """The test split (data.test, or imagefolder's test/); None: no test phase."""
-    target_shape: tuple[int, ...] = ()
-    """One sample's target shape (() for a class index or a number)."""
-    vocab_size: int | None = None
-    tokenizer: str | None = None
-    """data=tokens: the vocabulary and the tokenizer (train/data/tokens.py)."""
-    text: tuple[int, int] | None = None
-    """data=arrow with a text column: its tokenizer's vocabulary and padding id (a model's
-    vocab_size and pad_token_id, filled; the task stays the data's)."""
-    sampler: type[DistributedSampler] = DistributedSampler
-    """The training order's sampler (data=tokens: one that keeps it as a tensor)."""
-
-
-def text_encoder(cfg: DataConfig, layout: Any, column: str) -> Any:
-    """data.tokenizer's encoder for a text input column (or a column of words, a target per
-    word: task=token_classification); None for other columns. A text column without a
-    tokenizer is refused, naming the keys."""
-    from train.data import arrow
-    from train.data.tokenize import TextEncoder
-    from train.data.tokens import TokenDataError
-
-    feature = arrow.open_split(layout.splits["train"]).features[column]
-    if not (arrow.is_text(feature) or arrow.is_words(feature)):
-        return None
-    if cfg.tokenizer is None:
-        raise ConfigError(f"data.input_column={column!r} of {cfg.root} holds text: give "
-                          "data.tokenizer=<a tokenizers JSON file, or a directory holding "
-                          "tokenizer.json> (and data.max_length) to turn it into token ids.")
-    try:
-        encoder = TextEncoder(cfg.tokenizer, cfg.max_length, by_words=arrow.is_words(feature))
-    except TokenDataError as e:
-        raise ConfigError(str(e)) from None
-    if encoder.by_words and cfg.tokenize == "map":
-        raise ConfigError(f"data.input_column={column!r} holds words, a target each: they are "
-                          "tokenized in the DataLoader's workers (data.tokenize=workers); "
-                          "data.tokenize=map does not align their targets yet.")
-    return encoder
-
-
-def _first_shape(dataset: Dataset, tries: int = 16) -> tuple[int, ...]:
-    for i in range(min(tries, len(dataset))):  # type: ignore[arg-type]
-        if not isinstance(sample := dataset[i], Unreadable):
-            return tuple(map(int, sample[0].shape))
-    raise UnreadableBatchError(f"none of the first {tries} validation images can be read: "
-                               "check the files under data.root.")
 
 
 def imagefolder_source(cfg: DataConfig) -> Source:
@@ -107,7 +43,7 @@ def imagefolder_source(cfg: DataConfig) -> Source:
         digest.update(parts.train_idx.numpy().tobytes())
     else:
         train, val = files, ImageFiles(layout.val, transforms(cfg, train=False))
-    shape = _first_shape(val)
+    shape = first_shape(val)
     if len(cfg.mean) != shape[0] or len(cfg.std) != shape[0]:
         raise ConfigError(f"data.mean and data.std need {shape[0]} values (one per channel).")
     rows = len(train)  # type: ignore[arg-type]
@@ -219,6 +155,8 @@ def _source(cfg: DataConfig, workers: int, classes: bool) -> Source:
     if cfg.name == "imagefolder":
         return imagefolder_source(cfg)
     if cfg.name == "arrow":
+        from train.data.arrow_source import arrow_source
+
         return arrow_source(cfg, classes)
     if cfg.name == "tokens":
         return tokens_source(cfg)
@@ -250,71 +188,3 @@ def tokens_source(cfg: DataConfig) -> Source:
                           f"validation tokens, vocabulary {meta.vocab_size} ({meta.tokenizer})",
                   vocab_size=meta.vocab_size, tokenizer=meta.tokenizer,
                   sampler=tokens.WindowSampler)
-
-
-def arrow_source(cfg: DataConfig, classes: bool = True) -> Source:
-    """data=arrow (train/data/arrow.py): the set's own validation split where it has one (and
-    then the shard-local training order of data.shuffle=shards), else data.val_fraction of the
-    training split; images decoded and transformed as imagefolder's, other inputs as stored."""
-    import functools
-
-    from train.data import arrow
-    from train.data.arrow_samples import ArrowSamples
-    from train.data.shard_order import ShardWindowSampler
-    from train.data.staging import staged
-
-    layout = arrow.find(staged(cfg.root, cfg.stage_to) if cfg.stage_to else cfg.root)
-    input_column, target_column = arrow.columns(layout, cfg.input_column, cfg.target_column)
-    where = f"{cfg.root} (staged to {layout.root})" if cfg.stage_to else cfg.root
-    encoder, digest, tokenized = text_encoder(cfg, layout, input_column), arrow.digest(layout), ""
-    text = None if encoder is None else (encoder.vocab_size, encoder.pad_id)
-    cfg_tokenizer = None if encoder is None else encoder.file
-    if encoder is not None and cfg.tokenize == "map":  # read as ids, tokenized once per node
-        from train.data import pretokenize
-
-        layout = pretokenize.tokenized(layout, input_column, encoder, cfg.tokenized_to, digest)
-        input_column, encoder, tokenized = pretokenize.COLUMN, None, ", tokenized once per node"
-    whole = ArrowSamples(layout.splits["train"], input_column, target_column,
-                         transforms(cfg, train=True), encoder)
-    images = whole.is_image
-    evaluation = transforms(cfg, train=False) if images else None
-    sampler: Any = DistributedSampler
-    if "val" in layout.splits:
-        train: Dataset = whole
-        val: Dataset = ArrowSamples(layout.splits["val"], input_column, target_column,
-                                    evaluation, encoder)
-        if cfg.shuffle == "shards":
-            sizes = arrow.shard_rows(whole.files)
-            sampler = functools.partial(ShardWindowSampler, shard_sizes=sizes,
-                                        window=cfg.shuffle_window)
-    else:
-        parts = batching.split(len(whole), cfg.val_fraction, cfg.split_seed)
-        train, val = Rows(whole, parts.train_idx), Rows(whole.with_transform(evaluation),
-                                                        parts.val_idx)
-    test = (ArrowSamples(layout.splits["test"], input_column, target_column, evaluation,
-                         encoder) if "test" in layout.splits else None)
-    names = arrow.class_names(whole.data, target_column) if classes else None
-    if classes and names is None:
-        raise ConfigError(f"data=arrow: column {target_column!r} of {cfg.root} holds no class "
-                          "indices (a ClassLabel or integers): choose data.target_column, or a "
-                          "task for its targets (task=regression).")
-    sample = val[0] if not images else (_first_shape(val), None)
-    shape = tuple(map(int, sample[0].shape)) if not images else sample[0]
-    target_shape = () if images else tuple(np.shape(sample[1]))
-    rows = len(train)  # type: ignore[arg-type]
-
-    def describe() -> DataDescription:
-        return DataDescription(digest=digest, num_rows=rows, features_shape=[rows, *shape],
-                               features_dtype="uint8" if images else str(sample[0].dtype)
-                               .removeprefix("torch."))
-
-    normalise = ({"mean": torch.tensor(cfg.mean).view(1, -1, 1, 1),
-                  "std": torch.tensor(cfg.std).view(1, -1, 1, 1), "scale": 255.0}
-                 if images else {})
-    return Source(train, val, names or [], shape, describe, test=test, normalise=normalise,
-                  collate=collate_readable if images else collate_pairs,
-                  target_shape=target_shape, sampler=sampler,
-                  text=text, tokenizer=None if text is None else cfg_tokenizer,
-                  summary=f"arrow {where}: {rows} training, {len(val)} validation samples "
-                          f"({input_column!r} -> {target_column!r}; shuffle={cfg.shuffle}"
-                          f"{tokenized})")

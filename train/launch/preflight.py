@@ -165,7 +165,7 @@ def check_data(cfg: TrainConfig) -> int | None:
         except arrow.ArrowDataError as e:
             raise LaunchError(str(e)) from None
         if arrow.holds_text(layout, column):  # its tokenizer, loaded (this imports torch)
-            from train.data.sources import text_encoder
+            from train.data.arrow_source import text_encoder
 
             check_text_data(cfg, layout, text_encoder(cfg.data, layout, column), target)
         return None
