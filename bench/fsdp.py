@@ -63,7 +63,7 @@ def _rank(rank: int, strategy: str, args: argparse.Namespace, folder: str, out: 
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from train.engine import fsdp
+    from train.engine import fsdp, fsdp_init
     from train.engine.state import TrainState
     from train.models.gpt import GPT
 
@@ -75,7 +75,7 @@ def _rank(rank: int, strategy: str, args: argparse.Namespace, folder: str, out: 
     n_params = sum(p.numel() for p in module.parameters())
     if strategy == "fsdp":
         model = fsdp.shard(module, _cfg(strategy), torch.device("cpu"))
-        fsdp.materialise(module, torch.device("cpu"))
+        fsdp_init.materialise(module, torch.device("cpu"))
     else:
         model = DDP(module)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)

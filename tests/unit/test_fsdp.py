@@ -46,7 +46,7 @@ def test_auto_builds_whole_where_the_model_fits_else_shard_by_shard(
     import torch
 
     from tests.conftest import typed
-    from train.engine import fsdp
+    from train.engine import fsdp, fsdp_init
     from train.models.build import InputSpec
 
     spec = InputSpec.of((1, 8, 8), 10)
@@ -62,13 +62,14 @@ def test_auto_builds_whole_where_the_model_fits_else_shard_by_shard(
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     auto = typed(*SMALL, "distributed.strategy=fsdp")
     available(2 * 4 * model_bytes * 1.01)
-    assert fsdp.init_place(auto, spec, cpu) == "cpu"
+    assert fsdp_init.init_place(auto, spec, cpu) == "cpu"
     available(2 * 4 * model_bytes * 0.99)  # four whole copies would take over half of it
     with caplog.at_level("WARNING", "train"):
-        assert fsdp.init_place(auto, spec, cpu) == "meta"
+        assert fsdp_init.init_place(auto, spec, cpu) == "meta"
     assert "initial weights differ from a DDP job's" in caplog.text
-    assert fsdp.init_place(typed(*SMALL, "distributed.strategy=fsdp",
-                                 "model.weights=/some/weights.pt"), spec, cpu) == "cpu"
+    assert fsdp_init.init_place(typed(*SMALL, "distributed.strategy=fsdp",
+                                      "model.weights=/some/weights.pt"), spec, cpu) == "cpu"
     for chosen in ("cpu", "meta"):
-        assert fsdp.init_place(typed(*SMALL, "distributed.strategy=fsdp",
-                                     f"distributed.fsdp.init_on={chosen}"), spec, cpu) == chosen
+        assert fsdp_init.init_place(typed(*SMALL, "distributed.strategy=fsdp",
+                                          f"distributed.fsdp.init_on={chosen}"),
+                                    spec, cpu) == chosen

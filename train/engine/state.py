@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from train.config.groups import TrainConfig
 from train.distributed import devices
-from train.engine import fsdp, optim, recompute
+from train.engine import fsdp, fsdp_init, optim, recompute
 from train.engine.ema import Ema
 from train.engine.monitor import direction
 from train.errors import ConfigError
@@ -162,12 +162,13 @@ def _build_sharded(cfg: TrainConfig, spec: models.InputSpec, steps_per_epoch: in
     then allocated and initialised (meta). FSDP moves each block to the device as it shards
     it, so a model built whole in host memory is never whole on the GPU. The optimiser is built
     on the sharded parameters, so its state is sharded too."""
-    place = fsdp.init_place(cfg, spec, device)
+    place = fsdp_init.init_place(cfg, spec, device)
     if place == "meta":
         with torch.device("meta"):
             module = models.build(cfg.model, spec)
-        refusal = (fsdp.meta_refusal(cfg, module) if cfg.distributed.fsdp.init_on == "meta"
-                   else fsdp.meta_refusal_of_auto(cfg, module))
+        refusal = (fsdp_init.meta_refusal(cfg, module)
+                   if cfg.distributed.fsdp.init_on == "meta"
+                   else fsdp_init.meta_refusal_of_auto(cfg, module))
         if refusal:
             raise ConfigError(refusal)
     else:
@@ -178,7 +179,7 @@ def _build_sharded(cfg: TrainConfig, spec: models.InputSpec, steps_per_epoch: in
                     list(cfg.distributed.fsdp.shard_modules))
     module = fsdp.shard(module, cfg, device)
     if place == "meta":
-        fsdp.materialise(module, device, cfg.distributed.fsdp.cpu_offload)
+        fsdp_init.materialise(module, device, cfg.distributed.fsdp.cpu_offload)
     if cfg.trainer.compile:
         log.info("trainer.compile under FSDP2: %s compiled", fsdp.compile_sharded(module, cfg))
     state = _with_optimiser(cfg, module, module, steps_per_epoch, device)

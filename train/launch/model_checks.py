@@ -224,9 +224,9 @@ def check_on_meta(cfg: TrainConfig, model: object) -> None:
                                 list(cfg.distributed.fsdp.shard_modules))
     if cfg.distributed.strategy != "fsdp":
         return
-    from train.engine import fsdp
+    from train.engine import fsdp_init
 
-    if refusal := fsdp.meta_refusal(cfg, model):  # type: ignore[arg-type]
+    if refusal := fsdp_init.meta_refusal(cfg, model):  # type: ignore[arg-type]
         raise ConfigError(refusal)
 
 
