@@ -15,6 +15,10 @@ world size, as for every streamed set (train/data/sources.py):
   instead of seeking all over the data set; `global` is one permutation of every sample;
 - nothing is written beside the data or to ~/.cache: the directory may be read-only and shared
   by every job on a node (data.stage_to copies it to node-local disk: train/data/staging.py);
+- data.root may name a Hub data set (`owner/name[:config]`) that `load_dataset` left in the
+  local `datasets` cache on a machine that reaches the Hub - compute nodes never do (python -m
+  train sets HF_HUB_OFFLINE unless the user did): its cache directory is read as any other
+  (`hub_cache`);
 - `check` (pre-flight, before any rank starts): the files the set names are there, whole, and -
   where prepare-data wrote a manifest - of the recorded sizes, a sample of them with the
   recorded checksums. `digest` names the data (the manifest's checksums) for the run and resume.
@@ -25,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +44,8 @@ SPLITS = {"train": ("train",), "val": ("validation", "val", "valid"), "test": ("
 CHECKED_SHARDS = 3
 """Shards whose sha256 pre-flight compares with the manifest (the first, the last, one between):
 reading every shard of a large set would cost minutes on a parallel filesystem."""
+HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?(:[\w.-]+)?$")
+"""`name`, `owner/name`, either with `:config`: a data set of the Hub as `datasets` names it."""
 
 
 class ArrowDataError(TrainError, ValueError):
@@ -72,8 +79,6 @@ def find(root: str | Path) -> Layout:
     found in the local cache (hub_cache)."""
     root = Path(root)
     if not root.is_dir():
-        from train.data.hubcache import HUB_NAME, hub_cache
-
         if not HUB_NAME.match(str(root)):
             raise ArrowDataError(f"data=arrow data.root={root}: no such directory.")
         root = hub_cache(str(root))
@@ -96,6 +101,27 @@ def find(root: str | Path) -> Layout:
         raise ArrowDataError(f"data=arrow data.root={root}: no training split (train) among "
                              f"{sorted(p.name for p in found.values())}.")
     return Layout(root, found, manifest)
+
+
+def hub_cache(name: str) -> Path:
+    """The directory of the local `datasets` cache ($HF_DATASETS_CACHE) that holds the Hub data
+    set `name` (`owner/name[:config]`), as `load_dataset` offline finds it - never downloaded
+    (python -m train sets HF_HUB_OFFLINE unless the user did)."""
+    import datasets
+
+    path, _, config = name.partition(":")
+    try:
+        builder = datasets.load_dataset_builder(path, config or None)
+    except (ConnectionError, ValueError, FileNotFoundError) as e:
+        raise ArrowDataError(f"data=arrow data.root={name}: neither a directory nor a data set "
+                             f"in the local datasets cache ({datasets.config.HF_DATASETS_CACHE}"
+                             f"): {str(e).splitlines()[0]} - load it once where the Hub can be "
+                             "reached (datasets.load_dataset), or give a directory.") from None
+    folder = Path(builder.cache_dir)
+    if not list(folder.glob("*.arrow")):
+        raise ArrowDataError(f"data=arrow data.root={name}: the datasets cache has no Arrow "
+                             f"files for it ({folder}): load it once with datasets.load_dataset.")
+    return folder
 
 
 def shard_files(split: Path) -> list[Path]:
