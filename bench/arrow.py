@@ -159,7 +159,8 @@ def main() -> None:
     where.mkdir(parents=True, exist_ok=True)
     base_images, base_shards, prepare_rate = make_set(args, where, 1)
     if args.first_step_only:
-        return first_step_only(args, base_images, base_shards)
+        first_step_only(args, base_images, base_shards)
+        return
     large_images, large_shards, _ = make_set(args, where, args.scale)
     roots = {("imagefolder", "base"): base_images, ("arrow", "base"): base_shards,
              ("imagefolder", "large"): large_images, ("arrow", "large"): large_shards}

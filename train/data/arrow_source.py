@@ -66,7 +66,7 @@ def arrow_source(cfg: DataConfig, classes: bool = True) -> Source:
     whole = ArrowSamples(layout.splits["train"], input_column, target_column,
                          transforms(cfg, train=True), encoder)
     images = whole.is_image
-    train, val, test, sampler = _splits(cfg, layout, whole, encoder)
+    train, val, test, sampler = _splits(cfg, layout, whole)
     names = arrow.class_names(whole.data, target_column) if classes else None
     if classes and names is None:
         raise ConfigError(f"data=arrow: column {target_column!r} of {cfg.root} holds no class "
@@ -93,20 +93,20 @@ def arrow_source(cfg: DataConfig, classes: bool = True) -> Source:
                           f"{tokenized})")
 
 
-def _splits(cfg: DataConfig, layout: arrow.Layout, whole: ArrowSamples, encoder: Any,
+def _splits(cfg: DataConfig, layout: arrow.Layout, whole: ArrowSamples,
             ) -> tuple[Dataset, Dataset, Dataset | None, Any]:
     """Training, validation and test samples (None: no test split), and the training order's
     sampler: the set's own validation split where it has one, else data.val_fraction of the
     training split, which then keeps DistributedSampler's global order."""
     evaluation = transforms(cfg, train=False) if whole.is_image else None
     columns = whole.input_column, whole.target_column
-    test = (ArrowSamples(layout.splits["test"], *columns, evaluation, encoder)
+    test = (ArrowSamples(layout.splits["test"], *columns, evaluation, whole.encoder)
             if "test" in layout.splits else None)
     if "val" not in layout.splits:
         parts = batching.split(len(whole), cfg.val_fraction, cfg.split_seed)
         return (Rows(whole, parts.train_idx),
                 Rows(whole.with_transform(evaluation), parts.val_idx), test, DistributedSampler)
-    val = ArrowSamples(layout.splits["val"], *columns, evaluation, encoder)
+    val = ArrowSamples(layout.splits["val"], *columns, evaluation, whole.encoder)
     sampler: Any = DistributedSampler
     if cfg.shuffle == "shards":
         sampler = functools.partial(ShardWindowSampler, shard_sizes=arrow.shard_rows(whole.files),
