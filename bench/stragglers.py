@@ -14,7 +14,7 @@ import json
 import os
 import time
 
-from train.distributed import watch
+from train.distributed import phase
 from train.engine.stragglers import Stragglers
 from train.report.breakdown import Breakdown, phase_seconds
 
@@ -22,9 +22,9 @@ from train.report.breakdown import Breakdown, phase_seconds
 def per_step(check: Stragglers | None, ranks: int, steps: int) -> float:
     started = time.perf_counter()
     for step in range(steps):
-        watch.enter("data")
-        watch.enter("forward")
-        watch.enter("optimizer", step)
+        phase.enter("data")
+        phase.enter("forward")
+        phase.enter("optimizer", step)
         if check is not None:
             mine = check.mine()
             check.judge([mine] * ranks, step)
@@ -36,11 +36,11 @@ def per_step_breakdown(ranks: int, steps: int) -> float:
     breakdown = Breakdown()
     started = time.perf_counter()
     for step in range(steps):
-        watch.enter("data")
-        watch.enter("forward")
-        watch.enter("optimizer", step)
-        watch.enter("collective")
-        row = phase_seconds(watch.take_spent())
+        phase.enter("data")
+        phase.enter("forward")
+        phase.enter("optimizer", step)
+        phase.enter("collective")
+        row = phase_seconds(phase.take_spent())
         breakdown.interval([row] * ranks, 1)
     return (time.perf_counter() - started) / steps
 

@@ -8,6 +8,7 @@ import faulthandler
 import importlib
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -19,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from train.distributed import rankfiles, stacks, watch
+from train.distributed import phase, rankfiles, stacks
 from train.launch.local import RankOutcome, root_cause
 from train.launch.outcomes import failure_block, root_trace
 
@@ -78,9 +79,9 @@ def test_the_heartbeat_costs_about_a_microsecond_a_step() -> None:
     def one_round(steps: int = 20_000) -> float:
         started = time.perf_counter()
         for step in range(steps):
-            watch.enter("data")
-            watch.enter("forward")
-            watch.enter("optimizer", step)
+            phase.enter("data")
+            phase.enter("forward")
+            phase.enter("optimizer", step)
         return (time.perf_counter() - started) / steps
 
     per_step = min(one_round() for _ in range(7))
@@ -312,7 +313,8 @@ def test_a_child_that_cannot_answer_is_named_with_its_kernel_state(tmp_path: Pat
         == "no Python frame"
 
 
-def _stuck_before_worker_init(lock: threading.Lock) -> None:
+def _stuck_before_worker_init(lock: threading.Lock, ready: int) -> None:
+    os.write(ready, b"1")  # the test asks for stacks only once the child is here
     lock.acquire()  # held by the parent: as a lock another thread held at the fork
 
 
@@ -331,6 +333,7 @@ def test_a_worker_stuck_before_its_init_is_named_with_its_line(tmp_path: Path) -
     held = threading.Lock()
     held.acquire()
     children: list[int] = []
+    ready_r, ready_w = os.pipe()
     workers.follow_forks(owner)  # type: ignore[arg-type]
     try:
         for worker in (None, 3):
@@ -339,13 +342,19 @@ def test_a_worker_stuck_before_its_init_is_named_with_its_line(tmp_path: Path) -
                 try:
                     if worker is not None:
                         workers.in_worker(worker, owner)  # type: ignore[arg-type]
-                    _stuck_before_worker_init(held)
+                    _stuck_before_worker_init(held, ready_w)
                 finally:
                     os._exit(0)
             children.append(pid)
     finally:
         workers.follow_forks(None)
     try:
+        os.close(ready_w)
+        waiting = b""  # both children at their lock, within a deadline
+        while len(waiting) < len(children) and select.select([ready_r], [], [], 30)[0]:
+            waiting += os.read(ready_r, 2) or b"!"
+        os.close(ready_r)
+        assert waiting == b"1" * len(children), waiting
         names = {workers.UNKNOWN_WORKER: children[0], 3: children[1]}
         dumps = {n: rankfiles.worker_dump_path(tmp_path, 0, f"{n}.{pid}")
                  for n, pid in names.items()}

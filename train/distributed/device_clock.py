@@ -1,5 +1,5 @@
 """Where a GPU rank's time goes, on the device's own clock: a CUDA event at each change of
-phase (train/distributed/watch.py `enter`), read back only where the rank waits for the device
+phase (train/distributed/phase.py `enter`), read back only where the rank waits for the device
 anyway (a logging step).
 
 On a GPU the host runs ahead of the device: it queues forward's and backward's kernels and

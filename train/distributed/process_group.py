@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from train.distributed import devices, stacks, watch
+from train.distributed import devices, phase, stacks, watch
 from train.distributed.env import DistEnv
 
 _FAILURE_KEY = "train/first_failure"
@@ -50,7 +50,7 @@ def shutdown() -> None:
 
 def gather_to_main(obj: Any) -> list[Any] | None:
     """Every rank's `obj` on rank 0 (in rank order); None on the other ranks."""
-    watch.enter("collective")
+    phase.enter("collective")
     rank = dist.get_rank()
     out: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(obj, out, dst=0)
@@ -59,7 +59,7 @@ def gather_to_main(obj: Any) -> list[Any] | None:
 
 def gather_to_all(obj: Any) -> list[Any]:
     """Every rank's `obj` on every rank (in rank order)."""
-    watch.enter("collective")
+    phase.enter("collective")
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
@@ -164,13 +164,13 @@ def _silent_ranks(env: DistEnv, exc: BaseException, silent: list[int],
 
 
 def barrier() -> None:
-    watch.enter("collective")
+    phase.enter("collective")
     dist.barrier()
 
 
 def any_rank(flag: bool) -> bool:
     """True on every rank if `flag` is true on any (one small collective)."""
-    watch.enter("collective")
+    phase.enter("collective")
     value = devices.collective_tensor(torch.tensor([1 if flag else 0], dtype=torch.int64),
                                       dist.get_backend())
     dist.all_reduce(value, op=dist.ReduceOp.MAX)

@@ -1,9 +1,8 @@
 """Where each rank is while it runs, and its stacks on request: what names a stuck rank.
 
-- The heartbeat: the loop marks the phase it enters (`enter("data")`, ...) and the step; that
-  is two attribute writes and a clock read, no file and no host sync. A watchdog thread writes
-  it to `<output dir>/ranks/rank-<N>.json` when it changed (at most every POLL_S), which
-  `python -m train status` reads from the login node.
+- The heartbeat: the loop marks the phase it enters and the step (phase.py: no file, no host
+  sync). A watchdog thread writes it to `<output dir>/ranks/rank-<N>.json` when it changed (at
+  most every POLL_S), which `python -m train status` reads from the login node.
 - Stacks without ptrace: the watchdog dumps every thread's Python stack with faulthandler (it
   works while the main thread sleeps or waits in C) into `stacks/rank-<N>.txt` when a rank asks
   through the job's store (`request_stacks`, after a collective timed out), and into
@@ -27,12 +26,11 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TextIO
 
-from train.distributed import stacks, wakeup, workers
+from train.distributed import phase, stacks, wakeup, workers
 from train.distributed.rankfiles import (
     POLL_S,
     RANKS_DIR,
@@ -57,82 +55,7 @@ _DONE_KEY = "train/stacks/done/"
 _WAITED_KEY = "train/waited/"
 
 
-@dataclass
-class Beat:
-    """This rank's place: the step and the phase it is in, and since when (time.time())."""
-
-    step: int = 0
-    phase: str = "start"
-    since: float = field(default_factory=time.time)
-    data_share: float | None = None
-    """The share of the last logging interval this rank waited for data (None before one)."""
-
-
-_beat = Beat()
 _watch: Watch | None = None
-_spent: dict[str, float] = {}
-_clock: Any = None
-"""A GPU rank's DeviceClock (`use_device_clock`): `take_spent` then reads the device's time."""
-
-
-def enter(phase: str, step: int | None = None) -> None:
-    """The rank enters `phase` (data, forward, backward, optimizer, collective, validation,
-    checkpoint, ...), and the time spent in the one it leaves is added up (`take_spent`):
-    cheap enough for every step (well under a microsecond)."""
-    beat = _beat
-    if phase != beat.phase:
-        now = time.time()
-        _spent[beat.phase] = _spent.get(beat.phase, 0.0) + now - beat.since
-        beat.phase, beat.since = phase, now
-        if _clock is not None:
-            _clock.mark(phase)
-    if step is not None:
-        beat.step = step
-
-
-def note_data_share(share: float) -> None:
-    """At a logging step: the share of the interval this rank waited for data, which its next
-    heartbeat carries (`train status`)."""
-    _beat.data_share = share
-
-
-def reading(batches: Iterable[Any]) -> Iterator[Any]:
-    """The batches, the rank in phase "data" while the next is read, "forward" after."""
-    iterator = iter(batches)
-    while True:
-        enter("data")
-        try:
-            batch = next(iterator)
-        except StopIteration:
-            return
-        enter("forward")
-        yield batch
-
-
-def take_spent() -> dict[str, float]:
-    """Seconds spent in each phase since the last call (the breakdown's, the straggler
-    check's): the host's clock, or on a GPU rank the device's (device_clock.py), which waits
-    for the device's queue - only where the rank is about to wait for it anyway."""
-    spent = dict(_spent)
-    _spent.clear()
-    return _clock.take() if _clock is not None else spent
-
-
-def forget_spent() -> None:
-    """Start the next take_spent from here, without waiting for the device."""
-    _spent.clear()
-    if _clock is not None:
-        _clock.forget()
-
-
-def use_device_clock(device: Any) -> None:
-    """Time this rank's phases on its device where it is a GPU (CUDA events), else the host."""
-    global _clock
-    _clock = None
-    if getattr(device, "type", None) == "cuda":
-        from train.distributed.device_clock import DeviceClock  # torch: not at import
-
-        _clock = DeviceClock(device, _beat.phase)
 
 
 def all_gone(ranks: Iterable[int]) -> bool:
@@ -173,7 +96,7 @@ class Watch:
         workers.follow_forks(self)
 
     def beat(self) -> dict[str, Any]:
-        b = _beat
+        b = phase.beat
         return {"rank": self.rank, "host": self.host, "pid": self.pid, "step": b.step,
                 "phase": b.phase, "since": b.since, "data_share": b.data_share,
                 "written": time.time(),
@@ -215,7 +138,7 @@ class Watch:
                 with self._answering:  # every thread's stack, taken with the GIL held
                     faulthandler.dump_traceback(self._dump, all_threads=True)
                     self._dump.flush()
-            b = _beat
+            b = phase.beat
             now_state = (b.step, b.phase, b.since)
             if now_state != written or time.monotonic() - last > REFRESH_S:
                 with contextlib.suppress(OSError):
@@ -258,8 +181,8 @@ def start(out: Path, rank: int, world_size: int) -> Watch:
 
 
 def stop() -> None:
-    global _watch, _clock
-    _clock = None
+    global _watch
+    phase.use_host_clock()
     if _watch is not None:
         _watch.close()
         _watch = None

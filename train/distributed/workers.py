@@ -75,6 +75,9 @@ def in_worker(worker_id: int, own: Owner | None) -> None:
 
 UNKNOWN_WORKER = "?"
 """A child's number until its worker_init_fn names it (write_stacks shows it as is)."""
+ANSWER_S = 4 * POLL_S
+"""How long a rank waits for its asked workers' dumps (a stuck worker answers in C at once;
+one starved of the CPU later)."""
 
 
 def _worker_path(own: Owner, worker: int | str) -> Path:
@@ -126,10 +129,22 @@ def stacks_of_workers(out: Path, rank: int) -> dict[Path, str]:
             asked[path] = path.stat().st_size
             with contextlib.suppress(OSError):
                 os.kill(pid, STACKS_SIGNAL)
-    if asked:
-        time.sleep(POLL_S)  # faulthandler answers in C at once
+    _wait_for_answers(asked)
     return {path: path.read_bytes()[size:].decode(errors="replace")
             for path, size in asked.items()}
+
+
+def _wait_for_answers(asked: dict[Path, int]) -> None:
+    """Until every asked dump grew and stopped growing (faulthandler answers in C at once, in
+    several writes), or ANSWER_S: a worker on a loaded machine may not run for a while."""
+    deadline = time.monotonic() + ANSWER_S
+    last: dict[Path, int] = {}
+    while asked and time.monotonic() < deadline:
+        time.sleep(0.05)
+        sizes = {path: path.stat().st_size if path.exists() else -1 for path in asked}
+        if sizes == last and all(sizes[path] > size for path, size in asked.items()):
+            return
+        last = sizes
 
 
 def write_stacks(f: TextIO, out: Path, rank: int) -> None:

@@ -95,10 +95,10 @@ class Checkpointer:
     def save(self, train: TrainState, totals: Totals | None, batch_in_epoch: int) -> None:
         """Collective: call it on every rank at the same point. Under FSDP every rank writes its
         shards (engine/sharded.py) and rank 0 the rest; otherwise rank 0 writes one file."""
+        from train.distributed import phase
         from train.distributed import process_group as distributed
-        from train.distributed import watch
 
-        watch.enter("checkpoint")
+        phase.enter("checkpoint")
         self.finish()  # the one being written in the background, if any: whole first
         shards = fsdp.is_sharded(train.module)
         weights, optimiser = ({}, {}) if shards else whole_state(train)

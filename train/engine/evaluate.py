@@ -25,7 +25,7 @@ from torch import nn
 from train.config.groups import TrainConfig
 from train.data import build as data_lib
 from train.data.batches import Batches
-from train.distributed import watch
+from train.distributed import phase
 from train.engine import evaluation, fsdp, sharded
 from train.engine import state as train_state
 from train.engine.prepare import Job, set_up_task
@@ -102,7 +102,7 @@ def load_run_model(job: Job, split: str | None) -> Loaded:
     if cfg.eval.run_id is None or cfg.eval.checkpoint is None:  # as pre-flight refuses it
         raise ConfigError(str(cfg.eval.problem()))
     task = tasks.build(cfg.task)
-    watch.enter("data")
+    phase.enter("data")
     bundle = data_lib.build(cfg.data, env, device, cfg.trainer.seed,
                             channels_last=cfg.trainer.channels_last,
                             classes=getattr(task, "class_targets", False))
@@ -113,7 +113,7 @@ def load_run_model(job: Job, split: str | None) -> Loaded:
     if batches is None and split is not None:
         raise ConfigError(f"data={cfg.data.name} has no test split: use the val split "
                           f"({cfg.eval.purpose}.split=val), or give a data set with one.")
-    watch.enter("model")
+    phase.enter("model")
     torch.manual_seed(cfg.trainer.seed)
     state = train_state.build(cfg, spec, 1, device, resuming=True)
     epoch = load_weights(state.module, Path(cfg.eval.checkpoint))

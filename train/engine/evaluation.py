@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from train.data.build import Batches
-from train.distributed import watch
+from train.distributed import phase
 from train.engine import fsdp
 from train.models.build import logits_of
 from train.report import metrics
@@ -48,7 +48,7 @@ def evaluate(model: nn.Module, batches: Batches, device: torch.device, precision
     with fewer batches runs forwards on it until it has run as many as the rank with the most;
     their outputs are dropped, so the sums stay exact."""
     model.eval()
-    watch.enter("validation")
+    phase.enter("validation")
     totals = metrics.Totals(device, task.layout(detailed))
     # One model on every rank: rank 0's BatchNorm statistics, which its checkpoints and final
     # weights hold (each rank's own moved with its last training batch, under DDP as well).

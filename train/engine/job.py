@@ -34,7 +34,7 @@ from train.config.schema import to_typed
 from train.data import build as data_lib
 from train.data import shard_guard
 from train.distributed import env as distenv
-from train.distributed import host_memory, watch
+from train.distributed import host_memory, phase, watch
 from train.distributed import process_group as distributed
 from train.distributed.stopping import Preempted, StopSignals
 from train.engine import checkpoint_folder, drill, evaluation, fsdp, loop, profiling
@@ -218,7 +218,7 @@ def run_rank(config: dict[str, Any], output_dir: str, command: str, own_process:
     try:  # from the process group on: a job that fails in it has ended too (sweep, below)
         distributed.init(env, backend, device, cfg.distributed.timeout_s)
         watch.start(out, env.rank, env.world_size)
-        watch.use_device_clock(device)  # a GPU's phases on its own clock (time/*)
+        phase.use_device_clock(device)  # a GPU's phases on its own clock (time/*)
         drill.check(job.fail_at, 0, env.rank)
         with StopSignals(own_process) as stop:
             final = _train(job, logger, stop, ending)

@@ -19,8 +19,8 @@ from torch import nn
 
 from train.config.groups import TrainConfig
 from train.data.build import SHARDED, Batches, DataBundle
+from train.distributed import phase
 from train.distributed import process_group as distributed
-from train.distributed import watch
 from train.distributed.stopping import StopSignals
 from train.engine import drill, ema, fsdp, optim
 from train.engine.checkpoint import Checkpointer
@@ -104,7 +104,7 @@ def _micro_step(cfg: TrainConfig, state: TrainState, inputs: Any, target: Any,
         if task.fixed_items:
             per_sample = int(sums["items"]) / max(1, int(sums["samples"]))
             loss = loss / (step_samples * per_sample)
-        watch.enter("backward")
+        phase.enter("backward")
         state.scaler.scale(loss).backward()
     return output, sums
 
@@ -116,14 +116,14 @@ def _optimiser_step(cfg: TrainConfig, state: TrainState, items: torch.Tensor | N
     small all-reduce, no host sync), unscale (fp16) and clip it, step, and advance
     `state.step` and the LR schedule where it steps per optimiser step (the built-in one;
     optim.scheduler_interval=step)."""
-    watch.enter("optimizer")
+    phase.enter("optimizer")
     if items is not None:
         # On the job's device, not the parameters' (in host memory with cpu_offload): nccl
         # reduces only GPU tensors.
         everywhere = torch.as_tensor(items, dtype=torch.float64, device=device).clone()
-        watch.enter("collective")
+        phase.enter("collective")
         torch.distributed.all_reduce(everywhere)
-        watch.enter("optimizer")
+        phase.enter("optimizer")
         # DDP averaged the ranks' summed gradients: times the world size, over every item.
         scale = (torch.distributed.get_world_size() / everywhere.clamp_min(1)).float()
         # FSDP: this rank's shards (offloaded: on the host). One foreach kernel per device and
@@ -145,7 +145,7 @@ def _optimiser_step(cfg: TrainConfig, state: TrainState, items: torch.Tensor | N
     state.step += 1
     if state.ema is not None:
         state.ema.update(state.step)
-    watch.enter("optimizer", state.step)
+    phase.enter("optimizer", state.step)
 
 
 def _log_step(state: TrainState, duties: Duties, totals: metrics.Totals, step_loss: torch.Tensor,
@@ -153,14 +153,14 @@ def _log_step(state: TrainState, duties: Duties, totals: metrics.Totals, step_lo
     """A logging step, the only one that waits for the device: the step loss, where the
     interval's `steps` steps spent their time (train/report/breakdown.py), fp16's scaler, and a
     checkpoint (then a stop) if any rank asks for one."""
-    watch.enter("collective")  # the interval's last phase ends here: it counts in take_spent
-    phases = breakdown.phase_seconds(watch.take_spent())
+    phase.enter("collective")  # the interval's last phase ends here: it counts in take_spent
+    phases = breakdown.phase_seconds(phase.take_spent())
     sync = metrics.sync_step(step_loss, step_time_s, duties.stop.received is not None,
                              duties.checkpointer.interval_due(), phases)
     if duties.stragglers is not None:  # every rank judges alike; rank 0 speaks
         duties.stragglers.judge([duties.stragglers.own_work(row) for row in sync.shared],
                                 state.step)
-    watch.note_data_share(breakdown.share(phases, "data"))  # `train status` shows it
+    phase.note_data_share(breakdown.share(phases, "data"))  # `train status` shows it
     _check_finite(sync.mean_loss, duties.rank, state.step, "train/step_loss (mean over ranks)")
     # The clipped step's norm, read only here (a host sync; under FSDP a collective, every
     # rank logs at the same steps).
@@ -190,15 +190,15 @@ def train_epoch(cfg: TrainConfig, state: TrainState, batches: Batches, device: t
     batches.set_epoch(state.epoch, start_batch=skip)
     every, k = cfg.trainer.log_every_n_steps, cfg.trainer.accumulate_grad_batches
     count = len(batches)
-    watch.enter("data")  # ends what came before (validation, a checkpoint, the set-up) ...
-    watch.forget_spent()  # ... which the breakdown's first interval must not hold
+    phase.enter("data")  # ends what came before (validation, a checkpoint, the set-up) ...
+    phase.forget_spent()  # ... which the breakdown's first interval must not hold
     if duties.profiler is not None:
         duties.profiler.epoch_begins()
     window_start, window_steps = time.perf_counter(), 0
     step_losses: list[torch.Tensor] = []
     step_items: Any = 0
     logs = False
-    for index, (inputs, target) in enumerate(watch.reading(duties.logger.progress(batches,
+    for index, (inputs, target) in enumerate(phase.reading(duties.logger.progress(batches,
                                                                             state.epoch)),
                                              start=skip):
         first, end = index - index % k, min(index - index % k + k, count)
@@ -221,7 +221,7 @@ def train_epoch(cfg: TrainConfig, state: TrainState, batches: Batches, device: t
         if duties.profiler is not None:
             duties.profiler.step()
         if state.step == 1:
-            watch.enter("tracking")  # rank 0 starts its MLflow sender: not the optimiser's
+            phase.enter("tracking")  # rank 0 starts its MLflow sender: not the optimiser's
             duties.logger.first_step()
         drill.check(duties.fail_at, state.step, duties.rank)
         if logs:  # (state.step is now the step `logs` was decided for)

@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from train.distributed import phase
 from train.distributed import process_group as distributed
-from train.distributed import watch
 from train.engine import evaluation, fsdp
 from train.engine import prediction_files as files
 from train.engine.evaluate import Loaded, load_run_model
@@ -76,7 +76,7 @@ def _predict_split(job: Job, loaded: Loaded, out: Path, about: dict[str, Any]) -
     fsdp.share_rank0_buffers(model)
     if state.filler is not None:  # FSDP: as many forwards on every rank
         evaluation.lockstep(model, len(batches), state.filler, job.device, precision)
-    watch.enter("validation")
+    phase.enter("validation")
     part = files.Part(parts / f"rank-{env.rank:05d}.parquet")
     for inputs, target in batches:
         with evaluation.autocast(job.device, precision):

@@ -20,8 +20,8 @@ from train.config.groups import TrainConfig
 from train.config.task import metric_problem
 from train.data import build as data_lib
 from train.distributed import env as distenv
+from train.distributed import phase, slurm
 from train.distributed import process_group as distributed
-from train.distributed import slurm, watch
 from train.distributed.devices import device_name
 from train.distributed.stopping import StopSignals
 from train.engine import (
@@ -140,7 +140,7 @@ def prepare(job: Job, logger: RunLogger, stop: StopSignals) -> Prepared:
     resumed = _start_run(job, logger)
     accumulate = cfg.trainer.accumulate_grad_batches
     task = tasks.build(cfg.task)
-    watch.enter("data")  # building the data reads the user's first samples
+    phase.enter("data")  # building the data reads the user's first samples
     bundle = data_lib.build(cfg.data, env, device, cfg.trainer.seed,
                             channels_last=cfg.trainer.channels_last, micro_batches=accumulate,
                             classes=getattr(task, "class_targets", False))
@@ -148,7 +148,7 @@ def prepare(job: Job, logger: RunLogger, stop: StopSignals) -> Prepared:
     logger.log_data(bundle, spec.num_classes,
                     task.output_card(bundle.target_shape, bundle.input_shape))
     torch.manual_seed(cfg.trainer.seed)  # identical initial weights on every rank
-    watch.enter("model")  # DDP's constructor waits for every rank
+    phase.enter("model")  # DDP's constructor waits for every rank
     steps_per_epoch = -(-len(bundle.train) // accumulate)  # optimiser steps: the schedule's
     state = train_state.build(cfg, spec, steps_per_epoch, device, resumed is not None)
     # FSDP: counted from the shapes of a meta-device copy, not from this rank's shards.

@@ -1,7 +1,7 @@
 """Stragglers: a rank that is slower than the others, named before it slows the job for long.
 
 Each rank adds up its time waiting for data and computing (forward, backward) between logging
-steps (train/distributed/watch.py's phases: no sync of its own). At a logging step the ranks
+steps (train/distributed/phase.py: no sync of its own). At a logging step the ranks
 share these sums, two numbers each in the logging step's own all_gather (train/report/
 metrics.py sync_step: no collective of its own); a rank whose wait for data is more than
 trainer.straggler_share over the median rank's for trainer.straggler_intervals logging
@@ -19,7 +19,7 @@ import logging
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 
-from train.distributed import watch
+from train.distributed import phase
 from train.report.breakdown import PHASES, phase_seconds
 
 log = logging.getLogger("train")
@@ -44,7 +44,7 @@ class Stragglers:
     @staticmethod
     def mine() -> list[float]:
         """This rank's sums since the last logging step: waiting for data, and computing."""
-        return Stragglers.own_work(phase_seconds(watch.take_spent()))
+        return Stragglers.own_work(phase_seconds(phase.take_spent()))
 
     def judge(self, ranks: list[list[float]], step: int) -> None:
         totals = [data for data, _ in ranks]

@@ -2,7 +2,7 @@
 metrics at every logging step and as a verdict (the run's `bottleneck` tag and one line of
 advice) at the end.
 
-The phases are those the hang watch already marks (train/distributed/watch.py: the clock read
+The phases are those the hang watch already marks (train/distributed/phase.py: the clock read
 as a rank changes phase, no sync of its own); every rank's sums travel in the logging step's one
 all_gather (train/report/metrics.py sync_step), so each rank holds the whole table and nothing
 is added to the other steps.
@@ -35,7 +35,7 @@ KINDS = {"input": ("data",), "compute": ("forward", "backward", "optimizer"),
 
 
 def phase_seconds(spent: Mapping[str, float]) -> list[float]:
-    """watch.take_spent()'s sums in PHASES order; phases outside PHASES count as "other"."""
+    """phase.take_spent()'s sums in PHASES order; phases outside PHASES count as "other"."""
     named = [float(spent.get(phase, 0.0)) for phase in PHASES[:-1]]
     return [*named, float(sum(s for p, s in spent.items() if p not in PHASES[:-1]))]
 
