@@ -191,12 +191,8 @@ def run(cfg: DictConfig, output_dir: str, command: str,
         # The job's first rank holds its directory for all of its ranks (they share it).
         with joblock.held(Path(output_dir), holds=distenv.external_rank() == 0):
             return objective(typed, run_rank(config, output_dir, command))
-    from train.launch.local import (
-        rank_context,
-        reads_shards_itself,
-        run_in_process,
-        start_local_ranks,
-    )
+    from train.launch.local import reads_shards_itself, run_in_process, start_local_ranks
+    from train.launch.rank_server import rank_context
 
     with joblock.held(Path(output_dir)):  # before anything is checked, created or started
         nproc = typed.distributed.nproc_per_node

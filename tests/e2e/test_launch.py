@@ -22,8 +22,8 @@ from train.launch.local import root_cause
 def test_the_launcher_imports_no_torch() -> None:
     """`--help` and refused configurations answer fast: torch is imported by the ranks. So do
     the commands that check a run before starting a job (rerun, eval, predict)."""
-    code = ("import sys, train.launch.local, train.launch.rerun, train.launch.evaluate, "
-            "train.launch.predict; print('torch' in sys.modules)")
+    code = ("import sys, train.launch.local, train.launch.rank_server, train.launch.rerun, "
+            "train.launch.evaluate, train.launch.predict; print('torch' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                             text=True, timeout=60, check=True)
     assert result.stdout.strip() == "False"
@@ -53,7 +53,7 @@ def test_the_pre_flight_of_a_default_job_imports_neither_torch_nor_mlflow(
 ORPHAN = """
 import multiprocessing, os, sys, time
 from train.distributed import stopping
-from train.launch import local, rank_process
+from train.launch import rank_process, rank_server
 
 def rank(launcher, report):
     rank_process.end_with(launcher)
@@ -66,7 +66,7 @@ def rank(launcher, report):
         f.write(str(stop.received))
 
 if __name__ == "__main__":
-    p = local.rank_context().Process(target=rank, args=(os.getpid(), sys.argv[1]))
+    p = rank_server.rank_context().Process(target=rank, args=(os.getpid(), sys.argv[1]))
     p.start()
     p.join()
 """
@@ -200,7 +200,7 @@ for module, names in ((torch._C, ("_cuda_getDeviceCount", "_cuda_init")),
         original = getattr(module, name)
         setattr(module, name, lambda *a, _o=original, _n=name: calls.append(_n) or _o(*a))
 import train.launch.fork_server
-from train.launch.local import preloads
+from train.launch.rank_server import preloads
 for name in preloads({"name": "arrow"}):  # what it imports for a job on images as well
     __import__(name)
 import sys

@@ -1,7 +1,7 @@
 """The local launcher's fork server (multiprocessing's forkserver), which forks the ranks:
 what it imports before the first fork, and its end with the launcher that started it.
 
-Imported by the fork server alone, as its preload (train/launch/local.py, `rank_context`):
+Imported by the fork server alone, as its preload (train/launch/rank_server.py, `rank_context`):
 torch, the training code, and torch._dynamo, which DDP's constructor imports in every rank.
 Each spawned rank used to import them anew (~3.5 s of CPU per rank here; eight ranks importing
 at once from a parallel filesystem, seconds more). None of these imports initialises CUDA,

@@ -2,7 +2,7 @@
 
 Light at import (no torch, torchvision or mlflow): `--help`, `--cfg` and a refused configuration
 answer in well under a second. The ranks are forked from a fork server that imported torch once
-(train/launch/fork_server.py), not from this process, which holds mlflow's clients and threads.
+(train/launch/rank_server.py), not from this process, which holds mlflow's clients and threads.
 That is why torch's `elastic_launch` does not start them: it needs torch here first, which put
 the first training step 0.6-3.6 s later in each of 11 paired runs, and it reports only the
 first rank it sees exit (docs/benchmarks.md, "Local launcher"). What it does
@@ -35,7 +35,7 @@ from train.errors import FAILURE_REASON, USER_TRACE
 from train.errors import JobFailedError as JobFailedError
 from train.errors import JobStoppedError as JobStoppedError
 from train.errors import LaunchError as LaunchError  # re-exported
-from train.launch import joblock, rank_process
+from train.launch import joblock, rank_process, rank_server
 from train.launch.outcomes import RankOutcome as RankOutcome  # re-exported
 from train.launch.outcomes import failure, root_cause, root_trace, signal_name
 
@@ -95,7 +95,7 @@ def start_local_ranks(config: dict[str, Any], output_dir: str, command: str, npr
     JobStoppedError. `node`: this machine's share of a multi-node job (a Slurm node's one
     task, cluster.ranks=per_node); None = the whole job is here."""
     node = node or distenv.this_machine(nproc)
-    ctx = rank_context(config["data"])
+    ctx = rank_server.rank_context(config["data"])
     umask = os.umask(0)  # read, and put back at once: the ranks get this process's
     os.umask(umask)
     outcomes: mp.Queue = ctx.Queue()
@@ -156,54 +156,6 @@ def _only_silent_left(procs: list[mp.Process], ranks: list[int], outcomes: mp.Qu
     silent = {r for o in got if o.kind == "error" for r in o.silent}
     return bool(silent) and all(ranks[local] in silent
                                 for local, p in enumerate(procs) if p.is_alive())
-
-
-def rank_context(data: dict[str, Any] | None = None) -> Any:
-    """Ranks are forked from multiprocessing's fork server (one per launching process, shared
-    by the jobs of a local sweep): a clean process that imported torch once
-    (train/launch/fork_server.py), rather than each rank a fresh interpreter importing it
-    again, with what the job's data needs (`preloads`); the first call starts it, later ones
-    find it running. Not a fork of this process: it may hold threads and locks (mlflow, a
-    sweep's). What the ranks need of this process's state comes with them: its environment and
-    umask as arguments, its working directory and sys.path from multiprocessing. The server
-    starts with the stop signals blocked - a TERM to the job's process group must not kill it,
-    as the ranks' exit codes come back through it - and each rank unblocks them once its own
-    handlers are in place (rank_process.end_with)."""
-    from multiprocessing import forkserver
-
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["train.launch.fork_server", *preloads(data or {})])
-    _start_resource_tracker()
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, rank_process.HELD_SIGNALS)
-    os.environ[distenv.FORK_SERVER_VAR] = str(os.getpid())
-    try:
-        forkserver.ensure_running()
-    finally:
-        os.environ.pop(distenv.FORK_SERVER_VAR, None)
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-    return ctx
-
-
-def preloads(data: dict[str, Any]) -> list[str]:
-    """What the fork server imports, beyond torch and the training code, for the ranks of a
-    job on `data`: torchvision for image transforms (each rank imported it after the fork,
-    0.3-0.5 s). Not `datasets`: importing it starts pyarrow's jemalloc thread, and the
-    server is kept free of threads beyond torch's own; with that thread turned off, the first
-    step came 0.66 s later than with each rank importing it (docs/benchmarks.md, 2026-12-04)."""
-    return ["torchvision"] if data.get("name") in ("imagefolder", "arrow") else []
-
-
-def _start_resource_tracker() -> None:
-    """multiprocessing's helper process (it unlinks the queue's semaphores) ignores INT and
-    TERM but would die of a closed terminal's HUP, and its successor then prints KeyErrors:
-    started with HUP ignored, it inherits that."""
-    from multiprocessing import resource_tracker
-
-    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    try:
-        resource_tracker.ensure_running()
-    finally:
-        signal.signal(signal.SIGHUP, previous)
 
 
 def reads_shards_itself(data: dict[str, Any]) -> bool:
