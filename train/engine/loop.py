@@ -8,7 +8,6 @@ what is recorded of them is the training log's business (train/report/trainlog.p
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from train.data.build import SHARDED, Batches, DataBundle
 from train.distributed import phase
 from train.distributed import process_group as distributed
 from train.distributed.stopping import StopSignals
-from train.engine import drill, ema, fsdp, optim
+from train.engine import divergence, drill, ema, fsdp, optim
 from train.engine.checkpoint import Checkpointer
 from train.engine.evaluation import autocast, check_output, evaluate
 from train.engine.monitor import Monitor
@@ -34,10 +33,6 @@ from train.models.build import logits_of
 from train.report import breakdown, metrics, system_stats
 from train.report.trainlog import TrainingLog
 from train.tasks.base import Sums, Task
-
-
-class NonFiniteLossError(FloatingPointError):
-    """Training diverged."""
 
 
 @dataclass
@@ -59,32 +54,6 @@ class Duties:
     """Where the step time goes, over every logging interval of this start."""
     profiler: StepProfiler | None = None
     """trainer.profile's (train/engine/profiling.py); None = not profiled."""
-
-
-def _check_finite(value: float, rank: int, step: int, where: str) -> None:
-    if not math.isfinite(value):
-        raise NonFiniteLossError(f"{where} is {value} on rank {rank} at step {step}: training "
-                                 "diverged (lower optim.lr, set optim.grad_clip, or use fp32).")
-
-
-# fp16's loss scale only falls when a step's gradients overflow; this low, every step for ~40
-# in a row overflowed: the loss or the weights are no longer finite numbers in fp16, a
-# divergence that skipping steps cannot cure.
-MIN_LOSS_SCALE = 2.0**-24
-
-
-def _report_scaler(state: TrainState, duties: Duties) -> None:
-    """fp16: the steps skipped so far and the loss scale (host syncs: logging steps and epoch
-    ends only); a scale that collapsed stops the job as a divergence, with rank and step."""
-    if not state.scaler.is_enabled():
-        return
-    scale = state.scaler.get_scale()
-    duties.logger.grad_scaler(state.step, state.scaler.skipped_steps, scale)
-    if scale < MIN_LOSS_SCALE:
-        raise NonFiniteLossError(
-            f"fp16 gradients overflowed at every step up to step {state.step} on rank "
-            f"{duties.rank} (loss scale {scale:.3g}): training diverged (lower optim.lr, set "
-            "optim.grad_clip, or use bf16-mixed or fp32).")
 
 
 def _micro_step(cfg: TrainConfig, state: TrainState, inputs: Any, target: Any,
@@ -161,13 +130,14 @@ def _log_step(state: TrainState, duties: Duties, totals: metrics.Totals, step_lo
         duties.stragglers.judge([duties.stragglers.own_work(row) for row in sync.shared],
                                 state.step)
     phase.note_data_share(breakdown.share(phases, "data"))  # `train status` shows it
-    _check_finite(sync.mean_loss, duties.rank, state.step, "train/step_loss (mean over ranks)")
+    divergence.check_finite(sync.mean_loss, duties.rank, state.step,
+                            "train/step_loss (mean over ranks)")
     # The clipped step's norm, read only here (a host sync; under FSDP a collective, every
     # rank logs at the same steps).
     grad_norm = None if state.grad_norm is None else float(fsdp.whole(state.grad_norm))
     duties.logger.step(state.step, sync, grad_norm,
                        duties.breakdown.interval(sync.shared, steps) | {"time/step": step_time_s})
-    _report_scaler(state, duties)
+    divergence.report_scaler(state, duties.logger, duties.rank)
     if (sync.stop_requested or sync.checkpoint_due) and batches_done < batches:
         duties.checkpointer.save(state, totals, batches_done)  # the epoch end does anyway
         if sync.stop_requested:
@@ -256,10 +226,10 @@ def _fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.de
     while state.epoch < epochs and (limit is None or state.step < limit):
         started, cpu_started = time.perf_counter(), time.process_time()
         train_totals = train_epoch(cfg, state, data.train, device, duties, task)
-        _check_finite(train_totals.as_host()["loss"], duties.rank, state.step,
+        divergence.check_finite(train_totals.as_host()["loss"], duties.rank, state.step,
                       "the epoch's training loss")
         if state.step % cfg.trainer.log_every_n_steps:  # else logged at that step already
-            _report_scaler(state, duties)
+            divergence.report_scaler(state, duties.logger, duties.rank)
         train_time = time.perf_counter() - started
         # This process's CPU time (all its threads): what the rank's work cost, whatever else
         # ran on the machine (bench/ compares it with a plain loop's).
