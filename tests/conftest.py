@@ -16,7 +16,9 @@ e2e or unit), never the other way round.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import copy
 import functools
 import os
 import signal
@@ -59,6 +61,24 @@ DEFAULT_STORE = REPO / "mlflow.db"
 """MLflow's own default store when run from the repository (sqlite:///mlflow.db): a user's
 `mlflow ui` there would find it, not the runs in mlruns/mlflow.db. No test may make it."""
 _default_store_before = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(trylast=True)  # after every other plugin's: its exit handlers come before
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """A pytest-xdist worker leaves without the interpreter's own finalization: its Python
+    exit handlers run (logging, multiprocessing's children, temporary folders, ours), then it
+    exits. Tearing down torch's, MLflow's and the tests' modules took 3-4 s after the last
+    test, which the run waited for (67.6 s of `make test-fast`, 64.2 s at the workers' exit)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        atexit.register(_exit_after_the_exit_handlers)  # the last registered: run first
+
+
+def _exit_after_the_exit_handlers() -> None:
+    atexit.unregister(_exit_after_the_exit_handlers)
+    atexit._run_exitfuncs()  # every other handler once, in the interpreter's order
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # the worker's results went to the controller already; its code is not read
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -158,7 +178,14 @@ def hydra_conf() -> Iterator[None]:
 
 def composed(*overrides: str, return_hydra_config: bool = False) -> Any:
     """The config `python -m train <overrides>` composes (a DictConfig), through Hydra's
-    compose API: in process, in milliseconds."""
+    compose API: in process, a copy of its own. Composed once per pytest process for each set
+    of overrides (~150 ms a compose; copying it, ~35 ms): a unit run composed 229 times, 27
+    of them a set composed before."""
+    return copy.deepcopy(_composed_once(overrides, return_hydra_config))
+
+
+@functools.cache
+def _composed_once(overrides: tuple[str, ...], return_hydra_config: bool) -> Any:
     from hydra import compose
 
     with hydra_conf():
