@@ -13,6 +13,7 @@ import sys
 import threading
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,50 +52,62 @@ def basic_auth(login: dict[str, str]) -> str:
     return "Basic " + base64.b64encode(pair.encode()).decode()
 
 
-def test_a_two_rank_run_lands_once_with_its_artifacts_behind_the_server(tmp_path: Path) -> None:
-    with tracking_server(tmp_path / "server") as url:
-        with urllib.request.urlopen(f"{url}/health", timeout=5) as health:
-            assert health.status == 200
-
-        result = run_train("distributed.nproc_per_node=2", "trainer.epochs=2",
-                           f"hydra.run.dir={tmp_path}/job", env={"MLFLOW_TRACKING_URI": url})
-        assert result.returncode == 0, result.stderr[-3000:]
-
-        [run] = runs_in(url)  # two ranks, one run
-        assert run.info.status == "FINISHED"
-        assert run.data.tags["world_size"] == "2"
-        # The artifacts went to the server (proxied), not to a path the client had to reach ...
-        assert run.info.artifact_uri.startswith("mlflow-artifacts:")
-        assert list((tmp_path / "server" / "artifacts").rglob("config.yaml"))
-        # ... and come back through it.
-        client = MlflowClient(tracking_uri=url)
-        listed = {a.path for a in client.list_artifacts(run.info.run_id)}
-        assert {"config.yaml", "confusion_matrix.svg", "weights"} <= listed
-        assert "weights/model.pt" in {a.path for a in client.list_artifacts(run.info.run_id,
-                                                                          "weights")}
-        config = Path(client.download_artifacts(run.info.run_id, "config.yaml",
-                                                str(tmp_path / "download")))
-        composed = yaml.safe_load(config.read_text())
-        params = flat(applicable(composed))  # the keys the chosen options read
-        assert params["optim.lr"] == run.data.params["optim.lr"]
-        assert params["distributed.nproc_per_node"] == "2"
-        assert {k: run.data.params.get(k) for k in params} == params
-        # Not the synthetic set's keys, and the normalisation digits got, not ImageNet's.
-        assert "data.num_samples" in flat(composed) and "data.num_samples" not in run.data.params
-        assert run.data.params["data.mean"] != str(composed["data"]["mean"])
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """One server (its URL and folder) for the tests that neither stop it nor bind it elsewhere:
+    each logs to an experiment of its own (a server start costs ~5 s of CPU, ~9 s here)."""
+    root = tmp_path_factory.mktemp("shared") / "server"
+    with tracking_server(root) as url:
+        yield url, root
 
 
-def test_eight_jobs_at_once_land_complete_in_a_new_experiment(tmp_path: Path) -> None:
-    with tracking_server(tmp_path / "server") as url:
-        runs = jobs_at_once(url, "crowd", tmp_path)
-        assert runs_in(url, "Default") == []
-        for run in runs:  # every job validated on the whole validation split, each epoch
-            assert history(url, run.info.run_id, "val/samples") == [(1, DIGITS_VAL),
-                                                                    (2, DIGITS_VAL)]
-            assert run.data.params["data.num_val"] == str(int(DIGITS_VAL))
+def test_a_two_rank_run_lands_once_with_its_artifacts_behind_the_server(
+        tmp_path: Path, shared: tuple[str, Path]) -> None:
+    url, server_root = shared
+    with urllib.request.urlopen(f"{url}/health", timeout=5) as health:
+        assert health.status == 200
+
+    result = run_train("distributed.nproc_per_node=2", "trainer.epochs=2",
+                       f"hydra.run.dir={tmp_path}/job", env={"MLFLOW_TRACKING_URI": url})
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    [run] = runs_in(url)  # two ranks, one run
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["world_size"] == "2"
+    # The artifacts went to the server (proxied), not to a path the client had to reach ...
+    assert run.info.artifact_uri.startswith("mlflow-artifacts:")
+    assert [p for p in (server_root / "artifacts").rglob("config.yaml")
+            if run.info.run_id in p.parts]
+    # ... and come back through it.
+    client = MlflowClient(tracking_uri=url)
+    listed = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "confusion_matrix.svg", "weights"} <= listed
+    assert "weights/model.pt" in {a.path for a in client.list_artifacts(run.info.run_id,
+                                                                      "weights")}
+    config = Path(client.download_artifacts(run.info.run_id, "config.yaml",
+                                            str(tmp_path / "download")))
+    composed = yaml.safe_load(config.read_text())
+    params = flat(applicable(composed))  # the keys the chosen options read
+    assert params["optim.lr"] == run.data.params["optim.lr"]
+    assert params["distributed.nproc_per_node"] == "2"
+    assert {k: run.data.params.get(k) for k in params} == params
+    # Not the synthetic set's keys, and the normalisation digits got, not ImageNet's.
+    assert "data.num_samples" in flat(composed) and "data.num_samples" not in run.data.params
+    assert run.data.params["data.mean"] != str(composed["data"]["mean"])
 
 
-def test_runs_storing_one_data_set_at_once_all_get_it(tmp_path: Path) -> None:
+def test_eight_jobs_at_once_land_complete_in_a_new_experiment(
+        tmp_path: Path, shared: tuple[str, Path]) -> None:
+    url, _ = shared
+    runs = jobs_at_once(url, "crowd", tmp_path)
+    assert runs_in(url, "Default") == []
+    for run in runs:  # every job validated on the whole validation split, each epoch
+        assert history(url, run.info.run_id, "val/samples") == [(1, DIGITS_VAL),
+                                                                (2, DIGITS_VAL)]
+        assert run.data.params["data.num_val"] == str(int(DIGITS_VAL))
+
+
+def test_runs_storing_one_data_set_at_once_all_get_it(shared: tuple[str, Path]) -> None:
     """Jobs of a sweep log the same data set at the same moment. MLflow's server can then fail
     all inserts of it but the first with a 400 (a unique-key violation); the sender must take
     that for transient and send the request again, or the run ends with its tail unsent."""
@@ -110,41 +123,41 @@ def test_runs_storing_one_data_set_at_once_all_get_it(tmp_path: Path) -> None:
     assert errors.is_permanent(RestException(  # any other unique key is not a race of this kind
         {"error_code": "BAD_REQUEST", "message": "UNIQUE constraint failed: experiments.name"}))
 
-    with tracking_server(tmp_path / "server") as url:
-        mlflow = MlflowClient(url)
-        experiment = mlflow.create_experiment("one-data-set")
-        races, stored = 0, {}
-        for attempt in range(10):  # 8 runs at once hit the race in ~1 round in 10 (SQLite)
-            record = DatasetInput(name="digits", digest=f"{attempt:08x}", num_rows=4,
-                                  features_shape=[4, 1, 8, 8], features_dtype="float32")
-            clients = [RunClient(url, mlflow.create_run(experiment).info.run_id)
-                       for _ in range(8)]
-            together = threading.Barrier(len(clients))
-            failed: list[tuple[RunClient, Exception]] = []
+    url, _ = shared
+    mlflow = MlflowClient(url)
+    experiment = mlflow.create_experiment("one-data-set")
+    races, stored = 0, {}
+    for attempt in range(10):  # 8 runs at once hit the race in ~1 round in 10 (SQLite)
+        record = DatasetInput(name="digits", digest=f"{attempt:08x}", num_rows=4,
+                              features_shape=[4, 1, 8, 8], features_dtype="float32")
+        clients = [RunClient(url, mlflow.create_run(experiment).info.run_id)
+                   for _ in range(8)]
+        together = threading.Barrier(len(clients))
+        failed: list[tuple[RunClient, Exception]] = []
 
-            def store(run: RunClient, record: DatasetInput = record,
-                      together: threading.Barrier = together,
-                      failed: list[tuple[RunClient, Exception]] = failed) -> None:
-                together.wait()
-                try:
-                    run.apply(record)
-                except Exception as e:  # noqa: BLE001 - the failure is what is tested
-                    failed.append((run, e))
-
-            threads = [threading.Thread(target=store, args=(c,)) for c in clients]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(timeout=120)
-            for run, error in failed:  # what the sender does: transient, so send it again
-                assert not errors.is_permanent(error), errors.describe(error)
+        def store(run: RunClient, record: DatasetInput = record,
+                  together: threading.Barrier = together,
+                  failed: list[tuple[RunClient, Exception]] = failed) -> None:
+            together.wait()
+            try:
                 run.apply(record)
-            races += len(failed)
-            stored.update({str(c.run_id): record.digest for c in clients})
-        for run_id, digest in stored.items():
-            inputs = mlflow.get_run(run_id).inputs.dataset_inputs
-            assert [(i.dataset.name, i.dataset.digest) for i in inputs] == [("digits", digest)]
-        print(f"{races} raced insert(s) in 10 rounds of 8 runs, each stored on its second try")
+            except Exception as e:  # noqa: BLE001 - the failure is what is tested
+                failed.append((run, e))
+
+        threads = [threading.Thread(target=store, args=(c,)) for c in clients]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        for run, error in failed:  # what the sender does: transient, so send it again
+            assert not errors.is_permanent(error), errors.describe(error)
+            run.apply(record)
+        races += len(failed)
+        stored.update({str(c.run_id): record.digest for c in clients})
+    for run_id, digest in stored.items():
+        inputs = mlflow.get_run(run_id).inputs.dataset_inputs
+        assert [(i.dataset.name, i.dataset.digest) for i in inputs] == [("digits", digest)]
+    print(f"{races} raced insert(s) in 10 rounds of 8 runs, each stored on its second try")
 
 
 def test_bound_to_all_interfaces_it_accepts_the_node_name_and_refuses_others(
