@@ -49,7 +49,7 @@ test: setup
 	$(TEST_ENV) $(PY) -m pytest $(PARALLEL) --durations=15 $(PYTEST_ARGS)
 
 # The quick layer: tests/unit/ alone (in process: no subprocess, no Slurm, no browser), aimed at
-# under 60 s (CONTRIBUTING.md has the figures: 60-78 s on 2026-12-04's draw).
+# under 60 s (CONTRIBUTING.md has the figures: 53-64 s on 2026-12-04's second draw).
 test-fast: setup
 	$(TEST_ENV) $(PY) -m pytest $(PARALLEL) --durations=5 $(PYTEST_ARGS) tests/unit
 
