@@ -25,6 +25,7 @@ from train.config.groups import TrainConfig
 from train.config.keys import override_hint
 from train.config.schema import register_schema, to_container, to_typed
 from train.distributed import env as distenv
+from train.distributed import process_end
 from train.errors import ConfigError, LaunchError, StoppedBySignal, TrainError
 from train.launch import joblock, rundir
 
@@ -236,11 +237,13 @@ def _run_node_task(typed: TrainConfig, config: dict, output_dir: str,
     # The first node's task holds the job's directory for every rank (they share it).
     with joblock.held(Path(output_dir), holds=node.node_rank == 0):
         try:
-            return start_local_ranks(config, output_dir, command, per_node, node)
+            final = start_local_ranks(config, output_dir, command, per_node, node)
         finally:  # as each of its ranks (StopSignals): a late time-limit USR2 ends nothing
             from train.distributed.stopping import ignore_time_limit_warning
 
             ignore_time_limit_warning()
+    process_end.end_quickly_under_submitit()  # as a rank's task: no teardown after its result
+    return final
 
 
 def objective(cfg: TrainConfig, final: dict[str, float]) -> float | None:
