@@ -33,6 +33,7 @@ import psutil
 import pytest
 
 from tests import warm as warm_start
+from train.distributed import process_end
 
 REPO = Path(__file__).resolve().parent.parent
 USER_PATH = str(REPO / "tests")
@@ -75,10 +76,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 def _exit_after_the_exit_handlers() -> None:
     atexit.unregister(_exit_after_the_exit_handlers)
-    atexit._run_exitfuncs()  # every other handler once, in the interpreter's order
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # the worker's results went to the controller already; its code is not read
+    # Every other handler once, in the interpreter's order; the worker's results went to the
+    # controller already, its exit code is not read.
+    process_end.end_process(0)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

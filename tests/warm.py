@@ -38,7 +38,9 @@ import tempfile
 import threading
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
+
+from train.distributed import process_end
 
 REPO = Path(__file__).resolve().parent.parent
 PRELOAD = ("torch", "torch._dynamo", "torchvision", "mlflow", "mlflow.tracking",
@@ -187,7 +189,7 @@ def _wait_for_job(conn: socket.socket, base_path: list[str]) -> None:
     pid = os.fork()
     if pid == 0:
         conn.close()
-        os._exit(_be_the_job(request, fds, base_path))
+        _be_the_job(request, fds, base_path)
     for fd in fds:
         os.close(fd)
     conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
@@ -196,7 +198,7 @@ def _wait_for_job(conn: socket.socket, base_path: list[str]) -> None:
         conn.sendall(json.dumps({"status": status}).encode() + b"\n")
 
 
-def _be_the_job(request: dict[str, Any], fds: list[int], base_path: list[str]) -> int:
+def _be_the_job(request: dict[str, Any], fds: list[int], base_path: list[str]) -> NoReturn:
     """This process becomes `python -m train ARGS`: its streams, directory, environment and
     path, then train/__main__.py as __main__ and the interpreter's own ending."""
     for target, fd in enumerate(fds):
@@ -215,23 +217,16 @@ def _be_the_job(request: dict[str, Any], fds: list[int], base_path: list[str]) -
     sys.path[:] = [request["cwd"], *extra, *base_path]
     sys.argv = ["-m", *request["args"]]
     code = 0
-    try:
+    try:  # train/__main__.py ends the process itself (process_end); what escapes it ends here
         runpy.run_module("train", run_name="__main__", alter_sys=True)
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-        if not isinstance(e.code, int | None):
-            print(e.code, file=sys.stderr)
+        code = process_end.exit_code(e)
     except KeyboardInterrupt:
         code = 130
     except BaseException:  # noqa: BLE001 - as the interpreter reports an uncaught error
         traceback.print_exc()
         code = 1
-    threading._shutdown()  # type: ignore[attr-defined]  # as the interpreter ends: threads,
-    atexit._run_exitfuncs()  # then atexit
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    return code
+    process_end.end_process(code)  # threads, atexit and the streams, as the interpreter ends
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@ is in it: the service writes and closes its files itself; logging's handlers, mu
 children and temporary folders are ended by the exit handlers, which still run.
 
 Local ranks end this way already (multiprocessing's forked children `os._exit`); this module is
-for the processes the service's own code ends: `python -m train` (train/__main__.py) and a rank
-that submitit started (train/engine/job.py). No torch at import.
+for the processes the service's own code ends: `python -m train` (train/__main__.py), and a rank
+or a node's task that submitit started (train/engine/job.py, train/app.py). No torch at import.
 """
 
 from __future__ import annotations
