@@ -10,11 +10,13 @@ job, and `run` forks each job from it.
 What the job runs is what `python -m train ARGS` runs: train/__main__.py as `__main__`, with
 the job's argv, environment, working directory, sys.path (the working directory, then its
 PYTHONPATH), stdin, stdout and stderr, in a process of its own whose exit code (or signal)
-comes back - only the imports happened before it. It starts cold, as a new interpreter, where
-that could differ: another module than train, a working directory or PYTHONPATH from which
-`train` would be another copy's, a sitecustomize on PYTHONPATH (code a new interpreter runs
-first), `warm=False` (what a fresh interpreter does: command lines in `ps`, import-time
-behaviour) or TRAIN_TESTS_COLD=1 (the whole suite cold).
+comes back - only the imports happened before it, and its ranks' fork server is a fork of it
+as it starts (`_fork_the_fork_server`), not a new interpreter. It starts cold, as a new
+interpreter, where that could differ: another module than train, a working directory or
+PYTHONPATH from which `train` would be another copy's, a sitecustomize on PYTHONPATH (code a
+new interpreter runs first), `warm=False` (what a fresh interpreter does: command lines in
+`ps`, import-time behaviour, the fork server's own start) or TRAIN_TESTS_COLD=1 (the whole
+suite cold).
 
 The zygote imports nothing whose import reads the environment the job sets (transformers,
 datasets, huggingface_hub, the user's packages): those import in the job. Each job is forked
@@ -216,6 +218,7 @@ def _be_the_job(request: dict[str, Any], fds: list[int], base_path: list[str]) -
     extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [request["cwd"], *extra, *base_path]
     sys.argv = ["-m", *request["args"]]
+    _fork_the_fork_server()
     code = 0
     try:  # train/__main__.py ends the process itself (process_end); what escapes it ends here
         runpy.run_module("train", run_name="__main__", alter_sys=True)
@@ -227,6 +230,55 @@ def _be_the_job(request: dict[str, Any], fds: list[int], base_path: list[str]) -
         traceback.print_exc()
         code = 1
     process_end.end_process(code)  # threads, atexit and the streams, as the interpreter ends
+
+
+def _fork_the_fork_server() -> None:
+    """The job's fork server (train/launch/rank_server.py, `rank_context`), forked from this
+    still clean process now rather than spawned when the job starts its ranks: a spawned one
+    is a new interpreter importing torch, torch._dynamo and the training code (2.8 s of CPU,
+    124 times in a suite), which this process already holds. Started as rank_context starts
+    one - a child of the job, its own listener in the job's temporary folder, the stop
+    signals blocked, ended with the job (train/launch/fork_server.py's end_with_launcher),
+    no file descriptor but its own and the standard streams - and found running by
+    rank_context, which then starts none. A job that starts no ranks leaves it idle until it
+    ends (a fork: ~30 ms). Python 3.14's fork server also wants an authentication key: there,
+    the job spawns its own as a cold one does."""
+    from multiprocessing import connection, forkserver
+
+    from train.distributed import env as distenv
+    from train.launch import fork_server, rank_process
+
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    if hasattr(server, "_forkserver_authkey") or server._forkserver_pid is not None:
+        return
+    listener = socket.socket(socket.AF_UNIX)
+    address = connection.arbitrary_address("AF_UNIX")
+    try:
+        listener.bind(address)
+    except OSError:  # a TMPDIR too long for a socket: the job's own checks say so
+        listener.close()
+        return
+    os.chmod(address, 0o600)
+    listener.listen()
+    alive_r, alive_w = os.pipe()  # the server ends at its end: when every user has ended
+    launcher = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            signal.pthread_sigmask(signal.SIG_BLOCK, rank_process.HELD_SIGNALS)
+            keep = sorted({0, 1, 2, listener.fileno(), alive_r})
+            for low, high in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")], strict=True):
+                os.closerange(low + 1, high)
+            os.environ[distenv.FORK_SERVER_VAR] = str(launcher)
+            fork_server.end_with_launcher()
+            forkserver.main(listener.fileno(), alive_r, [])
+        finally:
+            os._exit(0)
+    os.close(alive_r)
+    listener.close()
+    server._forkserver_address = address
+    server._forkserver_alive_fd = alive_w
+    server._forkserver_pid = pid
 
 
 if __name__ == "__main__":

@@ -9,10 +9,11 @@ import subprocess
 import textwrap
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests import warm
-from tests.conftest import REPO, USER_PATH, run_train
+from tests.conftest import REPO, USER_PATH, history, process_ended, run_train, runs_in, wait_until
 
 
 @pytest.mark.parametrize("args", [("--cfg", "job", "trainer.epochs=3"),
@@ -65,3 +66,29 @@ def test_a_job_past_its_timeout_is_killed(tmp_path: Path) -> None:
         run_train("data=digits", "trainer.epochs=1000", "tracking.enabled=false",
                   f"hydra.run.dir={tmp_path / 'job'}", timeout=5)
     assert not (tmp_path / "job" / "summary.json").exists()
+
+
+def test_a_warm_two_rank_job_trains_as_a_cold_one_and_its_fork_server_ends_with_it(
+        store: dict[str, str], tmp_path: Path) -> None:
+    """A warm job's ranks come from a fork server forked from the job as it starts, not from a
+    new interpreter (tests/warm.py `_fork_the_fork_server`): from the same seed they train the
+    same run as a cold job's, step for step, and nothing of the job is left running after it."""
+    args = ("data=digits", "model=mlp", "trainer.epochs=2", "distributed.nproc_per_node=2",
+            "trainer.seed=5")
+    before = {p.pid for p in psutil.process_iter()}
+    hot = run_train(*args, f"hydra.run.dir={tmp_path / 'hot'}", env=store)
+    assert hot.returncode == 0, hot.stderr[-3000:]
+    cold = run_train(*args, f"hydra.run.dir={tmp_path / 'cold'}", env=store, warm=False)
+    assert cold.returncode == 0, cold.stderr[-3000:]
+    uri = store["MLFLOW_TRACKING_URI"]
+    runs = sorted(runs_in(uri), key=lambda r: r.info.start_time)
+    assert [r.info.status for r in runs] == ["FINISHED", "FINISHED"]
+    for key in ("train/loss", "val/loss", "val/accuracy"):
+        warm_run, cold_run = (history(uri, r.info.run_id, key) for r in runs)
+        assert [s for s, _ in warm_run] == [s for s, _ in cold_run] and len(warm_run) == 2
+        assert [v for _, v in warm_run] == pytest.approx([v for _, v in cold_run], abs=1e-6), key
+    zygote = warm._zygote.pid if warm._zygote else None
+    wait_until(lambda: not [p for p in psutil.process_iter(["cmdline"])
+                            if p.pid not in before | {zygote} and not process_ended(p)
+                            and "tests.warm" in " ".join(p.info["cmdline"] or [])],
+               10, "the warm job's processes end")

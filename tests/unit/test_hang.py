@@ -289,6 +289,33 @@ def test_a_rank_stuck_in_the_service_names_the_innermost_frame_and_the_services_
     assert shown.endswith(", called from train/engine/prepare.py:102 _start_run"), shown
 
 
+def test_the_frames_of_whoever_called_the_service_are_not_where_it_is_stuck(
+        tmp_path: Path) -> None:
+    """A job run from a user's script (or a rank forked under one, as the suite's warm start
+    forks them): the script's frames are outer to the service's, and a rank waiting in a
+    collective is in the service, not on the script's line - here or in a DataLoader worker."""
+    repo = Path(stacks.__file__).resolve().parents[2]
+    library = Path(threading.__file__).resolve()
+    script = tmp_path / "launch_it.py"
+    script.write_text("import train\n\ntrain.main()\n")
+    rank = ("Current thread 0x00007f0000000001 (most recent call first):\n"
+            f'  File "{library}", line 331 in wait\n'
+            f'  File "{repo}/train/engine/prepare.py", line 102 in _start_run\n'
+            f'  File "{repo}/train/launch/rank_process.py", line 70 in rank_entry\n'
+            f'  File "{script}", line 3 in <module>\n')
+    frames = stacks.main_frames(rank)
+    assert [f.path for f in stacks.below_the_service(frames)] == [f.path for f in frames[:3]]
+    assert stacks.where(frames).startswith("threading.py:331 wait"), stacks.where(frames)
+    assert stacks.stuck_in(rank).endswith("called from train/engine/prepare.py:102 _start_run")
+    worker = (f"{rankfiles.WORKER_SECTION}0 (pid 7):\n"
+              "Current thread 0x00007f0000000002 (most recent call first):\n"
+              f'  File "{tmp_path}/mydata.py", line 9 in __getitem__\n'
+              f'  File "{repo}/train/data/loaders.py", line 40 in fetch\n'
+              f'  File "{script}", line 3 in <module>\n')
+    assert stacks.stuck_in(rank + worker).startswith("its DataLoader worker 0, at ")
+    assert "mydata.py:9 __getitem__" in stacks.stuck_in(rank + worker)
+
+
 def test_a_child_that_cannot_answer_is_named_with_its_kernel_state(tmp_path: Path) -> None:
     """A rank's child with no dump of its own (a DataLoader worker not yet at worker_init_fn:
     SIGUSR1 would kill it) is listed by pid with its state and what its threads wait in, and

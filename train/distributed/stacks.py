@@ -106,9 +106,19 @@ def main_frames(text: str, main: str | None = None) -> list[Frame]:
     return next(iter(threads.values()), [])
 
 
+def below_the_service(frames: list[Frame]) -> list[Frame]:
+    """`frames` up to the service's outermost: not those of whoever called it (a script or a
+    notebook around an in-process job, a test's harness), which are not where it is stuck -
+    as user_traceback leaves them out of a user's traceback. All of them if none is the
+    service's."""
+    ours = [i for i, f in enumerate(frames) if as_here(f.path).startswith(_TRAIN)]
+    return frames[:ours[-1] + 1] if ours else frames
+
+
 def where(frames: list[Frame]) -> str:
     """The user's innermost frame (file:line function (the call on that line)) and what called
     it: the DataLoader or the service's frame; the innermost frame if none is the user's."""
+    frames = below_the_service(frames)
     if not frames:
         return "no Python frame"
     user = next((i for i, f in enumerate(frames) if not is_service(f.path)), None)
@@ -130,12 +140,12 @@ def stuck_in(text: str) -> str:
     """Where a rank's stacks file says it is stuck: its main thread's user frame, else the
     user frame of a DataLoader worker it waits for (its section of the file)."""
     own, *workers = text.split(rankfiles.WORKER_SECTION)
-    frames = main_frames(own)
+    frames = below_the_service(main_frames(own))
     if any(not is_service(f.path) for f in frames):
         return where(frames)
     for section in workers:
         worker, _, dump = section.partition(":\n")
-        for thread in parse(dump).values():
+        for thread in map(below_the_service, parse(dump).values()):
             if any(not is_service(f.path) for f in thread):
                 number = worker.split(" (pid")[0]  # the file names its pid too
                 return f"its DataLoader worker {number}, at {where(thread)}"
