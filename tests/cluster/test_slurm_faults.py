@@ -182,11 +182,14 @@ def running_an_epoch(tmp_path: Path, store: dict[str, str],
 def test_scancel_with_dataloader_workers_stops_with_a_checkpoint(
         cluster: None, store: dict[str, str], tmp_path: Path) -> None:
     """TERM reaches the ranks and their DataLoader workers alike: the workers must not die
-    first, so the ranks agree on the stop, save a checkpoint and mark the run KILLED."""
+    first, so the ranks agree on the stop, save a checkpoint and mark the run KILLED. Slurm
+    names the job CANCELLED at once, while its ranks are still stopping (COMPLETING): the
+    following command returns only once they have ended, and the run says KILLED then."""
     proc, job = running_an_epoch(tmp_path, store, *TWO_NODES, "data.num_workers=2")
     subprocess.run(["scancel", job], check=True)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 1 and f"job {job}: CANCELLED" in stdout, stdout + stderr
+    assert not listed_by_squeue(job)
     [run] = runs_in(store["MLFLOW_TRACKING_URI"])
     assert run.info.status == "KILLED", run.data.tags.get("error")
     assert run.data.tags["stopped_by"] == "SIGTERM" and "error" not in run.data.tags

@@ -12,6 +12,7 @@ write one). Light: no torch or mlflow.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +28,11 @@ from train.launch.outcomes import failure_block
 TERMINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                    "PREEMPTED", "BOOT_FAIL", "DEADLINE")
 POLL_S = 2.0
+ENDING_S = 120.0
+"""After Slurm has named a job's end, how long its processes may still take to end (squeue's
+COMPLETING): a cancelled job's ranks are then saving their stop checkpoint and marking their run
+KILLED. The follower returns once they have ended, so that the run says how the job ended
+when the command does - not RUNNING for another second."""
 def is_shown(key: str) -> bool:
     """A job's final metrics on its closing line, as a local job shows them (report/runlog.py)."""
     return key.startswith(("val/", "test/")) or key == "train/loss"
@@ -69,8 +75,25 @@ def follow(jobs: Sequence[Any]) -> list[str]:
                 print(f"[{_stamp()}] job {job.job_id}: {state}", flush=True)
                 last[job.job_id] = state
         if len(last) == len(jobs) and all(s in TERMINAL_STATES for s in last.values()):
+            _until_their_processes_end(jobs)
             return [last[job.job_id] for job in jobs]
         time.sleep(POLL_S)
+
+
+def _until_their_processes_end(jobs: Sequence[Any]) -> None:
+    """Wait (at most ENDING_S) while squeue still lists one of `jobs` as COMPLETING. Best
+    effort: a squeue that fails or no longer knows the jobs ends the wait."""
+    ids = ",".join(sorted({job.job_id.split("_")[0] for job in jobs}))
+    deadline = time.monotonic() + ENDING_S
+    while time.monotonic() < deadline:
+        try:
+            out = subprocess.run(["squeue", "-h", "-j", ids, "-o", "%T"], capture_output=True,
+                                 text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return
+        if out.returncode != 0 or "COMPLETING" not in out.stdout.split():
+            return
+        time.sleep(0.25)
 
 
 def still_running(jobs: Sequence[Any]) -> str:
