@@ -196,10 +196,15 @@ def test_scancel_with_dataloader_workers_stops_with_a_checkpoint(
     assert list((tmp_path / "sweep" / "0" / "checkpoints").glob("step-*.pt"))
 
 
+COLLECTIVE_TIMEOUT_S, OUTAGE_S = 30, 35
+
+
 def test_a_tracking_outage_on_slurm_loses_no_epoch(
         cluster: None, tmp_path: Path) -> None:
-    """The tracking server away for 60 s mid-job: training goes on (no rank waits on MLflow
-    near the 120 s collective timeout), the run FINISHES with every epoch once.
+    """The tracking server away for longer than the job's collective timeout (35 s, with
+    distributed.timeout_s=30) mid-job: training goes on - a rank that waited on MLflow that
+    long would end the job at its peers' next collective -, and the run FINISHES with every
+    epoch once.
 
     The test sets the pace: each sample takes 0.02 s until the server is back (an epoch of
     240 samples a rank >= 4.8 s, so the 20 epochs cannot end within the outage), then the job
@@ -211,6 +216,7 @@ def test_a_tracking_outage_on_slurm_loses_no_epoch(
     epochs, release = 20, tmp_path / "release"
     proc = _train(tmp_path, {"MLFLOW_TRACKING_URI": server.url, "PYTHONPATH": USER_PATH},
                   *TWO_NODES, f"trainer.epochs={epochs}", "tracking.log_model=false",
+                  f"distributed.timeout_s={COLLECTIVE_TIMEOUT_S}",
                   "data=custom", "data.num_workers=0", "data.train._target_=userpkg.data.HeldLines",
                   "+data.train.length=480", f"+data.train.release={release}",
                   "+data.train.delay=0.02")
@@ -223,8 +229,8 @@ def test_a_tracking_outage_on_slurm_loses_no_epoch(
         wait_until(lambda: epochs_ended() >= 2, 300, "two epochs", job=proc)
         server.stop()
         down_at, before = time.monotonic(), epochs_ended()
-        wait_until(lambda: time.monotonic() - down_at >= 60 or proc.poll() is not None, 90,
-                   "a minute of outage")
+        wait_until(lambda: time.monotonic() - down_at >= OUTAGE_S or proc.poll() is not None,
+                   OUTAGE_S + 30, "the outage")
         if proc.poll() is not None:
             out, err = proc.communicate()
             raise AssertionError(f"the command ended during the outage:\n{out}\n{err[-3000:]}")
