@@ -33,6 +33,8 @@ ENDING_S = 120.0
 COMPLETING): a cancelled job's ranks are then saving their stop checkpoint and marking their run
 KILLED. The follower returns once they have ended, so that the run says how the job ended
 when the command does - not RUNNING for another second."""
+
+
 def is_shown(key: str) -> bool:
     """A job's final metrics on its closing line, as a local job shows them (report/runlog.py)."""
     return key.startswith(("val/", "test/")) or key == "train/loss"
