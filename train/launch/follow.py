@@ -12,7 +12,6 @@ write one). Light: no torch or mlflow.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -23,6 +22,7 @@ from typing import Any
 from train.config.groups import typed_by_user
 from train.distributed.slurm import time_limit_note
 from train.errors import FAILURE_FILE, StoppedBySignal
+from train.launch.joblock import squeue_states
 from train.launch.outcomes import failure_block
 
 TERMINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
@@ -87,14 +87,7 @@ def _until_their_processes_end(jobs: Sequence[Any]) -> None:
     effort: a squeue that fails or no longer knows the jobs ends the wait."""
     ids = ",".join(sorted({job.job_id.split("_")[0] for job in jobs}))
     deadline = time.monotonic() + ENDING_S
-    while time.monotonic() < deadline:
-        try:
-            out = subprocess.run(["squeue", "-h", "-j", ids, "-o", "%T"], capture_output=True,
-                                 text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            return
-        if out.returncode != 0 or "COMPLETING" not in out.stdout.split():
-            return
+    while time.monotonic() < deadline and "COMPLETING" in (squeue_states(ids, 30) or []):
         time.sleep(0.25)
 
 

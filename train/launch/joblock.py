@@ -75,16 +75,23 @@ def _read(path: Path) -> Holder | None:
         return None  # gone, or not ours to read: a half-written or foreign file is stale
 
 
-def _slurm_job_known(job_id: str) -> bool | None:
-    """Whether squeue still lists the job; None when squeue cannot tell."""
+def squeue_states(job_ids: str, timeout: float = 20) -> list[str] | None:
+    """squeue's states of the jobs `job_ids` (comma-separated) still lists, one per job or
+    array element ([] for jobs it no longer knows); None when squeue cannot tell."""
     try:
-        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True,
-                             text=True, timeout=20)
+        out = subprocess.run(["squeue", "-h", "-j", job_ids, "-o", "%T"], capture_output=True,
+                             text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired):
         return None
     if out.returncode != 0:
-        return False if "Invalid job id" in out.stderr else None
-    return bool(out.stdout.strip())
+        return [] if "Invalid job id" in out.stderr else None
+    return out.stdout.split()
+
+
+def _slurm_job_known(job_id: str) -> bool | None:
+    """Whether squeue still lists the job; None when squeue cannot tell."""
+    states = squeue_states(job_id)
+    return None if states is None else bool(states)
 
 
 def is_live(holder: Holder, mine: Holder) -> bool:
