@@ -87,8 +87,12 @@ def test_a_warm_two_rank_job_trains_as_a_cold_one_and_its_fork_server_ends_with_
         warm_run, cold_run = (history(uri, r.info.run_id, key) for r in runs)
         assert [s for s, _ in warm_run] == [s for s, _ in cold_run] and len(warm_run) == 2
         assert [v for _, v in warm_run] == pytest.approx([v for _, v in cold_run], abs=1e-6), key
+    # The job, its fork server, ranks and loader workers are forks of this pytest worker's
+    # zygote (never exec'd), so they carry its command line, whose socket path is this worker's
+    # alone: another xdist worker's warm jobs, running meanwhile, are not this job's.
     zygote = warm._zygote.pid if warm._zygote else None
+    ours = f"tests.warm {warm._socket_path}"
     wait_until(lambda: not [p for p in psutil.process_iter(["cmdline"])
                             if p.pid not in before | {zygote} and not process_ended(p)
-                            and "tests.warm" in " ".join(p.info["cmdline"] or [])],
+                            and ours in " ".join(p.info["cmdline"] or [])],
                10, "the warm job's processes end")
