@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from bench.arrow import make_set
 from bench.run import machine_info
 from train.config.groups import DataConfig
-from train.data import arrow
+from train.data import arrow, arrow_split
 from train.data.arrow_samples import ArrowSamples
 from train.data.shard_order import ShardWindowSampler
 from train.data.streaming import collate_readable, transforms
@@ -92,7 +92,7 @@ def main() -> None:
     split = layout.splits["train"]
     sizes = arrow.shard_rows(arrow.shard_files(split))
     cfg = DataConfig(name="arrow", image_size=args.size)
-    columns = arrow.columns(layout, "auto", "auto")
+    columns = arrow_split.columns(layout, "auto", "auto")
     samples = ArrowSamples(split, *columns, transforms(cfg, train=False))
     results = {"command": f"python -m bench.arrow_shuffle --per-class {args.per_class} "
                           f"--shard-mb {args.shard_mb} --repeats {args.repeats}",

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import shutil
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -173,6 +176,52 @@ def test_a_directory_written_by_datasets_itself_is_read_with_its_columns(
     with pytest.raises(arrow.ArrowDataError, match=r"data.input_column='z' is not a column .*"
                                                    r"\(its columns: x, y\)"):
         arrow_source(wrong.data, classes=False)
+
+
+def test_a_split_reads_the_rows_datasets_reads_without_importing_it(tmp_path: Path) -> None:
+    """The job's reader (train/data/arrow_split.py) against `datasets`' own, on every kind of
+    column a user's set may hold, rows gathered across shards in any order and repeated; its
+    process imports neither `datasets` nor pandas (the 0.4 s each rank paid at its start)."""
+    import datasets
+
+    n, kinds = 300, datasets.Features({
+        "image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b", "c"]),
+        "x": datasets.Sequence(datasets.Value("float32")), "t": datasets.Value("string"),
+        "words": datasets.List(datasets.Value("string")), "y": datasets.Value("float64"),
+        "grid": datasets.Array2D((2, 3), "float32"), "n": datasets.Value("int32"),
+        "tags": datasets.List(datasets.ClassLabel(names=["o", "b"]))})
+    jpegs = sorted(write_image_folder(tmp_path / "images", train_per_class=4).rglob("*.jpg"))
+    datasets.Dataset.from_dict({
+        "image": [str(jpegs[i % len(jpegs)]) for i in range(n)], "label": [i % 3 for i in
+                                                                          range(n)],
+        "x": [[i, 0.5] for i in range(n)], "t": [f"text {i}" for i in range(n)],
+        "words": [["a", str(i)] for i in range(n)], "y": [i / 7 for i in range(n)],
+        "grid": [np.full((2, 3), i, np.float32) for i in range(n)], "n": [3 * i for i in
+                                                                        range(n)],
+        "tags": [[i % 2, 1] for i in range(n)]}, features=kinds,
+    ).save_to_disk(str(tmp_path / "set"), max_shard_size="16KB")
+    picked = [5, n - 1, 0, n // 2, n // 2 + 1, 3, 3]
+    expected = datasets.load_from_disk(str(tmp_path / "set")).cast_column(
+        "image", datasets.Image(decode=False))[picked]
+    assert len(arrow.shard_files(tmp_path / "set")) > 5  # rows gathered across shards
+    reader = f"""
+import pickle, sys
+from pathlib import Path
+from train.data import arrow_split
+split = arrow_split.read_split(Path({str(tmp_path / "set")!r}))
+rows = split.rows({picked}, {list(kinds)})
+names = [arrow_split.class_names(split, c) for c in ("label", "tags", "n", "y")]
+kinds = {{c: arrow_split.kind(f) for c, f in split.features.items()}}
+words = arrow_split.is_words(split.features["words"]), arrow_split.is_text(split.features["t"])
+pickle.dump((len(split), rows, names, kinds, words, "datasets" in sys.modules,
+             "pandas" in sys.modules), sys.stdout.buffer)
+"""
+    done = subprocess.run([sys.executable, "-c", reader], capture_output=True, check=True)
+    length, rows, names, found, words, with_datasets, with_pandas = pickle.loads(done.stdout)
+    assert length == n and rows == {c: expected[c] for c in kinds}
+    assert names == [["a", "b", "c"], ["o", "b"], [str(k) for k in range(3 * n - 2)], None]
+    assert found == {c: type(f).__name__ for c, f in kinds.items()} and words == (True, True)
+    assert not with_datasets and not with_pandas
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

@@ -2,10 +2,11 @@
 `save_to_disk` (a DatasetDict of splits, or one Dataset), among them those `python -m train
 prepare-data` writes (train/data/shards.py).
 
-Read as `datasets` users read it (`load_from_disk`: memory-mapped shards, random access), as a
-map-style data set through the service's own sampler - so every sample is seen once per epoch
-at any world size, validation and test are exact, and a mid-epoch checkpoint resumes on any
-world size, as for every streamed set (train/data/sources.py):
+Read as `load_from_disk` reads it (memory-mapped shards, random access; in the ranks with
+pyarrow alone: train/data/arrow_split.py), as a map-style data set through the service's own
+sampler - so every sample is seen once per epoch at any world size, validation and test are
+exact, and a mid-epoch checkpoint resumes on any world size, as for every streamed set
+(train/data/sources.py):
 - images (an `Image` column) are decoded from their stored bytes in the DataLoader workers and
   go through the data group's transforms, as imagefolder's files do; other columns come back
   as tensors (inputs; float64 as float32) and numbers or tensors (targets): a split's samples
@@ -33,8 +34,6 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from train.errors import TrainError
 
@@ -195,74 +194,9 @@ def digest(layout: Layout) -> str:
     return h.hexdigest()[:8]
 
 
-def is_image(feature: Any) -> bool:
-    return type(feature).__name__ == "Image"
-
-
-def is_text(feature: Any) -> bool:
-    return getattr(feature, "dtype", None) in ("string", "large_string")
-
-
-def holds_text(layout: Layout, column: str) -> bool:
-    """The training split's `column` is text or words (tokenized: train/data/sources.py)."""
-    feature = open_split(layout.splits["train"]).features[column]
-    return is_text(feature) or is_words(feature)
-
-
-def is_words(feature: Any) -> bool:
-    """A list of strings per row: a text split into words (conll's `tokens`), whose per-word
-    targets the tokenizer's pieces inherit (TextEncoder.words)."""
-    return type(feature).__name__ in ("List", "LargeList", "Sequence") \
-        and is_text(getattr(feature, "feature", None))
-
-
-TARGETS = ("label", "labels", "target", "targets", "ner_tags", "tags")
-INPUTS = ("image", "input", "pixel_values", "x", "text", "sentence", "tokens")
-"""data.target_column=auto and data.input_column=auto: the first of these names a set has."""
-
-
-def columns(layout: Layout, input_column: str, target_column: str) -> tuple[str, str]:
-    """data.input_column and data.target_column, or (auto) the manifest's, else the first image
-    column (or of INPUTS) and the first of TARGETS; a column the set lacks is named with those
-    it has."""
-    features = open_split(layout.splits["train"]).features
-    names = list(features)
-    recorded = layout.manifest or {}
-    if target_column == "auto":
-        target_column = recorded.get("target_column") or next(
-            (n for n in TARGETS if n in names), "label")
-    if input_column == "auto":
-        images = [n for n in names if is_image(features[n])]
-        input_column = recorded.get("input_column") or (images[0] if images else next(
-            (n for n in INPUTS if n in names),
-            next((n for n in names if n != target_column), "input")))
-    for key, column in (("data.input_column", input_column), ("data.target_column",
-                                                               target_column)):
-        if column not in names:
-            raise ArrowDataError(f"{key}={column!r} is not a column of {layout.root} (its "
-                                 f"columns: {', '.join(names)}).")
-    return input_column, target_column
-
-
-def class_names(data: Any, target_column: str) -> list[str] | None:
-    """A ClassLabel's names; an integer column's 0..max; None for other targets (regression).
-    A list per row (a tag per word) is read by its items' feature."""
-    feature = data.features[target_column]
-    listed = type(feature).__name__ in ("List", "LargeList", "Sequence")
-    item = feature.feature if listed else feature
-    if type(item).__name__ == "ClassLabel":
-        return list(item.names)
-    dtype = getattr(item, "dtype", "")
-    if dtype.startswith(("int", "uint")):
-        labels = data.with_format("numpy", columns=[target_column])[target_column]
-        if listed:
-            labels = np.concatenate([np.asarray(x) for x in labels]) if len(labels) else labels
-        return [str(k) for k in range(int(np.max(labels)) + 1)] if len(labels) else []
-    return None
-
-
 def open_split(path: Path) -> Any:
-    """One split as a `datasets.Dataset` (memory-mapped); its image columns left encoded."""
+    """One split as a `datasets.Dataset` (memory-mapped); its image columns left encoded: for
+    `datasets`' own work on it (data.tokenize=map's `map`); the job reads with arrow_split."""
     import datasets
 
     if path.is_dir():

@@ -1,6 +1,7 @@
 """data=arrow's samples: one split of a sharded Arrow data set (train/data/arrow.py finds and
-checks it) as a map-style Dataset, opened in each process that reads it - a DataLoader worker
-maps the shards itself - and read a batch of rows at a time."""
+checks it; train/data/arrow_split.py maps it) as a map-style Dataset, opened in each process
+that reads it - a DataLoader worker maps the shards itself - and read a batch of rows at a
+time."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import torch
 from torch.utils.data import Dataset
 
 from train.data import shard_guard
-from train.data.arrow import is_image, open_split, shard_files
+from train.data.arrow import shard_files
+from train.data.arrow_split import ArrowSplit, is_image
 
 
 class ArrowSamples(Dataset):
@@ -25,16 +27,16 @@ class ArrowSamples(Dataset):
         self.path, self.input_column, self.target_column = path, input_column, target_column
         self.transform, self.encoder = transform, encoder
         """`encoder`: a text column's tokenizer (train/data/tokenize.py TextEncoder)."""
-        self._data: Any = None
+        self._data: ArrowSplit | None = None
         self.files = shard_files(path)
         shard_guard.opened(self.files)  # a shard changed under the job is named
         self.length = len(self.data)
         self.is_image = is_image(self.data.features[input_column])
 
     @property
-    def data(self) -> Any:
+    def data(self) -> ArrowSplit:
         if self._data is None:
-            self._data = open_split(self.path)
+            self._data = ArrowSplit(self.files)
         return self._data
 
     def __getstate__(self) -> dict[str, Any]:
@@ -53,10 +55,10 @@ class ArrowSamples(Dataset):
 
     def __getitems__(self, indices: list[int]) -> list[Any]:
         """A batch's samples from one read of the Arrow table (the DataLoader asks for a batch
-        at a time): reading rows one by one costs `datasets`' formatting per row."""
+        at a time): reading rows one by one costs a table and a conversion per row."""
         from train.data.streaming import Unreadable, decode_bytes
 
-        rows = self.data[[int(i) for i in indices]]
+        rows = self.data.rows(indices, (self.input_column, self.target_column))
         if self.encoder is not None and self.encoder.by_words:  # words and a tag each
             ids, tags = map(torch.from_numpy, self.encoder.words(rows[self.input_column],
                                                                  rows[self.target_column]))

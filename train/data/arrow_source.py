@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import Dataset, DistributedSampler
 
 from train.config.groups import DataConfig
-from train.data import arrow
+from train.data import arrow, arrow_split
 from train.data import batches as batching
 from train.data.arrow_samples import ArrowSamples
 from train.data.batches import DataDescription
@@ -30,15 +30,15 @@ def text_encoder(cfg: DataConfig, layout: Any, column: str) -> Any:
     from train.data.tokenize import TextEncoder
     from train.data.tokens import TokenDataError
 
-    feature = arrow.open_split(layout.splits["train"]).features[column]
-    if not (arrow.is_text(feature) or arrow.is_words(feature)):
+    feature = arrow_split.read_split(layout.splits["train"]).features[column]
+    if not (arrow_split.is_text(feature) or arrow_split.is_words(feature)):
         return None
     if cfg.tokenizer is None:
         raise ConfigError(f"data.input_column={column!r} of {cfg.root} holds text: give "
                           "data.tokenizer=<a tokenizers JSON file, or a directory holding "
                           "tokenizer.json> (and data.max_length) to turn it into token ids.")
     try:
-        encoder = TextEncoder(cfg.tokenizer, cfg.max_length, by_words=arrow.is_words(feature))
+        encoder = TextEncoder(cfg.tokenizer, cfg.max_length, by_words=arrow_split.is_words(feature))
     except TokenDataError as e:
         raise ConfigError(str(e)) from None
     if encoder.by_words and cfg.tokenize == "map":
@@ -53,7 +53,7 @@ def arrow_source(cfg: DataConfig, classes: bool = True) -> Source:
     then the shard-local training order of data.shuffle=shards), else data.val_fraction of the
     training split; images decoded and transformed as imagefolder's, other inputs as stored."""
     layout = arrow.find(staged(cfg.root, cfg.stage_to) if cfg.stage_to else cfg.root)
-    input_column, target_column = arrow.columns(layout, cfg.input_column, cfg.target_column)
+    input_column, target_column = arrow_split.columns(layout, cfg.input_column, cfg.target_column)
     where = f"{cfg.root} (staged to {layout.root})" if cfg.stage_to else cfg.root
     encoder, digest, tokenized = text_encoder(cfg, layout, input_column), arrow.digest(layout), ""
     text = None if encoder is None else (encoder.vocab_size, encoder.pad_id)
@@ -67,7 +67,7 @@ def arrow_source(cfg: DataConfig, classes: bool = True) -> Source:
                          transforms(cfg, train=True), encoder)
     images = whole.is_image
     train, val, test, sampler = _splits(cfg, layout, whole)
-    names = arrow.class_names(whole.data, target_column) if classes else None
+    names = arrow_split.class_names(whole.data, target_column) if classes else None
     if classes and names is None:
         raise ConfigError(f"data=arrow: column {target_column!r} of {cfg.root} holds no class "
                           "indices (a ClassLabel or integers): choose data.target_column, or a "

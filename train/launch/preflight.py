@@ -135,9 +135,9 @@ def check_text_data(cfg: TrainConfig, layout: Any, encoder: Any, target: str) ->
     """data=arrow's text column (`target`: the target's column): the model takes the
     tokenizer's ids and data.max_length of them; data.tokenize=map's cache can be written (a
     staged set's goes into the copy)."""
-    from train.data import arrow
+    from train.data import arrow_split
 
-    names = arrow.class_names(arrow.open_split(layout.splits["train"]), target) or []
+    names = arrow_split.class_names(arrow_split.read_split(layout.splits["train"]), target) or []
     check_text_model(cfg, encoder.vocab_size, encoder.pad_id, len(names))
     if cfg.data.tokenize == "map" and (cfg.data.tokenized_to or not cfg.data.stage_to):
         from train.data.pretokenize import writable_problem
@@ -156,15 +156,15 @@ def check_data(cfg: TrainConfig) -> int | None:
         check_token_data(cfg)
         return None
     if cfg.data.name == "arrow":
-        from train.data import arrow  # the shards' headers and a sample of their checksums
+        from train.data import arrow, arrow_split  # shards' headers, a sample of checksums
 
         try:
             layout = arrow.check(cfg.data.root)
-            column, target = arrow.columns(layout, cfg.data.input_column,
-                                           cfg.data.target_column)
+            column, target = arrow_split.columns(layout, cfg.data.input_column,
+                                                 cfg.data.target_column)
         except arrow.ArrowDataError as e:
             raise LaunchError(str(e)) from None
-        if arrow.holds_text(layout, column):  # its tokenizer, loaded (this imports torch)
+        if arrow_split.holds_text(layout, column):  # its tokenizer, loaded (this imports torch)
             from train.data.arrow_source import text_encoder
 
             check_text_data(cfg, layout, text_encoder(cfg.data, layout, column), target)
