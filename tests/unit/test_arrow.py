@@ -22,7 +22,7 @@ import torch
 
 from tests.conftest import typed
 from tests.images import write_image_folder
-from train.data import arrow, imagefolder, shard_plan, shards
+from train.data import arrow, arrow_split, imagefolder, shard_plan, shards
 from train.data.arrow_samples import ArrowSamples
 from train.data.shard_order import ShardWindowSampler
 
@@ -222,6 +222,8 @@ pickle.dump((len(split), rows, names, kinds, words, "datasets" in sys.modules,
     assert names == [["a", "b", "c"], ["o", "b"], [str(k) for k in range(3 * n - 2)], None]
     assert found == {c: type(f).__name__ for c, f in kinds.items()} and words == (True, True)
     assert not with_datasets and not with_pandas
+    with pytest.raises(IndexError):  # not a short batch: a row past the end is an error
+        arrow_split.read_split(tmp_path / "set").rows([0, n], ["label"])
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

@@ -58,9 +58,12 @@ class ArrowSplit:
 
         if not len(indices):
             return {column: [] for column in columns}
-        where = np.searchsorted(self._starts, indices, side="right") - 1
+        rows = np.asarray([int(i) for i in indices], dtype=np.int64)
+        if rows.min() < 0 or rows.max() >= len(self):  # a slice past the end is only empty
+            raise IndexError(f"rows {rows.min()}..{rows.max()} of a split of {len(self)}")
+        where = np.searchsorted(self._starts, rows, side="right") - 1
         picked = [self._batches[b].select(columns).slice(int(i - self._starts[b]), 1)
-                  for i, b in zip(indices, where, strict=True)]
+                  for i, b in zip(rows, where, strict=True)]
         return pa.Table.from_batches(picked).to_pydict()
 
     def column(self, name: str) -> Any:
