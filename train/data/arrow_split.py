@@ -4,12 +4,12 @@ batch of rows gathered at a time, as `datasets` gathers them (a one-row slice of
 batch that holds each row, then one conversion to Python).
 
 Why not `datasets` itself here: importing it (and pandas, which it imports) took 0.4 s of CPU
-at every rank's start, before its first step, and ~90 MB of each rank's memory - more than
-imagefolder's listing of 220,000 files (docs/benchmarks.md, 2026-12-05). `datasets` stays the
-writer (prepare-data, the user's save_to_disk) and the tokenizing map's reader
+at every rank's start, before its first step - more than imagefolder's listing of 220,000
+files - and 30-80 MB of each rank's peak memory (docs/benchmarks.md, 2026-12-05). `datasets`
+stays the writer (prepare-data, the user's save_to_disk) and the tokenizing map's reader
 (train/data/pretokenize.py); the columns' description (`features`) is its own, serialised in
 every shard's schema, read here as plain dicts (`{"_type": "Image"}`, `{"_type": "ClassLabel",
-"names": [...]}`, ...: train/data/arrow.py's is_image and the like read either form).
+"names": [...]}`, ...), which `is_image` and the helpers below take.
 """
 
 from __future__ import annotations
