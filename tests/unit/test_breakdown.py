@@ -95,6 +95,15 @@ def test_the_slowest_rank_is_the_one_with_the_most_own_work_and_it_sets_the_verd
     assert lines[0].endswith("try trainer.precision=bf16-mixed or trainer.compile=true")
     assert lines[1].endswith("try trainer.compile=true")  # not what the run already does
     assert lines[2].endswith(": a smaller model, or more GPUs")
+    # What the compute phases hold besides the rank's own compute: nothing on one rank, the
+    # strategy's collectives on more.
+    assert "of its step time (forward, backward, the optimiser step)" in lines[0]
+    two = Breakdown()
+    two.interval([[0.0, 1.0, 1.0, 0.1, 0.0, 0.0]] * 2, steps=1)
+    assert "(forward, backward with DDP's gradient all-reduce, the optimiser step)" in \
+        two.verdict(0, 2).line  # type: ignore[union-attr]
+    assert ("(forward and backward with FSDP's parameter gathers and gradient reduce-scatters, "
+            "the optimiser step)") in two.verdict(0, 2, strategy="fsdp").line  # type: ignore[union-attr]
 
 
 def test_the_input_advice_fits_the_ranks_cpus_and_its_data(

@@ -274,7 +274,7 @@ def _fit(cfg: TrainConfig, state: TrainState, data: DataBundle, device: torch.de
     workers = data.train.loader.num_workers if data.train.loader is not None else 0
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if (verdict := duties.breakdown.verdict(workers, ranks_here, cfg.trainer.precision,
-                                            cfg.trainer.compile,
-                                            cfg.data.name in SHARDED)) is not None:
+                                            cfg.trainer.compile, cfg.data.name in SHARDED,
+                                            cfg.distributed.strategy)) is not None:
         duties.logger.bottleneck(verdict)
     return val

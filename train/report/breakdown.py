@@ -94,12 +94,14 @@ class Breakdown:
         return values
 
     def verdict(self, num_workers: int, ranks_here: int, precision: str = "fp32",
-                compiled: bool = False, sharded: bool = False) -> Verdict | None:
+                compiled: bool = False, sharded: bool = False,
+                strategy: str = "ddp") -> Verdict | None:
         """What held the run back (None before any logging step): what the slowest rank spent
         most of its step time on - the others wait for it, and their waits, inside backward
         under DDP, are its doing, not theirs. Of the compute settings, only those the run has
         not set (`precision`, `compiled`) are suggested; `sharded`: the data already comes
-        from a few large files (data=arrow, tokens), so that is not suggested either."""
+        from a few large files (data=arrow, tokens), so that is not suggested either.
+        `strategy` (distributed.strategy) names the communication the compute phases hold."""
         untried = [o for o, on in (("trainer.precision=bf16-mixed", precision != "fp32"),
                                    ("trainer.compile=true", compiled)) if not on]
         if not self.totals or not any(sum(row) for row in self.totals):
@@ -114,8 +116,8 @@ class Breakdown:
                     f"data.num_workers={num_workers} and {cpus} CPUs per rank: "
                     + _input_advice(num_workers, cpus, sharded))
         elif kind == "compute":
-            line = (f"rank {rank} computed {by_kind[kind]:.0%} of its step time (forward, "
-                    "backward with DDP's gradient all-reduce, the optimiser step)" +
+            line = (f"rank {rank} computed {by_kind[kind]:.0%} of its step time ("
+                    f"{_compute_phases(strategy, len(self.totals))}, the optimiser step)" +
                     (f": on a GPU try {' or '.join(untried)}" if untried else
                      ": a smaller model, or more GPUs"))
         else:
@@ -123,6 +125,16 @@ class Breakdown:
                     "log less often (trainer.log_every_n_steps) or take larger steps "
                     "(data.batch_size, trainer.accumulate_grad_batches)")
         return Verdict(kind, line)
+
+
+def _compute_phases(strategy: str, ranks: int) -> str:
+    """What a rank's forward and backward phases hold besides its own compute: the waits of
+    the strategy's collectives, which the host clock cannot tell apart (none on one rank)."""
+    if ranks < 2:
+        return "forward, backward"
+    if strategy == "fsdp":
+        return "forward and backward with FSDP's parameter gathers and gradient reduce-scatters"
+    return "forward, backward with DDP's gradient all-reduce"
 
 
 def _input_advice(num_workers: int, cpus: int, sharded: bool) -> str:
