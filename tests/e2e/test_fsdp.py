@@ -1,9 +1,10 @@
 """distributed.strategy=fsdp through the real CLI on gloo ranks, read back from the real MLflow
 store: a tiny GPT trained by 1 process, DDP at world 2 and FSDP2 at worlds 2 and 3 (also
-compiled, every block recomputing) takes the same steps (loss and weights); validation with uneven
-shards ends (no hang) and stays exact; a job killed mid-epoch at world 2 resumes at world 1 and
-at world 3, under FSDP and DDP, in one run with every step once and the losses of a job never
-killed; the refusals of FSDP's combinations before any rank starts."""
+compiled, every block recomputing, and profiled: each rank's trace) takes the same steps (loss
+and weights); validation with uneven shards ends (no hang) and stays exact; a job killed
+mid-epoch at world 2 resumes at world 1 and at world 3, under FSDP and DDP, in one run with
+every step once and the losses of a job never killed; the refusals of FSDP's combinations
+before any rank starts."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from tests.conftest import (
     history,
     kill_job_after_checkpoints,
     new_store,
+    profiled_ops,
     run_train,
     runs_in,
 )
@@ -46,9 +48,12 @@ VARIANTS = {"single": ("distributed.nproc_per_node=1",),
             # compiled in place, FSDP's and the recompute's hooks outside the graphs (a
             # whole-model compile failed in backward). DDP's recomputing blocks are compiled
             # by the same helper (fsdp.compile_each); DDP's whole-model compile:
-            # tests/e2e/test_precision.py.
+            # tests/e2e/test_precision.py. Profiled too (trainer.profile: steps 4-5), which
+            # must leave its losses alone.
             "fsdp2-compiled": ("distributed.nproc_per_node=2", "distributed.strategy=fsdp",
-                               "trainer.compile=true", "model.activation_checkpointing=blocks"),
+                               "trainer.compile=true", "model.activation_checkpointing=blocks",
+                               "trainer.profile.enabled=true", "trainer.profile.wait=2",
+                               "trainer.profile.active=2"),
             # Micro-batches of 5 (no gradient sync but on the last) and the clipping path on
             # sharded gradients (a bound no step reaches: the reference is not clipped).
             "fsdp2-accumulate": ("distributed.nproc_per_node=2", "distributed.strategy=fsdp",
@@ -74,7 +79,7 @@ def trained(small_tokens: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
                          "val": run.data.metrics["val/loss"],
                          "params": run.data.params, "tags": run.data.tags,
                          "weights": torch.load(out / "model.pt", weights_only=True),
-                         "out": out,
+                         "out": out, "uri": uri, "run_id": run.info.run_id,
                          "log": done.stderr}
     return results
 
@@ -108,6 +113,17 @@ def test_fsdp_trains_in_parity_with_ddp_and_one_process(trained: dict[str, dict]
     assert "trainer.compile under FSDP2: 2 blocks' forwards compiled" in \
         trained["fsdp2-compiled"]["log"]
     assert "activation_checkpointing" not in trained["fsdp2"]["tags"]
+    # trainer.profile under FSDP with compile: each rank's trace, from the run's artifacts,
+    # holds the profiled steps (zero-based), FSDP's gathers and reduce-scatters and the
+    # compiled graphs.
+    profiled = trained["fsdp2-compiled"]
+    assert profiled["tags"]["profile.steps"] == "4-5"
+    ops = profiled_ops(profiled["uri"], profiled["run_id"], profiled["out"] / "downloaded")
+    assert sorted(ops) == [0, 1]
+    for rank, names in ops.items():
+        assert {"ProfilerStep#3", "ProfilerStep#4", "FSDP::all_gather",
+                "FSDP::post_backward_reduce"} <= names, rank
+        assert any(n.startswith("Torch-Compiled Region") for n in names), rank
     # The norm clipping saw, at each logging step: under FSDP the whole gradient's (its shards'
     # norms combined), the same as DDP's; none logged without clipping.
     ddp_norms, fsdp_norms = trained["ddp2"]["grad_norm"], trained["fsdp2-accumulate"]["grad_norm"]
