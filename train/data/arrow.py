@@ -133,22 +133,26 @@ def shard_files(split: Path) -> list[Path]:
     return [split / f["filename"] for f in state["_data_files"]]
 
 
-def shard_rows(files: list[Path]) -> list[int]:
-    """Each shard's row count, from its Arrow stream (memory-mapped: nothing is copied); a
-    truncated or damaged shard is named."""
+def read_shard(path: Path, batches: bool = True) -> tuple[Any, list[Any]]:
+    """A shard's schema and (`batches`) its record batches, memory-mapped: nothing is copied,
+    and the map stays open as long as one of its batches lives (as `datasets` keeps it). A
+    missing, truncated or damaged shard is named."""
     import pyarrow as pa
 
-    rows = []
-    for path in files:
-        if not path.is_file():
-            raise ArrowDataError(f"{path} is missing: the data set is incomplete; write it again.")
-        try:
-            with pa.memory_map(str(path)) as source:
-                rows.append(sum(b.num_rows for b in pa.ipc.open_stream(source)))
-        except (pa.ArrowInvalid, OSError) as e:
-            raise ArrowDataError(f"{path} is truncated or damaged ({e}); write the data set "
-                                 "again.") from None
-    return rows
+    if not path.is_file():
+        raise ArrowDataError(f"{path} is missing: the data set is incomplete; write it again.")
+    try:
+        reader = pa.ipc.open_stream(pa.memory_map(str(path)))
+        return reader.schema, list(reader) if batches else []
+    except (pa.ArrowInvalid, OSError) as e:
+        raise ArrowDataError(f"{path} is truncated or damaged ({e}); write the data set "
+                             "again.") from None
+
+
+def shard_rows(files: list[Path]) -> list[int]:
+    """Each shard's row count, from its Arrow stream; a missing, truncated or damaged shard is
+    named."""
+    return [sum(b.num_rows for b in read_shard(path)[1]) for path in files]
 
 
 def every_shard(layout: Layout) -> list[Path]:

@@ -30,7 +30,7 @@ def text_encoder(cfg: DataConfig, layout: Any, column: str) -> Any:
     from train.data.tokenize import TextEncoder
     from train.data.tokens import TokenDataError
 
-    feature = arrow_split.read_split(layout.splits["train"]).features[column]
+    feature = arrow_split.split_features(layout.splits["train"])[column]
     if not (arrow_split.is_text(feature) or arrow_split.is_words(feature)):
         return None
     if cfg.tokenizer is None:

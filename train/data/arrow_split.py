@@ -21,29 +21,20 @@ from typing import Any
 
 import numpy as np
 
-from train.data.arrow import ArrowDataError, Layout, shard_files
+from train.data.arrow import ArrowDataError, Layout, read_shard, shard_files
 
 
 class ArrowSplit:
     """A split's rows, its shards (`files`, in order) memory-mapped in this process."""
 
     def __init__(self, files: list[Path]) -> None:
-        import pyarrow as pa
-
+        if not files:
+            raise ArrowDataError("a split of the data set lists no shards: write it again.")
         self.files = files
         self._batches: list[Any] = []
-        schema = None
         for path in files:
-            try:  # the map stays open as long as its batches live (as datasets keeps it)
-                reader = pa.ipc.open_stream(pa.memory_map(str(path)))
-                self._batches.extend(reader)
-            except (pa.ArrowInvalid, OSError) as e:
-                raise ArrowDataError(f"{path} is truncated or damaged ({e}); write the data "
-                                     "set again.") from None
-            schema = reader.schema
-        if schema is None:
-            raise ArrowDataError(f"a split of the data set lists no shards ({files}): write it "
-                                 "again.")
+            schema, batches = read_shard(path)
+            self._batches.extend(batches)
         self.schema = schema
         self.features = features_of(schema)
         self._starts = np.cumsum([0, *(b.num_rows for b in self._batches)])
@@ -93,6 +84,15 @@ def read_split(path: Path) -> ArrowSplit:
     return ArrowSplit(shard_files(path))
 
 
+def split_features(path: Path) -> dict[str, Any]:
+    """The columns of the split at `path`, from its first shard's schema alone (every shard
+    of a split has the same): what the column checks need, without mapping every shard."""
+    files = shard_files(path)
+    if not files:
+        raise ArrowDataError(f"{path}: the split lists no shards: write the data set again.")
+    return features_of(read_shard(files[0], batches=False)[0])
+
+
 def kind(feature: Any) -> str:
     """A column's `datasets` feature type (Image, ClassLabel, Value, List, ...)."""
     return str(feature.get("_type", "")) if isinstance(feature, dict) else ""
@@ -118,7 +118,7 @@ def is_words(feature: Any) -> bool:
 
 def holds_text(layout: Layout, column: str) -> bool:
     """The training split's `column` is text or words (tokenized: train/data/sources.py)."""
-    feature = read_split(layout.splits["train"]).features[column]
+    feature = split_features(layout.splits["train"])[column]
     return is_text(feature) or is_words(feature)
 
 
@@ -131,7 +131,7 @@ def columns(layout: Layout, input_column: str, target_column: str) -> tuple[str,
     """data.input_column and data.target_column, or (auto) the manifest's, else the first image
     column (or of INPUTS) and the first of TARGETS; a column the set lacks is named with those
     it has."""
-    features = read_split(layout.splits["train"]).features
+    features = split_features(layout.splits["train"])
     names = list(features)
     recorded = layout.manifest or {}
     if target_column == "auto":
