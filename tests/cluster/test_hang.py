@@ -20,34 +20,42 @@ from tests.conftest import REPO, runs_in, wait_until
 from tests.e2e.test_hang import ENDS_WITHIN_S, STUCK, TIMEOUT_S, USERPKG, _sleep_line
 
 
-@pytest.mark.parametrize(("after", "caller"), [
-    (0, "called from train/data/userdata.py"),  # the first read, before training
-    (20, "called from DataLoader"),  # mid-epoch: 20 samples read, the third step
-], ids=["before-training", "mid-epoch"])
+@pytest.mark.parametrize(("rank", "after", "caller"), [
+    (1, 0, "called from train/data/userdata.py"),  # the first read, before training
+    (1, 20, "called from DataLoader"),  # mid-epoch: 20 samples read, the third step
+    # Rank 0, which alone talks to MLflow, stuck: rank 1 keeps the cause, and the login node
+    # ends the run that rank 0 could not.
+    (0, 20, "called from DataLoader"),
+], ids=["before-training", "mid-epoch", "rank-0-mid-epoch"])
 def test_a_stuck_rank_on_another_node_is_named_with_its_node_and_line(
-        cluster: None, store: dict[str, str], tmp_path: Path, after: int, caller: str) -> None:
+        cluster: None, store: dict[str, str], tmp_path: Path, rank: int, after: int,
+        caller: str) -> None:
     started = time.monotonic()
     result = slurm_job(tmp_path, *(o for o in STUCK if "nproc_per_node" not in o),
-                       f"+data.train.after={after}", "cluster.nodes=2",
-                       "cluster.tasks_per_node=1", "cluster.cpus_per_task=1",
+                       f"+data.train.after={after}", f"+data.train.rank={rank}",
+                       "cluster.nodes=2", "cluster.tasks_per_node=1", "cluster.cpus_per_task=1",
                        env={**store, **USERPKG}, timeout=300)
     took, ended = time.monotonic() - started, time.time()
     assert result.returncode == 1, result.stdout + result.stderr
-    stuck = ("rank 1 on node2 stuck ", f" s in userpkg/data.py:{_sleep_line()} __getitem__ "
-             f"(time.sleep), {caller}")
+    stuck = (f"rank {rank} on node{rank + 1} stuck ",
+             f" s in userpkg/data.py:{_sleep_line()} __getitem__ (time.sleep), {caller}")
     [run] = runs_in(store["MLFLOW_TRACKING_URI"])
     error = run.data.tags["error"]
     assert run.info.status == "FAILED" and error.startswith(stuck[0]) and stuck[1] in error, error
-    assert error in result.stdout + result.stderr
+    assert f"job {_job_id(result.stdout)}: the training job failed; {error}" in result.stderr
     artifacts = MlflowClient(store["MLFLOW_TRACKING_URI"]).list_artifacts(run.info.run_id,
                                                                          "stacks")
     assert sorted(a.path for a in artifacts) == ["stacks/rank-0.txt", "stacks/rank-1.txt"]
     assert took < TIMEOUT_S + 120, f"{took:.0f} s from submission to the job's end"
-    # From the read rank 1 got stuck in (its stacks file's header) to the follower's last
+    # From the read the rank got stuck in (its stacks file's header) to the follower's last
     # line: the local bound, plus Slurm's ending of the step and the follower's polling.
-    hung_at = json.loads((tmp_path / "sweep" / "0" / "stacks" / "rank-1.txt").read_text()
-                         .split("\n")[0][2:])["since"]
+    hung_at = json.loads((tmp_path / "sweep" / "0" / "stacks" / f"rank-{rank}.txt")
+                         .read_text().split("\n")[0][2:])["since"]
     assert ended - hung_at < ENDS_WITHIN_S + 20, f"ended {ended - hung_at:.0f} s after the hang"
+
+
+def _job_id(stdout: str) -> str:
+    return re.search(r"Submitted Slurm job (\d+)", stdout)[1]  # type: ignore[index]
 
 
 def test_status_and_stacks_of_a_running_slurm_job_by_its_id(

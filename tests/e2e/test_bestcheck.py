@@ -6,6 +6,7 @@ keeps the best-so-far and the patience used up; bad settings refused before anyt
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -117,8 +118,11 @@ def test_a_resumed_job_keeps_the_best_so_far_and_the_patience_used(store: dict[s
     assert state["monitor"]["best_epoch"] == 0 and state["monitor"]["bad_evaluations"] == 1
     # Two more allowed epochs: with patience 3 the counter reaches 3 at the 4th epoch and
     # the job stops before its 6th, had it started counting afresh it would run all 6.
+    restarted_at = time.time()
     second = run_train(*common, "trainer.epochs=6", env=store)
     assert second.returncode == 0, second.stderr
+    # This start's first step is its own (also where the MLflow sender is let go at once).
+    assert json.loads((out / "summary.json").read_text())["first_step_at"] > restarted_at
     uri = store["MLFLOW_TRACKING_URI"]
     run = _one_run(uri)
     assert [s for s, _ in history(uri, run.info.run_id, "val/accuracy")] == [1, 2, 3, 4]

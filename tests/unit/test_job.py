@@ -219,3 +219,25 @@ def test_a_slurm_jobs_closing_line_shows_its_val_and_test_metrics(
     printed = capsys.readouterr().out
     assert "MLflow run r1 FINISHED  val/accuracy=0.8412  test/accuracy=0.8\n" in printed
     assert "http://mlflow:5000/#/experiments/1/runs/r1" in printed
+
+
+def test_a_failed_slurm_jobs_log_shown_is_the_rank_with_an_error_of_its_own(
+        tmp_path: Path) -> None:
+    """srun writes into rank 0's log that a peer exited and the step was cancelled: the log
+    shown is still rank 1's, whose own error says why."""
+    from types import SimpleNamespace
+
+    from train.launch import follow
+
+    logs = {0: ["[rank 0][INFO] model: ...", "srun: error: node2: task 1: Exited with exit code 1",
+                "slurmstepd-node1: error: *** STEP 7.0 ON node1 CANCELLED ***"],
+            1: ["[rank 1][ERROR] Submitted job triggered an exception",
+                "[rank1]: RuntimeError: Timed out waiting 10000ms for recv operation"]}
+    for rank, lines in logs.items():
+        (tmp_path / f"7_{rank}_log.err").write_text("\n".join(lines) + "\n")
+    job = SimpleNamespace(num_tasks=2, task=lambda r: SimpleNamespace(paths=SimpleNamespace(
+        stderr=tmp_path / f"7_{r}_log.err")))
+    shown = follow.failing_log_tail(job)
+    assert shown.startswith(f"--- {tmp_path / '7_1_log.err'} ") and "Timed out waiting" in shown
+    (tmp_path / "7_1_log.err").write_text("[rank 1][INFO] killed\n")  # no rank has an error
+    assert follow.failing_log_tail(job).startswith(f"--- {tmp_path / '7_0_log.err'} ")

@@ -73,6 +73,8 @@ class JobEnding:
         if main:
             self._log_stacks()
             self._keep_failure(reason, trace)
+        elif 0 in silent:  # rank 0, which keeps the cause, is stuck or dead: this rank does
+            self._write_failure(reason, trace)
         if main and ending_run is not None:
             ending_run()
         self.logger.finish(error=reason)
@@ -115,12 +117,17 @@ class JobEnding:
     def _keep_failure(self, reason: str, trace: str | None) -> None:
         """The cause in the output directory (FAILURE_FILE) and train.log, the tracebacks of
         the ranks that failed first, in the run."""
-        record = {"cause": reason, "trace": trace, "at": time.time()}
-        with contextlib.suppress(OSError):
-            (self.out / FAILURE_FILE).write_text(json.dumps(record) + "\n")
+        self._write_failure(reason, trace)
         if (self.out / "train.log").exists():
             self.logger.run.log(records.ArtifactFile(str(self.out / "train.log")))
         self.logger.rank_files(self.out / rankfiles.MEMORY_DIR, "rank-*.pickle")
+
+    def _write_failure(self, reason: str, trace: str | None) -> None:
+        """The cause in the output directory (FAILURE_FILE): what the login node shows of a
+        Slurm job, and how it ends a run whose rank 0 could not (train/launch/follow.py)."""
+        record = {"cause": reason, "trace": trace, "at": time.time(), "rank": self.env.rank}
+        with contextlib.suppress(OSError):
+            (self.out / FAILURE_FILE).write_text(json.dumps(record) + "\n")
 
     def _log_stacks(self) -> None:
         """The ranks' stacks (dumped after a collective timed out) as the run's artifacts."""

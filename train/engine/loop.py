@@ -190,7 +190,7 @@ def train_epoch(cfg: TrainConfig, state: TrainState, batches: Batches, device: t
         window_steps += 1
         if duties.profiler is not None:
             duties.profiler.step()
-        if state.step == 1:
+        if duties.logger.first_step_at is None:  # this start's first step (also a resumed one)
             phase.enter("tracking")  # rank 0 starts its MLflow sender: not the optimiser's
             duties.logger.first_step()
         drill.check(duties.fail_at, state.step, duties.rank)

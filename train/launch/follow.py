@@ -107,10 +107,18 @@ def failing_log_tail(job: Any, lines: int = 40) -> str:
             continue
         text = path.read_text(errors="replace").splitlines()
         tail = f"--- {path} (last {lines} lines) ---\n" + "\n".join(text[-lines:])
-        if any("Error" in line or "Traceback" in line or "error:" in line for line in text):
+        if any(_own_error(line) for line in text):
             return tail
         fallback = fallback or tail
     return fallback or "(no rank log found)"
+
+
+def _own_error(line: str) -> bool:
+    """Whether a rank's log line is an error of its own: srun and slurmstepd write into the
+    first rank's log that a peer exited and the step was cancelled, which says nothing of why."""
+    if line.startswith(("srun:", "slurmstepd")):
+        return False
+    return "Error" in line or "Traceback" in line or "error:" in line
 
 
 @dataclass
@@ -259,5 +267,19 @@ def _failure_block(job: Any, where: JobPlace | None, since: float) -> str | None
         return None
     if at < since:
         return None
+    if record.get("rank", 0) != 0:  # kept by another rank: rank 0 could not end its run
+        _end_run_left_running(where.out, since, cause)
     return failure_block(cause, where.out, where.command, record.get("trace"), where.placed,
                          logs=f"{_log_paths(job)[0].parent}/", since=since)
+
+
+def _end_run_left_running(out: Path, since: float, cause: str) -> None:
+    """The run of a job whose rank 0 was stuck or dead when another rank kept the cause
+    (failure.json): still RUNNING, as the job was ended under it. Rank 0 alone talks to MLflow
+    in a job; the login node, which outlives the job, ends the run FAILED with that cause and
+    the ranks' stacks."""
+    from train.distributed.rankfiles import STACKS_DIR
+    from train.tracking import abandoned
+
+    abandoned.end_with_cause(out, since, cause, replace_error=False, stacks=out / STACKS_DIR,
+                             announce=False)  # the failure's block shows the cause and run

@@ -198,7 +198,8 @@ def _end_abandoned_run(output_dir: str, started: float, exits: dict[int, int | N
         return
     from train.tracking import abandoned
 
-    abandoned.end_with_cause(Path(output_dir), started, cause)
+    abandoned.end_with_cause(Path(output_dir), started, cause,
+                             stacks=Path(output_dir) / rankfiles.STACKS_DIR)
 
 
 def _supervise(procs: list[mp.Process], ending: list[Event] | None = None,

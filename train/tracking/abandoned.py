@@ -39,11 +39,15 @@ def recorded_run(output_dir: Path, since: float) -> dict[str, str] | None:
         return None
 
 
-def end_with_cause(output_dir: Path, since: float, cause: str) -> str | None:
+def end_with_cause(output_dir: Path, since: float, cause: str, *, replace_error: bool = True,
+                   stacks: Path | None = None, announce: bool = True) -> str | None:
     """Mark the job's run FAILED with `cause` if it is still RUNNING; if rank 0 already marked
-    it FAILED with what it saw (a peer's closed connection), `cause` replaces that error. A run
-    FINISHED or KILLED is left as it is. Returns the run id changed, if any. Best effort: the
-    job has failed already; an unreachable store only costs the tag."""
+    it FAILED with what it saw (a peer's closed connection), `cause` replaces that error unless
+    `replace_error` is false. A run FINISHED or KILLED is left as it is. `stacks`: the ranks'
+    stack dumps, logged as the run's artifacts when it was left RUNNING (rank 0 logs them when
+    it ends the run itself). `announce`: log that the run was marked (not where the caller
+    shows the cause itself). Returns the run id changed, if any. Best effort: the job has
+    failed already; an unreachable store only costs the tag."""
     found = job_run(output_dir, since)
     if found is None:
         return None
@@ -53,13 +57,16 @@ def end_with_cause(output_dir: Path, since: float, cause: str) -> str | None:
 
         mlflow_client = MlflowClient(tracking_uri=uri)
         status = mlflow_client.get_run(run_id).info.status
-        if status not in ("RUNNING", "FAILED"):
+        if status != "RUNNING" and (status != "FAILED" or not replace_error):
             return None
         mlflow_client.set_tag(run_id, ERROR_TAG, cause)
         if status == "RUNNING":
+            for dump in sorted(stacks.glob("rank-*.txt")) if stacks is not None else []:
+                mlflow_client.log_artifact(run_id, str(dump), stacks.name)
             mlflow_client.set_terminated(run_id, "FAILED")
     except Exception as e:  # noqa: BLE001 - never hide the job's own failure behind this
         log.warning("could not mark MLflow run %s FAILED (%s): %s", run_id, cause, e)
         return None
-    log.error("MLflow run %s marked FAILED: %s", run_id, cause)
+    if announce:
+        log.error("MLflow run %s marked FAILED: %s", run_id, cause)
     return run_id
