@@ -26,6 +26,7 @@ from train.data import shard_guard
 from train.data.tempdir import temp_dir_problem
 from train.distributed import devices
 from train.distributed.stopping import ignore_in_worker
+from train.distributed.workers import iter_with_born_workers
 from train.errors import ConfigError
 
 
@@ -110,7 +111,7 @@ class Batches:
         """The loader's batches. A reader that died because a memory-mapped shard changed
         under it is told as that (shard_guard)."""
         try:
-            yield from self.loader  # type: ignore[misc]
+            yield from iter_with_born_workers(self.loader)
         except Exception as e:
             if (named := shard_guard.named(e)) is not e:
                 raise named from e

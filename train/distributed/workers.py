@@ -1,18 +1,22 @@
 """DataLoader workers' stacks: a worker stuck in a user's `__getitem__` is where its rank is
 stuck. Each worker (forked from its rank, the rank's watch inherited) answers SIGUSR1 into a
 dump file of its own; the rank's watchdog asks its live workers when it dumps its own stacks
-(train/distributed/watch.py). Not importing watch.py (which imports this): the worker's rank
-is passed in (`in_worker`), the files' layout is rankfiles.py's."""
+(train/distributed/watch.py). A worker that never comes out of its fork (a lock inherited
+held) is replaced (`iter_with_born_workers`). Not importing watch.py (which imports this): the
+worker's rank is passed in (`in_worker`), the files' layout is rankfiles.py's."""
 
 from __future__ import annotations
 
 import contextlib
 import faulthandler
 import json
+import logging
 import os
+import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Protocol, TextIO
+from typing import Any, Protocol, TextIO
 
 from train.distributed.rankfiles import (
     POLL_S,
@@ -21,6 +25,8 @@ from train.distributed.rankfiles import (
     header,
     worker_dump_path,
 )
+
+log = logging.getLogger("train")
 
 
 class Owner(Protocol):
@@ -174,3 +180,65 @@ def _kernel_state(pid: int) -> str:
         return f"state {state}; threads waiting in {', '.join(threads)}"
     except OSError as e:
         return f"unknown ({e.strerror})"
+
+
+BIRTH_S = 10.0
+"""How long a new worker may take to come out of fork() (its birth dump file written); one that
+has not by then is stuck inside fork itself, on a C lock another thread of the rank held."""
+BIRTH_TRIES = 3
+"""Iterators made (their workers forked) before a stuck worker is left to the hang watch."""
+_born: set[int] = set()
+"""The workers seen born (persistent workers are checked once)."""
+
+
+def iter_with_born_workers(loader: Any) -> Iterator[Any]:
+    """`iter(loader)`, its new workers seen to come out of their fork: a worker that does not
+    within BIRTH_S is killed and the loader's workers made again, with a warning. A rank's
+    gloo and MLflow threads run while it forks its workers, and a child of a multithreaded
+    process can wait forever for a lock one of them held (the stall this ends cost a rank
+    distributed.timeout_s and the job). Without a watch (no birth files) it is iter(loader)."""
+    own, tries = _owner, 1
+    while True:
+        batches = iter(loader)
+        workers = getattr(batches, "_workers", None)
+        if own is None or not workers or tries == BIRTH_TRIES:
+            return batches
+        stuck = _unborn(own, [w.pid for w in workers if w.pid not in _born])
+        if not stuck:
+            return batches
+        log.warning("rank %d: DataLoader worker(s) %s stuck inside fork() for %.0f s (a lock "
+                    "another thread held as they were forked): their loader's workers are "
+                    "started again", own.rank, ", ".join(f"pid {p}" for p in stuck), BIRTH_S)
+        _discard(loader, batches, stuck)
+        tries += 1
+
+
+def _unborn(own: Owner, pids: list[int]) -> list[int]:
+    """Those of `pids` whose birth dump file (named with their pid; worker_init_fn renames it
+    with the worker's number) is not there within BIRTH_S."""
+    deadline = time.monotonic() + BIRTH_S
+    files = {pid: worker_dump_path(own.out, own.rank, f"*.{pid}") for pid in pids}
+    while True:
+        for pid, path in list(files.items()):
+            if next(path.parent.glob(path.name), None) is not None:
+                _born.add(pid)
+                del files[pid]
+        if not files or time.monotonic() > deadline:
+            return sorted(files)
+        time.sleep(0.01)
+
+
+def _discard(loader: Any, batches: Any, stuck: list[int]) -> None:
+    """Shut `batches` down (the stuck workers killed: their signal handlers, inherited, would
+    only note a TERM) without torch's SIGCHLD check taking their death for a crash."""
+    from torch.utils.data import _utils
+
+    if getattr(batches, "_worker_pids_set", False):
+        _utils.signal_handling._remove_worker_pids(id(batches))
+        batches._worker_pids_set = False
+    for pid in stuck:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    batches._shutdown_workers()
+    if getattr(loader, "_iterator", None) is batches:  # persistent workers: made anew
+        loader._iterator = None
