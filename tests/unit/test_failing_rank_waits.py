@@ -5,20 +5,24 @@ being created then was never created. Two real gloo ranks (issue 39's CI failure
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import socket
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from train.config.cluster import ClusterConfig
 from train.config.groups import TrainConfig
 from train.distributed import process_group as distributed
+from train.distributed import watch
 from train.distributed.env import DistEnv
 from train.engine.drill import FailureDrill
 from train.engine.ending import RUN_WAIT_S, JobEnding
+from train.errors import FAILURE_FILE
 from train.report.progress import Progress
 from train.report.runlog import RunLogger
 from train.tracking.backend import RUN_FILE, NullRun
@@ -81,3 +85,53 @@ def test_outside_slurm_a_failing_rank_leaves_at_once(tmp_path: Path) -> None:
     ranks may not share a directory where rank 0's run file would be."""
     times = _left_after(tmp_path, slurm=False, writes_run=True)
     assert times["left"] < times["run"], times
+
+
+def _rank_after_rank_0_left(rank: int, port: int, out: Path, rank_0_writes: bool,
+                            gone: mp.Event) -> None:  # type: ignore[type-arg]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    env = DistEnv(rank, rank, 2, 2, "127.0.0.1", port, "slurm")
+    distributed.init(env, "gloo", torch.device("cpu"), 5)  # the store's reconnects: 5 s
+    if rank == 0:  # failed of a peer's error: kept the cause, ended its run and left
+        if rank_0_writes:
+            (out / FAILURE_FILE).write_text(json.dumps(
+                {"cause": "rank 3 on node2: FailureDrill", "at": time.time(), "rank": 0}))
+        gone.set()
+        os._exit(0)
+    watch.start(out, rank, 2)  # its start time tells this start's cause from an earlier one's
+    gone.wait(30)
+    while distributed.main_answers():  # until rank 0's process (the store) is gone
+        time.sleep(0.05)
+    cfg = TrainConfig(cluster=ClusterConfig())
+    logger = RunLogger(cfg, NullRun(), Progress(False, 1, 1))
+    JobEnding(cfg, env, out, "python -m train", logger).failed(
+        RuntimeError("Connection closed by peer [127.0.0.1]:1234"), None)
+    os._exit(0)
+
+
+@pytest.mark.parametrize("rank_0_writes", [True, False], ids=["kept-by-rank-0", "earlier-one"])
+def test_a_rank_that_finds_rank_0_gone_keeps_the_cause_only_if_rank_0_did_not(
+        tmp_path: Path, rank_0_writes: bool) -> None:
+    """Rank 0 gone when rank 1 fails of a lost peer: if rank 0 kept this start's cause before it
+    left, that stays (the login node shows it); else rank 1 keeps its own, over the cause of an
+    earlier start."""
+    earlier = {"cause": "an earlier start's", "at": time.time() - 3600, "rank": 0}
+    (tmp_path / FAILURE_FILE).write_text(json.dumps(earlier))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("fork")
+    gone = ctx.Event()
+    procs = [ctx.Process(target=_rank_after_rank_0_left,
+                         args=(r, port, tmp_path, rank_0_writes, gone)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0, p.exitcode
+    kept = json.loads((tmp_path / FAILURE_FILE).read_text())
+    if rank_0_writes:
+        assert kept["cause"] == "rank 3 on node2: FailureDrill" and kept["rank"] == 0
+    else:
+        assert kept["rank"] == 1 and kept["cause"].startswith("rank 0 on ")
+        assert "stopped answering" in kept["cause"]

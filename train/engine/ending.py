@@ -19,7 +19,7 @@ from pathlib import Path
 
 from train.config.groups import TrainConfig
 from train.distributed import process_group as distributed
-from train.distributed import rankfiles, slurm, stacks
+from train.distributed import rankfiles, slurm, stacks, watch
 from train.distributed.env import DistEnv
 from train.distributed.stopping import Preempted
 from train.engine import checkpoint_folder
@@ -73,7 +73,7 @@ class JobEnding:
         if main:
             self._log_stacks()
             self._keep_failure(reason, trace)
-        elif 0 in silent:  # rank 0, which keeps the cause, is stuck or dead: this rank does
+        elif 0 in silent and not self._cause_kept():  # rank 0 is stuck, or died unheard
             self._write_failure(reason, trace)
         if main and ending_run is not None:
             ending_run()
@@ -128,6 +128,17 @@ class JobEnding:
         record = {"cause": reason, "trace": trace, "at": time.time(), "rank": self.env.rank}
         with contextlib.suppress(OSError):
             (self.out / FAILURE_FILE).write_text(json.dumps(record) + "\n")
+
+    def _cause_kept(self) -> bool:
+        """Whether this start of the job has its cause in FAILURE_FILE already: rank 0 that
+        failed of a peer's error wrote it, ended its run and left before this rank found it
+        gone (and took it for silent). Without a watch (its start time), any file counts."""
+        own = watch.current()
+        try:
+            at = float(json.loads((self.out / FAILURE_FILE).read_text())["at"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        return own is None or at >= own.started - watch.START_SKEW_S
 
     def _log_stacks(self) -> None:
         """The ranks' stacks (dumped after a collective timed out) as the run's artifacts."""
