@@ -83,6 +83,12 @@ def cluster(slurm_cluster: None, request: pytest.FixtureRequest) -> Iterator[Non
     assert leftover == "", f"jobs left behind by {request.node.name}: {leftover}"
 
 
+def job_id(stdout: str) -> str:
+    """The Slurm job id the login node announced ("Submitted Slurm job N: ..."; an array's
+    "N_0" as N)."""
+    return stdout.split("Submitted Slurm job ")[1].split(":")[0].split("_")[0]
+
+
 def slurm_job(tmp_path: Path, *overrides: str, env: dict[str, str] | None = None,
               timeout: float = 420) -> subprocess.CompletedProcess[str]:
     """`python -m train +cluster=slurm <overrides>` on the debug partition, followed to its

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from tests.cluster.conftest import slurm_job
+from tests.cluster.conftest import job_id, slurm_job
 from tests.conftest import REPO, runs_in, wait_until
 from tests.e2e.test_hang import ENDS_WITHIN_S, STUCK, TIMEOUT_S, USERPKG, _sleep_line
 
@@ -42,7 +42,7 @@ def test_a_stuck_rank_on_another_node_is_named_with_its_node_and_line(
     [run] = runs_in(store["MLFLOW_TRACKING_URI"])
     error = run.data.tags["error"]
     assert run.info.status == "FAILED" and error.startswith(stuck[0]) and stuck[1] in error, error
-    assert f"job {_job_id(result.stdout)}: the training job failed; {error}" in result.stderr
+    assert f"job {job_id(result.stdout)}: the training job failed; {error}" in result.stderr
     artifacts = MlflowClient(store["MLFLOW_TRACKING_URI"]).list_artifacts(run.info.run_id,
                                                                          "stacks")
     assert sorted(a.path for a in artifacts) == ["stacks/rank-0.txt", "stacks/rank-1.txt"]
@@ -52,10 +52,6 @@ def test_a_stuck_rank_on_another_node_is_named_with_its_node_and_line(
     hung_at = json.loads((tmp_path / "sweep" / "0" / "stacks" / f"rank-{rank}.txt")
                          .read_text().split("\n")[0][2:])["since"]
     assert ended - hung_at < ENDS_WITHIN_S + 20, f"ended {ended - hung_at:.0f} s after the hang"
-
-
-def _job_id(stdout: str) -> str:
-    return re.search(r"Submitted Slurm job (\d+)", stdout)[1]  # type: ignore[index]
 
 
 def test_status_and_stacks_of_a_running_slurm_job_by_its_id(

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import psutil
 
-from tests.cluster.conftest import listed_by_squeue, slurm_job
+from tests.cluster.conftest import job_id, listed_by_squeue, slurm_job
 from tests.conftest import REPO, USER_PATH, command_line, history, runs_in, wait_until
 
 TWO_NODES = ("cluster.nodes=2", "cluster.tasks_per_node=1", "cluster.cpus_per_task=1",
              "data.batch_size=64")
 
 
-def _processes_of(job_id: str, node: str) -> list[psutil.Process]:
+def _processes_of(job: str, node: str) -> list[psutil.Process]:
     """A job's processes on one node: its ranks (by their Slurm environment), their children
     (DataLoader workers) and the slurmstepd above them."""
     found: dict[int, psutil.Process] = {}
@@ -30,16 +30,12 @@ def _processes_of(job_id: str, node: str) -> list[psutil.Process]:
             env = p.environ()
         except (psutil.Error, OSError):
             continue
-        if env.get("SLURM_JOB_ID") == job_id and env.get("SLURMD_NODENAME") == node \
+        if env.get("SLURM_JOB_ID") == job and env.get("SLURMD_NODENAME") == node \
                 and "submitit" in command_line(p):
             found.update({q.pid: q for q in [p, *p.children(recursive=True)]})
             if (parent := p.parent()) is not None and "slurmstepd" in parent.name():
                 found[parent.pid] = parent
     return list(found.values())
-
-
-def _job_id(stdout: str) -> str:
-    return stdout.split("Submitted Slurm job ")[1].split(":")[0].split("_")[0]
 
 
 def _train(tmp_path: Path, store: dict[str, str], *overrides: str) -> subprocess.Popen[str]:
@@ -81,7 +77,7 @@ def test_a_dead_node_ends_the_job_in_seconds_and_a_resume_finishes_clean(
     proc = _train(tmp_path, store, *overrides)
     head = _read_until(proc, ": RUNNING", 180)
     assert "UNKNOWN" not in head  # the first state shown is a real one
-    job = _job_id(head)
+    job = job_id(head)
     checkpoints = tmp_path / "sweep" / "0" / "checkpoints"
     wait_until(lambda: list(checkpoints.glob("step-*.pt")), 180, "the first checkpoint")
     victims = wait_until(lambda: _processes_of(job, "node2"), 30, "node2's processes")
@@ -129,7 +125,7 @@ def test_ctrl_c_while_following_leaves_the_jobs_to_finish_the_sweep(
     proc = _train(tmp_path, store, "-m", "optim.lr=0.1,0.02", "trainer.epochs=2",
                   "tracking.log_model=false")
     head = _read_until(proc, ": RUNNING", 180)
-    job = _job_id(head)
+    job = job_id(head)
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, head + stdout + stderr
@@ -173,7 +169,7 @@ def running_an_epoch(tmp_path: Path, store: dict[str, str],
     Slurm job id)."""
     proc = _train(tmp_path, store, *overrides, "trainer.epochs=200", "trainer.checkpoint_every=0",
                   "trainer.log_every_n_steps=1", "tracking.log_model=false")
-    job = _job_id(_read_until(proc, ": RUNNING", 180))
+    job = job_id(_read_until(proc, ": RUNNING", 180))
     log = tmp_path / "sweep" / "0" / "train.log"
     wait_until(lambda: log.exists() and "epoch 1/200" in log.read_text(), 240, "an epoch")
     return proc, job
