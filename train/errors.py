@@ -6,12 +6,17 @@ Hydra launchers (hydra_plugins/train_launcher) and the Slurm follower test `isin
 class names. Wings raise these (or their own subclasses, e.g. `UserCodeError`, `WeightsError`,
 `TrackingError`), so a new refusal needs no new `except` anywhere.
 
-Imports nothing: any wing may raise these, and `--help` stays fast.
+Imports only the standard library: any wing may raise these, and `--help` stays fast.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import signal
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 FAILURE_REASON = "train_failure_reason"
 """The attribute a rank's failing exception carries its one-line cause in (the run's error, as
@@ -20,12 +25,53 @@ SILENT_RANKS = "train_silent_ranks"
 """The attribute that carries the ranks that stopped answering (stuck, frozen or dead): the
 local launcher stops them as soon as every other rank has ended."""
 FAILURE_FILE = "failure.json"
-"""Rank 0's account of a failed job in its output directory (train/engine/ending.py): the cause
-(the run's error), the user's trimmed traceback and when. The Slurm follower on the login node
-shows it as the local launcher shows what its ranks send back (train/launch/follow.py)."""
+"""A failed job's account in its output directory (FailureRecord)."""
 USER_TRACE = "train_user_traceback"
 """The attribute that carries an error raised in the user's code as its traceback trimmed to
 the user's frames (train/distributed/stacks.py user_traceback), for the terminal's block."""
+
+
+@dataclass(frozen=True)
+class FailureRecord:
+    """A failed job's account in its output directory (FAILURE_FILE), kept by rank 0 - or by
+    the rank that found rank 0 silent (train/engine/ending.py). The Slurm follower on the login
+    node shows it as the local launcher shows what its ranks send back (train/launch/follow.py);
+    `python -m train sweep status` reads a job's state from it (train/sweep.py)."""
+
+    cause: str
+    """The run's error: the one line the terminal shows."""
+    trace: str | None
+    """The user's traceback trimmed to the user's frames, where the error was raised there."""
+    at: float
+    """When it was kept (time.time()): a record older than a start is an earlier start's."""
+    rank: int = 0
+    """Who kept it: a rank other than 0 means rank 0 could not end its run."""
+
+    @classmethod
+    def now(cls, cause: str, trace: str | None, rank: int) -> FailureRecord:
+        return cls(cause, trace, time.time(), rank)
+
+    def write(self, out: Path) -> None:
+        """Into `out` (best effort: a full or gone disk must not hide the error itself)."""
+        with contextlib.suppress(OSError):
+            (out / FAILURE_FILE).write_text(json.dumps(asdict(self)) + "\n")
+
+    @classmethod
+    def read(cls, out: Path) -> FailureRecord | None:
+        """The record in `out`, or None where there is none or it cannot be read (a file cut
+        short by a killed rank, or written by an older version without a field)."""
+        try:
+            found = json.loads((out / FAILURE_FILE).read_text())
+            trace = found.get("trace")
+            return cls(str(found["cause"]), None if trace is None else str(trace),
+                       float(found["at"]), int(found.get("rank", 0)))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+
+    @staticmethod
+    def remove(out: Path) -> None:
+        with contextlib.suppress(OSError):
+            (out / FAILURE_FILE).unlink(missing_ok=True)
 
 
 class TrainError(Exception):

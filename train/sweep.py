@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from train.errors import FailureRecord
+
 
 def __getattr__(name: str) -> object:
     """`train.sweep` was the sweep's parent-run module (now train/tracking/sweep.py): its names
@@ -86,12 +88,11 @@ def _grid_status(sweep_dir: Path, record: dict[str, Any]) -> int:
 
 
 def _job_state(job: Path) -> tuple[str, str]:
-    summary, failure = job / "summary.json", job / "failure.json"
-    if summary.exists() and (not failure.exists()
-                             or summary.stat().st_mtime >= failure.stat().st_mtime):
+    summary, failure = job / "summary.json", FailureRecord.read(job)
+    if summary.exists() and (failure is None or summary.stat().st_mtime >= failure.at):
         return "FINISHED", ""
-    if failure.exists():
-        return "FAILED", f"  {_json(failure).get('cause', '')}"
+    if failure is not None:
+        return "FAILED", f"  {failure.cause}"
     if not any((job / name).exists() for name in ("ranks", "mlflow_run.json", "checkpoints")):
         return "not started", ""  # no rank got as far as its heartbeat (Hydra's files only)
     return "not finished", "  (running, stopped or killed)"

@@ -241,3 +241,26 @@ def test_a_failed_slurm_jobs_log_shown_is_the_rank_with_an_error_of_its_own(
     assert shown.startswith(f"--- {tmp_path / '7_1_log.err'} ") and "Timed out waiting" in shown
     (tmp_path / "7_1_log.err").write_text("[rank 1][INFO] killed\n")  # no rank has an error
     assert follow.failing_log_tail(job).startswith(f"--- {tmp_path / '7_0_log.err'} ")
+
+
+def test_a_failure_record_cut_short_or_from_an_older_start_shows_no_block(tmp_path: Path) -> None:
+    """The login node reads the cause a rank kept (failure.json): shown where it is whole and
+    of this submission; a file a killed rank cut short, or an earlier start's, is not taken for
+    this job's cause (its log's tail is shown instead)."""
+    from types import SimpleNamespace
+
+    from train.errors import FAILURE_FILE, FailureRecord
+    from train.launch import follow
+
+    where = follow.JobPlace(out=tmp_path, command="python -m train", placed=[])
+    job = SimpleNamespace(job_id="7", task=lambda r: SimpleNamespace(paths=SimpleNamespace(
+        stdout=tmp_path / f"7_{r}_log.out", stderr=tmp_path / f"7_{r}_log.err")))
+    FailureRecord.now("ValueError: bad label 11", None, rank=0).write(tmp_path)
+    assert FailureRecord.read(tmp_path).cause == "ValueError: bad label 11"
+    block = follow._failure_block(job, where, since=0.0)
+    assert block is not None and "ValueError: bad label 11" in block
+    assert follow._failure_block(job, where, since=FailureRecord.read(tmp_path).at + 1) is None
+    whole = (tmp_path / FAILURE_FILE).read_text()
+    (tmp_path / FAILURE_FILE).write_text(whole[: len(whole) // 2])
+    assert FailureRecord.read(tmp_path) is None
+    assert follow._failure_block(job, where, since=0.0) is None

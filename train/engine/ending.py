@@ -10,7 +10,6 @@ that decide what happens next live here, each deciding its own rank-0 part:
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 import traceback
@@ -23,7 +22,7 @@ from train.distributed import rankfiles, slurm, stacks, watch
 from train.distributed.env import DistEnv
 from train.distributed.stopping import Preempted
 from train.engine import checkpoint_folder
-from train.errors import FAILURE_FILE, FAILURE_REASON, SILENT_RANKS, USER_TRACE
+from train.errors import FAILURE_REASON, SILENT_RANKS, USER_TRACE, FailureRecord
 from train.report.runlog import RunLogger
 from train.tracking import records, sweep
 from train.tracking.backend import RUN_FILE
@@ -123,33 +122,28 @@ class JobEnding:
         self.logger.rank_files(self.out / rankfiles.MEMORY_DIR, "rank-*.pickle")
 
     def _write_failure(self, reason: str, trace: str | None) -> None:
-        """The cause in the output directory (FAILURE_FILE): what the login node shows of a
+        """The cause in the output directory (FailureRecord): what the login node shows of a
         Slurm job, and how it ends a run whose rank 0 could not (train/launch/follow.py)."""
-        record = {"cause": reason, "trace": trace, "at": time.time(), "rank": self.env.rank}
-        with contextlib.suppress(OSError):
-            (self.out / FAILURE_FILE).write_text(json.dumps(record) + "\n")
+        FailureRecord.now(reason, trace, self.env.rank).write(self.out)
 
     def _cause_kept(self) -> bool:
-        """Whether this start of the job has its cause in FAILURE_FILE already: rank 0 that
+        """Whether this start of the job has its cause in FailureRecord already: rank 0 that
         failed of a peer's error wrote it, ended its run and left before this rank found it
-        gone (and took it for silent). Without a watch (its start time), any file counts."""
-        own = watch.current()
-        try:
-            at = float(json.loads((self.out / FAILURE_FILE).read_text())["at"])
-        except (OSError, ValueError, KeyError, TypeError):
+        gone (and took it for silent). Without a watch (its start time), any record counts."""
+        own, kept = watch.current(), FailureRecord.read(self.out)
+        if kept is None:
             return False
-        return own is None or at >= own.started - watch.START_SKEW_S
+        return own is None or kept.at >= own.started - watch.START_SKEW_S
 
     def _log_stacks(self) -> None:
         """The ranks' stacks (dumped after a collective timed out) as the run's artifacts."""
         self.logger.rank_files(self.out / rankfiles.STACKS_DIR, "rank-*.txt")
 
     def finished(self) -> None:
-        """After the run ended FINISHED: an earlier start's cause (FAILURE_FILE) is no longer
+        """After the run ended FINISHED: an earlier start's cause (FailureRecord) is no longer
         the job's; the last job of an unwaited sweep ends its parent."""
         if self.env.is_main:
-            with contextlib.suppress(OSError):
-                (self.out / FAILURE_FILE).unlink(missing_ok=True)
+            FailureRecord.remove(self.out)
             sweep.end_parent_if_last(self.cfg.tracking, self.cfg.trainer.objective,
                                      self.cfg.trainer.objective_direction)
 

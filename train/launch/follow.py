@@ -5,8 +5,8 @@ of three ways, each told the way a local job tells it: finished (its run id, fin
 how to view it, read from the files its rank 0 wrote: summary.json and mlflow_run.json), stopped
 at its time limit without a requeue (where its checkpoint is and the command that resumes it),
 or failed (the block a local job shows: the cause, what was kept and the command that resumes,
-from the failure.json its rank 0 wrote; the end of the failing rank's log where no rank could
-write one). Light: no torch or mlflow.
+from the failure.json its rank 0 - or the rank that found rank 0 silent - wrote; the end of the
+failing rank's log where no rank could write one). Light: no torch or mlflow.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 from train.config.groups import typed_by_user
 from train.distributed.slurm import time_limit_note
-from train.errors import FAILURE_FILE, StoppedBySignal
+from train.errors import FailureRecord, StoppedBySignal
 from train.launch.joblock import squeue_states
 from train.launch.outcomes import failure_block
 
@@ -258,18 +258,12 @@ def report_failures(jobs: Sequence[Any], failed: Sequence[Any],
 
 
 def _failure_block(job: Any, where: JobPlace | None, since: float) -> str | None:
-    if where is None:
+    record = None if where is None else FailureRecord.read(where.out)
+    if where is None or record is None or record.at < since:
         return None
-    try:
-        record = json.loads((where.out / FAILURE_FILE).read_text())
-        cause, at = str(record["cause"]), float(record["at"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    if at < since:
-        return None
-    if record.get("rank", 0) != 0:  # kept by another rank: rank 0 could not end its run
-        _end_run_left_running(where.out, since, cause)
-    return failure_block(cause, where.out, where.command, record.get("trace"), where.placed,
+    if record.rank != 0:  # kept by another rank: rank 0 could not end its run
+        _end_run_left_running(where.out, since, record.cause)
+    return failure_block(record.cause, where.out, where.command, record.trace, where.placed,
                          logs=f"{_log_paths(job)[0].parent}/", since=since)
 
 
