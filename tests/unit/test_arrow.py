@@ -7,6 +7,7 @@ cases named at pre-flight (train/data/shards.py, train/data/arrow.py)."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 import shutil
@@ -277,6 +278,12 @@ def test_bad_shards_are_named_before_any_rank_starts(tmp_path: Path) -> None:
     (tmp_path / "copy" / "validation" / "state.json").unlink()
     with pytest.raises(arrow.ArrowDataError, match=f"{tmp_path / 'copy' / 'validation'}: no "
                                                    "state.json"):
+        arrow.check(tmp_path / "copy")
+    state = json.loads((tmp_path / "copy" / "train" / "state.json").read_text())
+    (tmp_path / "copy" / "train" / "state.json").write_text(json.dumps({**state,
+                                                                        "_data_files": []}))
+    with pytest.raises(arrow.ArrowDataError, match=f"{tmp_path / 'copy' / 'train'}: the split "
+                                                   "lists no shards"):
         arrow.check(tmp_path / "copy")
     assert len(digest) == 8
 

@@ -125,12 +125,17 @@ def hub_cache(name: str) -> Path:
 
 def shard_files(split: Path) -> list[Path]:
     """A split's Arrow files: those its state.json lists (save_to_disk), or in a cache
-    directory (`split` = the directory / the split's name) `*-<split>.arrow` or its shards."""
+    directory (`split` = the directory / the split's name) `*-<split>.arrow` or its shards.
+    A split of none (a state.json emptied by hand or an interrupted copy) is named."""
     if not split.is_dir():
-        one = sorted(split.parent.glob(f"*-{split.name}.arrow"))
-        return one or sorted(split.parent.glob(f"*-{split.name}-[0-9]*-of-[0-9]*.arrow"))
-    state = _read_json(split / "state.json", "the list of the split's shards")
-    return [split / f["filename"] for f in state["_data_files"]]
+        files = (sorted(split.parent.glob(f"*-{split.name}.arrow"))
+                 or sorted(split.parent.glob(f"*-{split.name}-[0-9]*-of-[0-9]*.arrow")))
+    else:
+        state = _read_json(split / "state.json", "the list of the split's shards")
+        files = [split / f["filename"] for f in state["_data_files"]]
+    if not files:
+        raise ArrowDataError(f"{split}: the split lists no shards: write the data set again.")
+    return files
 
 
 def read_shard(path: Path, batches: bool = True) -> tuple[Any, list[Any]]:

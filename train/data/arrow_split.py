@@ -28,9 +28,7 @@ class ArrowSplit:
     """A split's rows, its shards (`files`, in order) memory-mapped in this process."""
 
     def __init__(self, files: list[Path]) -> None:
-        if not files:
-            raise ArrowDataError("a split of the data set lists no shards: write it again.")
-        self.files = files
+        self.files = files  # at least one (arrow.shard_files)
         self._batches: list[Any] = []
         for path in files:
             schema, batches = read_shard(path)
@@ -87,10 +85,7 @@ def read_split(path: Path) -> ArrowSplit:
 def split_features(path: Path) -> dict[str, Any]:
     """The columns of the split at `path`, from its first shard's schema alone (every shard
     of a split has the same): what the column checks need, without mapping every shard."""
-    files = shard_files(path)
-    if not files:
-        raise ArrowDataError(f"{path}: the split lists no shards: write the data set again.")
-    return features_of(read_shard(files[0], batches=False)[0])
+    return features_of(read_shard(shard_files(path)[0], batches=False)[0])
 
 
 def kind(feature: Any) -> str:
