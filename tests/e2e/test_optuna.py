@@ -87,8 +87,10 @@ def test_a_killed_driver_resumes_without_repeating_a_trial(store: dict[str, str]
            if k not in LAUNCHER_VARS and not k.startswith("SLURM_")}
     env.update(store)
     driver = subprocess.Popen(
+        # A heartbeat every 10 s, not 30: a trial the driver asked but never started is
+        # failed by the resume after 3 missed beats (30 s, not 90 s of the test's time).
         [sys.executable, "-m", "train", "-m", *FAST, "hydra.sweeper.n_trials=3",
-         "trainer.epochs=1",
+         "trainer.epochs=1", "hydra.sweeper.heartbeat_s=10",
          f"hydra.sweep.dir={sweep_dir}"], cwd=REPO, env=env,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
