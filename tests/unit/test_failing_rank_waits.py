@@ -88,17 +88,19 @@ def test_outside_slurm_a_failing_rank_leaves_at_once(tmp_path: Path) -> None:
 
 
 def _rank_after_rank_0_left(rank: int, port: int, out: Path, rank_0_writes: bool,
-                            gone: mp.Event) -> None:  # type: ignore[type-arg]
+                            watching: mp.Event, gone: mp.Event) -> None:  # type: ignore[type-arg]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     env = DistEnv(rank, rank, 2, 2, "127.0.0.1", port, "slurm")
     distributed.init(env, "gloo", torch.device("cpu"), 5)  # the store's reconnects: 5 s
     if rank == 0:  # failed of a peer's error: kept the cause, ended its run and left
+        watching.wait(30)  # as in a job, rank 1's watch started while the store lived
         if rank_0_writes:
             (out / FAILURE_FILE).write_text(json.dumps(
                 {"cause": "rank 3 on node2: FailureDrill", "at": time.time(), "rank": 0}))
         gone.set()
         os._exit(0)
     watch.start(out, rank, 2)  # its start time tells this start's cause from an earlier one's
+    watching.set()
     gone.wait(30)
     while distributed.main_answers():  # until rank 0's process (the store) is gone
         time.sleep(0.05)
@@ -121,9 +123,10 @@ def test_a_rank_that_finds_rank_0_gone_keeps_the_cause_only_if_rank_0_did_not(
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("fork")
-    gone = ctx.Event()
+    watching, gone = ctx.Event(), ctx.Event()
     procs = [ctx.Process(target=_rank_after_rank_0_left,
-                         args=(r, port, tmp_path, rank_0_writes, gone)) for r in (0, 1)]
+                         args=(r, port, tmp_path, rank_0_writes, watching, gone))
+             for r in (0, 1)]
     for p in procs:
         p.start()
     for p in procs:
