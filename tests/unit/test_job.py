@@ -264,3 +264,40 @@ def test_a_failure_record_cut_short_or_from_an_older_start_shows_no_block(tmp_pa
     (tmp_path / FAILURE_FILE).write_text(whole[: len(whole) // 2])
     assert FailureRecord.read(tmp_path) is None
     assert follow._failure_block(job, where, since=0.0) is None
+
+
+def test_a_one_rank_job_starts_though_its_free_port_was_taken_meanwhile(
+        tmp_path: Path, no_launcher_env: None, store_template: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Jobs started together on one machine: the port the launcher found free was another
+    process's by the time the job's store bound it (EADDRINUSE: the job failed). A one-rank
+    job's store takes the port the OS gives it as it binds."""
+    import socket
+
+    uri = new_store(tmp_path / "mlflow.db", store_template)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setattr(distenv, "free_port", lambda: taken.getsockname()[1])
+        run(composed(*SMALL, "trainer.epochs=1", f"tracking.uri={uri}"), str(tmp_path / "job"),
+            "python -m train (test)")
+    [mlflow_run] = runs_in(uri)
+    assert mlflow_run.info.status == "FINISHED"
+    assert "MASTER_PORT" not in os.environ and not torch.distributed.is_initialized()
+
+
+def test_a_job_failing_before_its_run_starts_says_nothing_of_mlflow(
+        tmp_path: Path, no_launcher_env: None, store_template: Path,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A job that fails right after its process group (before the run is asked for) shows its
+    cause; its train.log is not sent to a run that never existed - which was retried, given up
+    after 5 s and left an "unsent" file with an `outbox upload` command that had nothing to do."""
+    from train.errors import JobFailedError
+
+    uri = new_store(tmp_path / "mlflow.db", store_template)
+    monkeypatch.setenv("TRAIN_FAIL_DRILL", "0:0")
+    with pytest.raises(JobFailedError, match="FailureDrill"):
+        run(composed(*SMALL, f"tracking.uri={uri}"), str(tmp_path / "job"), "python -m train")
+    said = "\n".join(r.getMessage() for r in caplog.records)
+    assert "MLflow" not in said and not list((tmp_path / "job").glob("mlflow_unsent*"))
+    assert runs_in(uri) == []

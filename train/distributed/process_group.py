@@ -6,6 +6,7 @@ Also the few collectives the loop needs, and how the first failing rank's error 
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from train.distributed import devices, phase, stacks, watch
-from train.distributed.env import DistEnv
+from train.distributed.env import LOCAL, DistEnv
 
 _FAILURE_KEY = "train/first_failure"
 _ANSWERING_KEY = "train/answering/"
@@ -38,9 +39,23 @@ select_backend = devices.select_backend
 def init(env: DistEnv, backend: str, device: torch.device, timeout_s: int) -> None:
     """Initialise the default process group; the CUDA device is set first, as NCCL requires."""
     devices.prepare(device)
-    dist.init_process_group(backend=backend, init_method="env://", rank=env.rank,
-                            world_size=env.world_size, timeout=timedelta(seconds=timeout_s),
-                            device_id=devices.group_device(device))
+    timeout = timedelta(seconds=timeout_s)
+    store = _one_ranks_store(env, timeout)
+    where: dict[str, Any] = {"init_method": "env://"} if store is None else {"store": store}
+    dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
+                            timeout=timeout, device_id=devices.group_device(device), **where)
+
+
+def _one_ranks_store(env: DistEnv, timeout: timedelta) -> dist.TCPStore | None:
+    """A one-rank job of the local launcher hosts its store on the port the OS gives it as it
+    binds (port 0): the port the launcher found free a moment earlier may be another process's
+    by now (three jobs started together on one machine: EADDRINUSE, and the job failed). Jobs
+    of several ranks keep MASTER_PORT: their other ranks were told it."""
+    if env.launcher != LOCAL or env.world_size != 1:
+        return None
+    store = dist.TCPStore(env.master_addr, 0, 1, is_master=True, timeout=timeout)
+    os.environ["MASTER_PORT"] = str(store.port)  # where the job's store is, for what reads it
+    return store
 
 
 def shutdown() -> None:

@@ -117,6 +117,8 @@ class JobEnding:
         """The cause in the output directory (FAILURE_FILE) and train.log, the tracebacks of
         the ranks that failed first, in the run."""
         self._write_failure(reason, trace)
+        if not self.logger.started:  # failed before its run was asked for: none to take them
+            return
         if (self.out / "train.log").exists():
             self.logger.run.log(records.ArtifactFile(str(self.out / "train.log")))
         self.logger.rank_files(self.out / rankfiles.MEMORY_DIR, "rank-*.pickle")
@@ -137,7 +139,8 @@ class JobEnding:
 
     def _log_stacks(self) -> None:
         """The ranks' stacks (dumped after a collective timed out) as the run's artifacts."""
-        self.logger.rank_files(self.out / rankfiles.STACKS_DIR, "rank-*.txt")
+        if self.logger.started:
+            self.logger.rank_files(self.out / rankfiles.STACKS_DIR, "rank-*.txt")
 
     def finished(self) -> None:
         """After the run ended FINISHED: an earlier start's cause (FailureRecord) is no longer
