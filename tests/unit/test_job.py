@@ -301,3 +301,22 @@ def test_a_job_failing_before_its_run_starts_says_nothing_of_mlflow(
     said = "\n".join(r.getMessage() for r in caplog.records)
     assert "MLflow" not in said and not list((tmp_path / "job").glob("mlflow_unsent*"))
     assert runs_in(uri) == []
+
+
+def test_a_shard_an_earlier_job_of_the_process_read_is_not_a_later_jobs_failure(
+        tmp_path: Path, no_launcher_env: None, store_template: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A local sweep runs its one-rank jobs in turn in one process: a shard an earlier job
+    memory-mapped and that changed since is not named as the cause of a later job's failure."""
+    from train.data import shard_guard
+    from train.errors import JobFailedError
+
+    shard = tmp_path / "data-00000-of-00001.arrow"
+    shard.write_bytes(b"an earlier job's shard")
+    shard_guard.opened([shard])
+    shard.write_bytes(b"rewritten since")
+    uri = new_store(tmp_path / "mlflow.db", store_template)
+    monkeypatch.setenv("TRAIN_FAIL_DRILL", "0:1")
+    with pytest.raises(JobFailedError, match="FailureDrill") as failed:
+        run(composed(*SMALL, f"tracking.uri={uri}"), str(tmp_path / "job"), "python -m train")
+    assert "changed while the job read it" not in str(failed.value)

@@ -50,6 +50,12 @@ def opened(files: Iterable[Path]) -> None:
         _opened.setdefault(path, now)
 
 
+def forget() -> None:
+    """A new job in this process (a local sweep runs its one-rank jobs in turn): the shards an
+    earlier job opened are not this one's, and one changed since is not this job's failure."""
+    _opened.clear()
+
+
 def named(error: BaseException) -> BaseException:
     """`error` as a ShardChangedError naming the shard, where this process's reader (or its
     DataLoader worker) died because a shard it opened changed; else `error` itself. A worker's

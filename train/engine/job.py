@@ -196,6 +196,7 @@ def run_rank(config: dict[str, Any], output_dir: str, command: str, own_process:
     failure, it begins ending its run (the local launcher then waits for it longer).
     """
     env = distenv.detect()
+    shard_guard.forget()  # an earlier job's shards, in a local sweep's process
     if own_process:
         setup_logging(env.rank, Path(output_dir) / "train.log")
     if "OMP_NUM_THREADS" not in os.environ:
