@@ -142,6 +142,32 @@ def test_ranks_after_the_first_do_not_take_the_lock(
         joblock.take(tmp_path)
 
 
+def test_a_two_rank_job_starts_though_the_port_found_free_was_taken_meanwhile(
+        tmp_path: Path, store: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The local launcher found a port free, then another process took it before rank 0's
+    store bound it (three jobs started together: EADDRINUSE, the job failed). Rank 0 binds a
+    port the OS gives it and tells the other rank; the launcher leaves no file behind."""
+    import socket
+
+    from tests.conftest import composed
+    from tests.unit.test_job import SMALL
+    from train.app import run
+    from train.distributed import env as distenv
+
+    for key in LAUNCHER_VARS:
+        monkeypatch.delenv(key, raising=False)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setattr(distenv, "free_port", lambda: taken.getsockname()[1])
+        run(composed(*SMALL, "trainer.epochs=1", "distributed.nproc_per_node=2",
+                     f"tracking.uri={store['MLFLOW_TRACKING_URI']}"), str(tmp_path / "job"),
+            "python -m train (test)")
+    [mlflow_run] = runs_in(store["MLFLOW_TRACKING_URI"])
+    assert mlflow_run.info.status == "FINISHED" and mlflow_run.data.tags["world_size"] == "2"
+    assert not list((tmp_path / "job").glob(".store-port*"))
+
+
 def test_jobs_started_together_from_one_directory_each_get_their_own(
         tmp_path: Path, store: dict[str, str]) -> None:
     """A shell loop's `python -m train optim.lr=$lr &`: Hydra's outputs/<date>/<time> is one

@@ -39,6 +39,11 @@ LAUNCHER_VAR = "TRAIN_LAUNCHER"
 node` / `submitit per node` for a Slurm node's task): the run's `launcher` tag then says what
 started them; torchrun-style variables without it are a user's torchrun."""
 LOCAL = "local"
+STORE_PORT_FILE_VAR = "TRAIN_STORE_PORT_FILE"
+"""Set by the local launcher for the ranks of a job on this machine alone: the file in which
+rank 0 leaves the port its store bound (the OS's choice, as it bound it) for the other ranks,
+instead of a port found free before they started, which another process may take meanwhile
+(train/distributed/process_group.py)."""
 FORK_SERVER_VAR = "TRAIN_FORK_SERVER_OF"
 """The launcher's pid, in the environment its rank fork server starts with alone
 (train/launch/fork_server.py): the server ends with that process."""
@@ -86,6 +91,9 @@ class NodeRanks:
     master_addr: str
     master_port: int
     launcher: str = LOCAL
+    store_port_file: str = ""
+    """Where rank 0 leaves its store's port for the others (STORE_PORT_FILE_VAR); "" = they
+    all take master_port."""
 
     @property
     def world_size(self) -> int:
@@ -98,12 +106,13 @@ class NodeRanks:
         """The variables of one of this node's ranks."""
         env = torchrun_env(self.rank(local_rank), local_rank, self.world_size, self.per_node,
                            self.master_addr, self.master_port)
-        return {**env, LAUNCHER_VAR: self.launcher}
+        port_file = {STORE_PORT_FILE_VAR: self.store_port_file} if self.store_port_file else {}
+        return {**env, LAUNCHER_VAR: self.launcher, **port_file}
 
 
-def this_machine(nproc: int) -> NodeRanks:
+def this_machine(nproc: int, store_port_file: str = "") -> NodeRanks:
     """A job of `nproc` ranks on this machine alone (a plain `python -m train`)."""
-    return NodeRanks(0, 1, nproc, "127.0.0.1", free_port())
+    return NodeRanks(0, 1, nproc, "127.0.0.1", free_port(), store_port_file=store_port_file)
 
 
 def slurm_node_task(per_node: int, environ: Mapping[str, str] = os.environ) -> NodeRanks:

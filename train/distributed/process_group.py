@@ -11,13 +11,14 @@ import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from train.distributed import devices, phase, stacks, watch
-from train.distributed.env import LOCAL, DistEnv
+from train.distributed.env import LOCAL, STORE_PORT_FILE_VAR, DistEnv
 
 _FAILURE_KEY = "train/first_failure"
 _ANSWERING_KEY = "train/answering/"
@@ -40,22 +41,45 @@ def init(env: DistEnv, backend: str, device: torch.device, timeout_s: int) -> No
     """Initialise the default process group; the CUDA device is set first, as NCCL requires."""
     devices.prepare(device)
     timeout = timedelta(seconds=timeout_s)
-    store = _one_ranks_store(env, timeout)
+    store = _local_store(env, timeout)
     where: dict[str, Any] = {"init_method": "env://"} if store is None else {"store": store}
     dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
                             timeout=timeout, device_id=devices.group_device(device), **where)
 
 
-def _one_ranks_store(env: DistEnv, timeout: timedelta) -> dist.TCPStore | None:
-    """A one-rank job of the local launcher hosts its store on the port the OS gives it as it
-    binds (port 0): the port the launcher found free a moment earlier may be another process's
-    by now (three jobs started together on one machine: EADDRINUSE, and the job failed). Jobs
-    of several ranks keep MASTER_PORT: their other ranks were told it."""
-    if env.launcher != LOCAL or env.world_size != 1:
+def _local_store(env: DistEnv, timeout: timedelta) -> dist.TCPStore | None:
+    """A job of the local launcher on this machine alone: rank 0 hosts its store on the port
+    the OS gives it as it binds (port 0), and leaves it in STORE_PORT_FILE_VAR's file for the
+    other ranks. The port the launcher found free before the ranks started may be another
+    process's by then (jobs started together on one machine: EADDRINUSE, the job failed).
+    Other launchers (torchrun, Slurm, a node's task): MASTER_PORT, as they set it."""
+    port_file = os.environ.get(STORE_PORT_FILE_VAR, "")
+    if env.launcher != LOCAL or (env.world_size > 1 and not port_file):
         return None
-    store = dist.TCPStore(env.master_addr, 0, 1, is_master=True, timeout=timeout)
+    if env.rank == 0:  # the others connect to it: it may not wait for them here
+        store = dist.TCPStore(env.master_addr, 0, env.world_size, is_master=True,
+                              timeout=timeout, wait_for_workers=False)
+        if port_file:
+            written = Path(f"{port_file}.tmp")
+            written.write_text(str(store.port))
+            written.replace(port_file)
+    else:
+        store = dist.TCPStore(env.master_addr, _port_left(Path(port_file), timeout),
+                              env.world_size, is_master=False, timeout=timeout)
     os.environ["MASTER_PORT"] = str(store.port)  # where the job's store is, for what reads it
     return store
+
+
+def _port_left(port_file: Path, timeout: timedelta) -> int:
+    """The port rank 0's store bound, once rank 0 has left it in `port_file`."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        with contextlib.suppress(OSError, ValueError):
+            return int(port_file.read_text())
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 did not start the job's store within "
+                               f"{timeout.total_seconds():.0f} s (distributed.timeout_s)")
+        time.sleep(0.02)
 
 
 def shutdown() -> None:
