@@ -18,8 +18,10 @@ from __future__ import annotations
 import os
 import random
 import socket
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from train.errors import DistEnvError as DistEnvError  # re-exported
 
@@ -109,10 +111,19 @@ class NodeRanks:
         port_file = {STORE_PORT_FILE_VAR: self.store_port_file} if self.store_port_file else {}
         return {**env, LAUNCHER_VAR: self.launcher, **port_file}
 
+    def remove_store_port_file(self) -> None:
+        """Once the ranks have ended (every one that got as far has read it)."""
+        if self.store_port_file:
+            Path(self.store_port_file).unlink(missing_ok=True)
 
-def this_machine(nproc: int, store_port_file: str = "") -> NodeRanks:
-    """A job of `nproc` ranks on this machine alone (a plain `python -m train`)."""
-    return NodeRanks(0, 1, nproc, "127.0.0.1", free_port(), store_port_file=store_port_file)
+
+def this_machine(nproc: int, output_dir: str | None = None) -> NodeRanks:
+    """A job of `nproc` ranks on this machine alone (a plain `python -m train`); with its
+    `output_dir`, the ranks meet at the port rank 0's store binds, left in a file there named
+    for this launch (STORE_PORT_FILE_VAR)."""
+    port_file = ("" if output_dir is None else
+                 str(Path(output_dir) / f".store-port-{os.getpid()}-{time.time_ns()}"))
+    return NodeRanks(0, 1, nproc, "127.0.0.1", free_port(), store_port_file=port_file)
 
 
 def slurm_node_task(per_node: int, environ: Mapping[str, str] = os.environ) -> NodeRanks:

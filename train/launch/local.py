@@ -94,8 +94,7 @@ def start_local_ranks(config: dict[str, Any], output_dir: str, command: str, npr
     USR2 here reach the ranks: their coordinated stop (a checkpoint, the run KILLED), then
     JobStoppedError. `node`: this machine's share of a multi-node job (a Slurm node's one
     task, cluster.ranks=per_node); None = the whole job is here."""
-    port_file = Path(output_dir) / f".store-port-{os.getpid()}-{time.time_ns()}"
-    node = node or distenv.this_machine(nproc, str(port_file))
+    node = node or distenv.this_machine(nproc, output_dir)
     ctx = rank_server.rank_context(config["data"])
     umask = os.umask(0)  # read, and put back at once: the ranks get this process's
     os.umask(umask)
@@ -118,7 +117,7 @@ def start_local_ranks(config: dict[str, Any], output_dir: str, command: str, npr
             _supervise(procs, ending, float(config["tracking"]["flush_timeout_s"]) + GRACE_S,
                        lambda: _only_silent_left(procs, ranks, outcomes, got))
         finally:
-            port_file.unlink(missing_ok=True)  # read by every rank that got as far
+            node.remove_store_port_file()
             silent = {r for o in got if o.kind == "error" for r in o.silent}
             stopped = {ranks[local] for local in _stop(
                 procs, {local for local, rank in enumerate(ranks) if rank in silent},
