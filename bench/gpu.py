@@ -15,7 +15,8 @@ peak memory, host syncs in the timed windows and the loss at the last step, whic
 between the service and its plain peer.
 
 It runs on a bare GPU machine: whatever torch (2.11 or newer), torchvision and CUDA are there,
-plus hydra-core, omegaconf and antlr4-python3-runtime, with PYTHONPATH at the checkout.
+plus hydra-core, omegaconf, antlr4-python3-runtime and psutil, with PYTHONPATH at the
+checkout (refused in one line, before anything is written, where one is missing).
 Lightning's arm is skipped, with the reason, where Lightning does not import; the MLflow arm
 (the service logging to a local SQLite store) where mlflow does not. Exit 1 if an arm failed
 or a service's loss disagrees with its peer's.
@@ -39,6 +40,10 @@ from typing import Any
 from bench import gpu_arms, gpu_data, gpu_report
 from bench.gpu_arms import ARMS, REPO, Arm
 from bench.gpu_meter import Plan
+
+NEEDED = ("hydra", "omegaconf", "antlr4", "psutil")
+"""What the service's arms import beyond torch and torchvision: checked before
+the first figure, so that a bare node says what it lacks once instead of failing every arm."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,6 +75,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if not torch.cuda.is_available():
             p.error("--device cuda: this machine has no CUDA device (torch "
                     f"{torch.__version__}); run where one is, or --device cpu --smoke")
+    if absent := [name for name in NEEDED if not importable(name)]:
+        p.error(f"{', '.join(absent)} not importable here (the service's arms need "
+                f"{', '.join(NEEDED)}): make the wheels with `bash bench/gpu_wheels.sh` and "
+                "install them with --target onto PYTHONPATH (docs/benchmarks.md)")
     chosen = args.arms.split(",") if args.arms else [a.name for a in ARMS]
     if unknown := set(chosen) - {a.name for a in ARMS}:
         p.error(f"--arms: unknown {sorted(unknown)}; choose from "

@@ -67,17 +67,23 @@ def ceilings(device: str, smoke: bool) -> dict[str, float]:
     copy's GB/s, bytes read plus written (1 GiB on a GPU; host memory on a CPU)."""
     cuda = device == "cuda"
     n = 8192 if cuda and not smoke else 512
+    size = (1 << 30) if cuda and not smoke else (64 << 20)
+    tflops, gbps = _matmul_tflops(n, device), _copy_gbps(size, device)
+    if cuda:  # the ~2.3 GiB of operands, freed: the arms' processes need the memory
+        torch.cuda.empty_cache()
+    return {"matmul_n": n, "matmul_tflops": tflops, "copy_bytes": size, "copy_gbps": gbps}
+
+
+def _matmul_tflops(n: int, device: str) -> float:
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    seconds = _time(lambda: a @ b, cuda, 10)
-    size = (1 << 30) if cuda and not smoke else (64 << 20)
+    return 2 * n**3 / _time(lambda: a @ b, device == "cuda", 10) / 1e12
+
+
+def _copy_gbps(size: int, device: str) -> float:
     src = torch.empty(size, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    copy_s = _time(lambda: dst.copy_(src), cuda, 10)
-    if cuda:
-        torch.cuda.empty_cache()
-    return {"matmul_n": n, "matmul_tflops": 2 * n**3 / seconds / 1e12,
-            "copy_bytes": size, "copy_gbps": 2 * size / copy_s / 1e9}
+    return 2 * size / _time(lambda: dst.copy_(src), device == "cuda", 10) / 1e9
 
 
 def _version(name: str) -> str | None:
@@ -85,6 +91,18 @@ def _version(name: str) -> str | None:
         return version(name)
     except PackageNotFoundError:
         return None
+
+
+def _driver() -> str | None:
+    """The NVIDIA driver's version; None where nvidia-smi is not there (a container without
+    the driver's utilities) or does not answer."""
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
+                              "--format=csv,noheader"],
+                             capture_output=True, text=True, check=False, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return next(iter(smi.stdout.split()), None)
 
 
 def machine(device: str, smoke: bool) -> dict[str, Any]:
@@ -97,9 +115,7 @@ def machine(device: str, smoke: bool) -> dict[str, Any]:
         props = torch.cuda.get_device_properties(0)
         info.update(gpu=props.name, gpu_memory_gb=round(props.total_memory / 2**30, 1),
                     multiprocessors=props.multi_processor_count)
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, check=False)
-        info["driver"] = smi.stdout.strip() or None
+        info["driver"] = _driver()
     else:
         info.update(gpu=None, cpu=_cpu_name())
     from train.report import flops

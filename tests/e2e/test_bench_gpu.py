@@ -85,3 +85,45 @@ def test_the_gpu_bench_runs_every_arm_on_the_cpu(tmp_path: Path) -> None:
     # The table a docs/benchmarks.md section is made of, from the file alone.
     table = (folder / "gpu-table.md").read_text()
     assert all(f"| {a['arm']} |" in table for a in arms)
+
+
+BLOCKED_IMPORTS = """
+import sys
+
+
+class Absent:
+    \"\"\"A bare GPU node: these packages are not installed.\"\"\"
+
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in {"psutil", "antlr4", "pytest", "mlflow"}:
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return None
+
+
+sys.meta_path.insert(0, Absent())
+"""
+
+
+def test_a_node_without_the_projects_packages_is_told_which_before_any_figure(
+        tmp_path: Path) -> None:
+    """A bare GPU node lacks the project's packages: without psutil every service arm failed
+    after its start, one by one, and without pytest or mlflow every GPU test at collection.
+    Now the checks say in one line each what is missing and how to bring it, start neither,
+    and write no line of figures."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(BLOCKED_IMPORTS)
+    folder = tmp_path / "checks"
+    done = subprocess.run(["bash", "bench/gpu_checks.sh", str(folder), "300"], cwd=REPO,
+                          capture_output=True, text=True, timeout=280,
+                          env={**os.environ, "PYTHONPATH": str(site), "PYTHON": sys.executable,
+                               "BENCH_ARGS": "--device cpu --smoke"})
+    assert done.returncode == 1, done.stdout + done.stderr
+    said = done.stdout.splitlines()
+    assert ("the GPU tests need pytest, mlflow, psutil here (bench/gpu_wheels.sh --tracking): "
+            "not run") in said, done.stdout
+    [refusal] = [line for line in said if "not importable here" in line]
+    assert refusal.startswith("gpu.py: error: antlr4, psutil not importable here"), refusal
+    assert "bash bench/gpu_wheels.sh" in refusal
+    assert said[-1].endswith("failed: pytest-breakdown-memory bench-gpu pytest-others"), said
+    assert not (folder / "gpu.jsonl").exists() and not (folder / "gpu-table.md").exists()
