@@ -267,3 +267,13 @@ def test_peak_flops_come_from_the_config_or_a_known_gpu() -> None:
     assert flops.peak_tflops(cpu, "fp32", 2.5) == 2.5
     names = [key for key, _, _ in flops.PEAK_TFLOPS]
     assert names.index("H100 PCIe") < names.index("H100")  # the more specific name first
+    # Names as CUDA gives them: each its own data sheet's dense peak, none taken for another
+    # whose name is a part of its own (an L40 is no L4: its MFU came out 1.5x too high).
+    sheets = {"NVIDIA H100 80GB HBM3": (989.4, 66.9), "NVIDIA H100 PCIe": (756.0, 51.2),
+              "NVIDIA H200": (989.4, 66.9), "NVIDIA A100-SXM4-80GB": (312.0, 19.5),
+              "NVIDIA L40S": (362.1, 91.6), "NVIDIA L40": (181.0, 90.5),
+              "NVIDIA L4": (121.0, 30.3), "NVIDIA A10G": (70.0, 31.2)}
+    for name, (half, single) in sheets.items():
+        assert (flops.peak_of(name, "bf16-mixed"), flops.peak_of(name, "fp32")) == \
+            (half, single), name
+    assert flops.peak_of("NVIDIA GeForce RTX 4090", "bf16-mixed") is None

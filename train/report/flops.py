@@ -24,6 +24,7 @@ PEAK_TFLOPS: tuple[tuple[str, float, float], ...] = (
     ("H100", 989.4, 66.9),
     ("A100", 312.0, 19.5),
     ("L40S", 362.1, 91.6),
+    ("L40", 181.0, 90.5),  # before "L4", a part of its name
     ("A10G", 70.0, 31.2),
     ("L4", 121.0, 30.3),
     ("V100", 125.0, 15.7),
@@ -63,9 +64,13 @@ def peak_tflops(device: torch.device, precision: str, configured: float | None) 
         return configured
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
+    return peak_of(torch.cuda.get_device_name(device), precision)
+
+
+def peak_of(device_name: str, precision: str) -> float | None:
+    """A GPU's data-sheet peak by the name CUDA gives it (None: not a known one)."""
     for key, half, single in PEAK_TFLOPS:
-        if key in name:
+        if key in device_name:
             return single if precision == "fp32" else half
     return None
 
