@@ -53,6 +53,9 @@ def test_an_nccl_job_on_the_gpus(store: dict[str, str], tmp_path: Path) -> None:
     assert metrics["val/accuracy"] > 0.8
     steps = [s for s, _ in history(store["MLFLOW_TRACKING_URI"], run.info.run_id, "train/loss")]
     assert steps == [1, 2]
+    # The final weights load on a machine without CUDA: written from host memory.
+    weights = torch.load(tmp_path / "job" / "model.pt", weights_only=True)
+    assert {t.device.type for t in weights.values()} == {"cpu"}
 
 
 def test_sync_batchnorm_trains_resnet18(store: dict[str, str], tmp_path: Path) -> None:
@@ -89,7 +92,8 @@ def test_fsdp_jobs_on_the_gpus(store: dict[str, str], tmp_path: Path) -> None:
     failed on a GPU before: model=cnn with optim=sgd (fused SGD has no DTensor rule: at the
     first step; BatchNorm's bf16 weights beside its fp32 statistics: at the first forward), and
     a language model with cpu_offload=true (shards in host memory: the step's token count was
-    all-reduced there, which nccl refuses). On the CPU: tests/e2e/test_fsdp.py,
+    all-reduced there, which nccl refuses); and with cpu_offload, clipping and best.pt not
+    yet run on a GPU (below). On the CPU: tests/e2e/test_fsdp.py,
     tests/unit/test_fsdp.py."""
     common = ("distributed.backend=nccl", "distributed.strategy=fsdp",
               "trainer.precision=bf16-mixed", "tracking.log_model=false")
@@ -109,6 +113,14 @@ def test_fsdp_jobs_on_the_gpus(store: dict[str, str], tmp_path: Path) -> None:
     assert run.data.params["distributed.fsdp.cpu_offload"] == "True"
     assert metrics["val/loss"] < math.log(256)  # better than a uniform guess over the bytes
     assert sorted((tmp_path / "lm" / "checkpoints").glob("step-*.dcp"))
+    # Offloaded shards with BatchNorm's statistics on the GPU, clipped: clipping's norm of
+    # host gradients is all-reduced on gloo beside nccl, and best.pt (a full state dict) loads
+    # into a model whose buffers and shards live on two devices.
+    run, metrics = _job(store, tmp_path / "offload", *common, "distributed.fsdp.cpu_offload=true",
+                        "optim.grad_clip=1.0", "trainer.save_best=true", "trainer.test_on=best",
+                        "trainer.epochs=2")
+    assert run.data.tags["final_weights"] == "best"
+    assert metrics["train/grad_norm"] > 0 and metrics["val/accuracy"] > 0.5
 
 
 def test_a_rank_out_of_gpu_memory_leaves_its_allocator_snapshot(store: dict[str, str],

@@ -9,7 +9,15 @@ from __future__ import annotations
 import pytest
 
 from train.config.cluster import ClusterConfig
-from train.distributed.devices import choose_gpu, gpu_for_rank, select_device, visible_gpus
+from train.config.distributed import DistributedConfig
+from train.distributed.devices import (
+    choose_gpu,
+    gpu_for_rank,
+    group_backend,
+    local_gpu_problem,
+    select_device,
+    visible_gpus,
+)
 from train.distributed.env import DistEnvError
 from train.distributed.slurm import requeue_budget
 
@@ -60,6 +68,35 @@ def test_the_cpu_needs_no_gpu_binding(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # -- slurm/train.sbatch: USR2 before the time limit -> requeue -> the same run finishes ----------
+
+def test_local_ranks_that_would_share_a_gpu_under_nccl_are_refused_before_they_start() -> None:
+    """distributed.nproc_per_node=2 on a one-GPU machine with the defaults (device=auto,
+    backend=auto: nccl on a GPU) put both ranks on cuda:0, and NCCL refused them once they had
+    started ("Duplicate GPU detected"). Pre-flight now says so (the GPU count is the machine's;
+    pre-flight passes it as torch counts it)."""
+    def problem(gpus: int, nproc: int, **chosen: str) -> str | None:
+        return local_gpu_problem(DistributedConfig(nproc_per_node=nproc, **chosen), gpus)
+
+    refused = problem(1, 2)
+    assert refused is not None and refused.startswith(
+        "distributed.nproc_per_node=2 ranks need as many GPUs with backend=auto device=auto, "
+        "but this machine has 1."), refused
+    assert "distributed.device=cpu distributed.backend=gloo" in refused
+    assert problem(2, 2) is None and problem(8, 2) is None  # a GPU each; extra ones idle
+    assert problem(0, 2) is None  # no GPU: auto trains on the CPU
+    # gloo moves tensors wherever they are: ranks sharing a GPU is the user's choice there
+    assert problem(1, 2, backend="gloo") is None
+    assert problem(1, 2, device="cuda", backend="gloo") is not None  # as before: cuda, one each
+    assert problem(1, 1) is None
+
+
+def test_offloaded_shards_get_gloo_beside_nccl_for_their_host_tensors() -> None:
+    """FSDP's cpu_offload reduces host tensors (clipping's norm of the offloaded gradients),
+    which nccl alone refuses; the CPU's gloo group is left as it is."""
+    assert group_backend("nccl", host_tensors=True) == "cuda:nccl,cpu:gloo"
+    assert group_backend("nccl", host_tensors=False) == "nccl"
+    assert group_backend("gloo", host_tensors=True) == "gloo"
+
 
 def test_a_plain_srun_job_has_the_default_requeue_budget() -> None:
     """slurm/train.sbatch runs `srun python -m train` with no cluster group: its ranks requeue

@@ -104,6 +104,12 @@ def prepare(device: torch.device) -> None:
         torch.backends.cudnn.benchmark = True
 
 
+def group_backend(backend: str, host_tensors: bool) -> str:
+    """init_process_group's backend: nccl with gloo beside it for CPU tensors where the job
+    reduces some (offloaded FSDP shards), else the backend alone."""
+    return "cuda:nccl,cpu:gloo" if backend == "nccl" and host_tensors else backend
+
+
 def group_device(device: torch.device) -> torch.device | None:
     """init_process_group's device_id: binds NCCL's communicator to the GPU up front."""
     return device if device.type == "cuda" else None
@@ -147,13 +153,20 @@ def device_name(device: torch.device) -> str:
 
 
 def memory_stats(device: torch.device) -> dict[str, float]:
-    """Every visible GPU's memory in use and (with NVML) utilisation; nothing on a CPU."""
+    """Every visible GPU's memory in use and utilisation; nothing on a CPU. The other ranks'
+    GPUs are read through NVML (pynvml; without it, not at all): CUDA's own query would open a
+    context of this process on each (~0.5 GB, and an error where GPUs are in exclusive mode)."""
     stats: dict[str, float] = {}
     if device.type != "cuda":
         return stats
     for index in range(torch.cuda.device_count()):
-        free, total = torch.cuda.mem_get_info(index)
-        stats[f"gpu_{index}_memory_usage_megabytes"] = (total - free) / 2**20
+        with contextlib.suppress(Exception):  # NVML (pynvml) may be missing
+            if index == device.index:
+                free, total = torch.cuda.mem_get_info(index)
+                used = total - free
+            else:
+                used = torch.cuda.device_memory_used(index)
+            stats[f"gpu_{index}_memory_usage_megabytes"] = used / 2**20
         with contextlib.suppress(Exception):  # needs NVML (pynvml), which may be missing
             stats[f"gpu_{index}_utilization_percentage"] = float(torch.cuda.utilization(index))
     return stats
@@ -174,11 +187,15 @@ _HINTS = {"distributed.backend=nccl": "distributed.backend=auto picks gloo on th
           "distributed.sync_batchnorm=true": "without it BatchNorm statistics stay per rank"}
 
 
-def local_gpu_problem(cfg: DistributedConfig) -> str | None:
-    """A local job's GPUs: nccl or device=cuda need one per local rank on this machine; no
-    CUDA-only option without CUDA (sync_batchnorm; nccl on device=cpu)."""
-    gpus = torch.cuda.device_count()
-    if (cfg.backend == "nccl" or cfg.device == "cuda") and cfg.nproc_per_node > gpus:
+def local_gpu_problem(cfg: DistributedConfig, gpus: int | None = None) -> str | None:
+    """A local job's GPUs (`gpus`: torch's count): nccl or device=cuda need one per local rank
+    on this machine, and so does device=auto where it finds a GPU (auto picks nccl there,
+    which refuses two ranks on one GPU); no CUDA-only option without CUDA (sync_batchnorm;
+    nccl on device=cpu)."""
+    gpus = torch.cuda.device_count() if gpus is None else gpus
+    on_gpus = cfg.device == "cuda" or (cfg.device == "auto" and gpus > 0)
+    one_each = cfg.backend == "nccl" or (on_gpus and cfg.backend == "auto")
+    if (one_each or cfg.device == "cuda") and cfg.nproc_per_node > gpus:
         return (f"distributed.nproc_per_node={cfg.nproc_per_node} ranks need as many GPUs with "
                 f"backend={cfg.backend} device={cfg.device}, but this machine has {gpus}. Lower "
                 "nproc_per_node, or use distributed.device=cpu distributed.backend=gloo.")

@@ -37,14 +37,19 @@ select_device = devices.select_device
 select_backend = devices.select_backend
 
 
-def init(env: DistEnv, backend: str, device: torch.device, timeout_s: int) -> None:
-    """Initialise the default process group; the CUDA device is set first, as NCCL requires."""
+def init(env: DistEnv, backend: str, device: torch.device, timeout_s: int,
+         host_tensors: bool = False) -> None:
+    """Initialise the default process group; the CUDA device is set first, as NCCL requires.
+    `host_tensors` (FSDP's shards offloaded to host memory): collectives on CPU tensors too -
+    nccl's group gets gloo beside it for them, as torchtitan does (clipping's norm of offloaded
+    gradients was all-reduced on the CPU: "No backend type associated with device type cpu")."""
     devices.prepare(device)
     timeout = timedelta(seconds=timeout_s)
     store = _local_store(env, timeout)
     where: dict[str, Any] = {"init_method": "env://"} if store is None else {"store": store}
-    dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
-                            timeout=timeout, device_id=devices.group_device(device), **where)
+    dist.init_process_group(backend=devices.group_backend(backend, host_tensors),
+                            rank=env.rank, world_size=env.world_size, timeout=timeout,
+                            device_id=devices.group_device(device), **where)
 
 
 def _local_store(env: DistEnv, timeout: timedelta) -> dist.TCPStore | None:

@@ -95,8 +95,10 @@ def save_weights(weights: dict[str, Any], path: Path, checkpoints: Path) -> Path
     """The final weights at `path` (written atomically); where the output directory's
     filesystem cannot hold them - even once older checkpoints but the newest are gone - in the
     temporary directory ($TMPDIR) instead, so that a finished training is not thrown away.
-    Returns where they are."""
-    payload = safewrite.serialised(weights)
+    Returns where they are. Their tensors are written from host memory: a file saved from
+    the GPU's would not load on a machine without CUDA (a laptop) without a map_location."""
+    payload = safewrite.serialised({name: value.detach().cpu() if torch.is_tensor(value)
+                                    else value for name, value in weights.items()})
     try:
         safewrite.make_room(path.parent, len(payload), _files(candidates(checkpoints)[1:]),
                             f"weights {path}")

@@ -194,7 +194,8 @@ def load_full(module: nn.Module, optimizer: torch.optim.Optimizer | None,
     )
 
     options = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(module, weights, options=options)
+    with _buffers_beside_parameters(module):
+        set_model_state_dict(module, weights, options=options)
     if optimizer is None or optim_state is None:
         return
     names = _names_in_order(module, optimizer)
@@ -202,6 +203,27 @@ def load_full(module: nn.Module, optimizer: torch.optim.Optimizer | None,
                "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
                                 for g in optim_state["param_groups"]]}
     set_optimizer_state_dict(module, optimizer, by_name, options=options)
+
+
+@contextlib.contextmanager
+def _buffers_beside_parameters(module: nn.Module) -> Iterator[None]:
+    """The buffers on the parameters' device for as long as the block runs. Offloaded shards
+    live in host memory and the buffers (BatchNorm's statistics) on the GPU, and torch loads a
+    full state dict only into a model on one device ("Multiple devices found")."""
+    devices = {p.device for p in module.parameters()}
+    moved: list[tuple[nn.Module, str, torch.device]] = []
+    if len(devices) == 1:
+        [device] = devices
+        for owner in module.modules():
+            for name, buffer in owner._buffers.items():
+                if buffer is not None and buffer.device != device:
+                    moved.append((owner, name, buffer.device))
+                    owner._buffers[name] = buffer.to(device)
+    try:
+        yield
+    finally:
+        for owner, name, device in moved:
+            owner._buffers[name] = owner._buffers[name].to(device)
 
 
 def _names_in_order(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from train.config import groups as config_lib
@@ -229,8 +230,12 @@ def check_local_devices(cfg: TrainConfig) -> None:
             f"distributed.nproc_per_node={d.nproc_per_node} local ranks, but this machine lets "
             f"this process use {cpus} CPUs (at most {RANKS_PER_CPU} ranks per CPU). Lower "
             "nproc_per_node, or run on more nodes (+cluster=slurm cluster.nodes=N).")
+    # device=auto on a machine with GPUs (its device files; the count needs torch) puts each
+    # rank on a GPU of its own.
+    gpus_for_auto = d.device == "auto" and d.nproc_per_node > 1 \
+        and next(Path("/dev").glob("nvidia[0-9]*"), None) is not None
     if d.backend != "nccl" and d.device != "cuda" and not d.sync_batchnorm \
-            and not cfg.trainer.memory_snapshot:
+            and not cfg.trainer.memory_snapshot and not gpus_for_auto:
         return  # no torch import
     from train.distributed import devices
 
