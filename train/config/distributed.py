@@ -18,7 +18,8 @@ class FsdpConfig:
     less memory, one more all-gather per block."""
     cpu_offload: bool = False
     """Keep the parameter shards, gradients and optimiser state in host memory (CPUOffloadPolicy):
-    a GPU holds only what a block computes with, at the price of copies each step."""
+    a GPU holds only what a block computes with, at the price of copies each step. With nccl,
+    the process group gets gloo beside it for the host tensors (`cuda:nccl,cpu:gloo`)."""
     init_on: str = "auto"
     """auto: cpu where the whole model fits in host memory on every rank (half of what is
     available, for all of a node's ranks), else meta. cpu: build the whole model on every rank
