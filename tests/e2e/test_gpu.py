@@ -48,14 +48,20 @@ def _job(store: dict[str, str], out: Path, *overrides: str) -> tuple[object, dic
 
 def test_an_nccl_job_on_the_gpus(store: dict[str, str], tmp_path: Path) -> None:
     run, metrics = _job(store, tmp_path / "job", "distributed.backend=nccl",
-                        "trainer.epochs=2", "tracking.log_model=false")
+                        "trainer.epochs=2", "tracking.log_model=true")
     assert run.data.tags["backend"] == "nccl" and run.data.tags["devices"] != "cpu"
     assert metrics["val/accuracy"] > 0.8
     steps = [s for s, _ in history(store["MLFLOW_TRACKING_URI"], run.info.run_id, "train/loss")]
     assert steps == [1, 2]
-    # The final weights load on a machine without CUDA: written from host memory.
+    # The final weights and the logged model load on a machine without CUDA: written from
+    # host memory (a pickle of GPU tensors loads back onto the GPU, where there is one).
+    import mlflow.pytorch
+
     weights = torch.load(tmp_path / "job" / "model.pt", weights_only=True)
     assert {t.device.type for t in weights.values()} == {"cpu"}
+    mlflow.set_tracking_uri(store["MLFLOW_TRACKING_URI"])
+    logged = mlflow.pytorch.load_model(f"runs:/{run.info.run_id}/model")
+    assert {p.device.type for p in logged.parameters()} == {"cpu"}
 
 
 def test_sync_batchnorm_trains_resnet18(store: dict[str, str], tmp_path: Path) -> None:

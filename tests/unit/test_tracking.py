@@ -261,6 +261,29 @@ def test_training_flops_are_counted_without_computing() -> None:
     assert next(model.parameters()).device.type == "cpu"  # the model itself is untouched
 
 
+def test_a_models_copies_on_the_meta_device_and_the_host_are_made_there() -> None:
+    """The FLOPs count's shapes and the logged model's host copy (train/models/copies.py):
+    each tensor made on the target device, not copied where the model is first (on a GPU, the
+    whole model again for a moment); tied weights stay tied, the model is untouched."""
+    from train.models.copies import copy_on
+    from train.models.gpt import GPT
+
+    model = GPT(vocab_size=64, seq_len=8, n_layer=1, n_head=2, n_embd=16)
+    model.lm_head.weight.requires_grad_(False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ghost, host = copy_on(model, "meta"), copy_on(model, "cpu")
+    for copied, device in ((ghost, "meta"), (host, "cpu")):
+        assert copied.lm_head.weight is copied.wte.weight  # still tied
+        assert not copied.wte.weight.requires_grad
+        for (name, theirs), ours in zip(copied.state_dict().items(), before.values(), strict=True):
+            assert theirs.device.type == device and theirs.shape == ours.shape, name
+    assert all(torch.equal(host.state_dict()[k], v) for k, v in before.items())
+    assert all(p.data_ptr() != q.data_ptr() for p, q in zip(host.parameters(), model.parameters(),
+                                                             strict=True))
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    assert next(model.parameters()).device.type == "cpu"
+
+
 def test_peak_flops_come_from_the_config_or_a_known_gpu() -> None:
     cpu = torch.device("cpu")
     assert flops.peak_tflops(cpu, "fp32", None) is None

@@ -18,7 +18,6 @@ models.
 from __future__ import annotations
 
 import contextlib
-import copy
 import io
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +27,7 @@ import torch
 from torch.export import Dim
 
 from train.errors import ConfigError
+from train.models.copies import copy_on
 
 
 def _export(model: torch.nn.Module, example: torch.Tensor) -> None:
@@ -42,7 +42,7 @@ def exportable(model: Any, example: np.ndarray) -> tuple[Any, np.ndarray | None,
     if example.shape[0] < 2:  # a batch of 1 would fix the exported batch size at 1
         example = np.concatenate([example, example])
     try:
-        inference = copy.deepcopy(model).cpu().eval()
+        inference = copy_on(model, "cpu").eval()
         _export(inference, torch.from_numpy(example))
     except Exception as e:  # noqa: BLE001 - the user's model: any failure means "not this way"
         return None, None, one_line(e)

@@ -8,11 +8,12 @@ common data-centre GPUs, and `trainer.peak_tflops` supplies one for anything els
 
 from __future__ import annotations
 
-import copy
 import logging
 
 import torch
 from torch import nn
+
+from train.models.copies import copy_on
 
 log = logging.getLogger("train")
 
@@ -42,7 +43,7 @@ def training_flops_per_sample(model: nn.Module, input_shape: tuple[int, ...],
     if tokens and callable(per_token):
         return float(per_token(input_shape[0])) * input_shape[0]
     try:
-        ghost = copy.deepcopy(model).to("meta")
+        ghost = copy_on(model, "meta")
         ghost.train()
         batch = 2  # BatchNorm in training mode wants more than one value per channel
         inputs = (torch.zeros(batch, *input_shape, dtype=torch.long, device="meta") if tokens

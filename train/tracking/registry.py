@@ -97,6 +97,7 @@ def log_model(uri: str, run_id: str, record: Model) -> None:
     the pickled module (its metadata then says why it was not exported)."""
     import mlflow.pytorch
 
+    from train.models.copies import copy_on
     from train.models.exportable import exportable
 
     model, example, problem = record.model, record.input_example, None
@@ -108,6 +109,8 @@ def log_model(uri: str, run_id: str, record: Model) -> None:
             log.error("torch.export cannot trace this model (%s): the run's model is logged "
                       "pickled and will not be registered", problem)
     fmt = "pt2" if record.export and problem is None else "pickle"
+    if fmt == "pickle" and any(p.device.type != "cpu" for p in model.parameters()):
+        model = copy_on(model, "cpu")  # a pickle of GPU tensors loads only where CUDA is
     meta: dict[str, Any] = {"serialization_format": fmt}
     if record.card is not None:
         meta["model_card"] = record.card
