@@ -38,6 +38,12 @@ def is_sharded(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
+def offloads(cfg: TrainConfig) -> bool:
+    """Whether the job keeps FSDP's shards in host memory (distributed.fsdp.cpu_offload): its
+    collectives then reduce host tensors too (train/distributed/process_group.py `init`)."""
+    return cfg.distributed.strategy == "fsdp" and cfg.distributed.fsdp.cpu_offload
+
+
 def blocks(module: nn.Module, names: list[str]) -> list[nn.Module]:
     """The submodules sharded one by one: those of the classes `names`, or (none named) the
     modules held in ModuleLists (model=gpt's `Block`s: a transformer's repeated layers)."""
