@@ -54,6 +54,8 @@ def test_a_small_bert_classifies_texts_tokenized_in_workers_or_once_per_node(
     run = ran["workers"]
     assert run.data.metrics["val/samples"] == SENTENCES - SENTENCES * 4 // 5
     assert run.data.metrics["val/accuracy"] > 0.8, run.data.metrics  # chance: 0.5
+    # The model's FLOPs counted on token ids, through the padding mask: train/tflops_per_sec.
+    assert run.data.metrics["train/tflops_per_sec"] > 0, run.data.metrics
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(tmp_path / "workers" / "hf_model", local_files_only=True)

@@ -261,6 +261,30 @@ def test_training_flops_are_counted_without_computing() -> None:
     assert next(model.parameters()).device.type == "cpu"  # the model itself is untouched
 
 
+@pytest.mark.parametrize("auto_class", ["sequence_classification", "token_classification"])
+def test_a_text_classifier_with_padding_has_its_flops_counted(auto_class: str) -> None:
+    """model=hf on data=arrow's padded texts: token ids in, the padding masked out of attention.
+    transformers asks whether the mask masks anything (a value a meta tensor has not): the count
+    runs on fake tensors, which it takes for a trace, and the mask changes no FLOP."""
+    pytest.importorskip("transformers")
+    from train.models import hf
+
+    sizes = {"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2,
+             "num_attention_heads": 2, "intermediate_size": 64}
+    counted = []
+    for pad in (0, None):
+        torch.manual_seed(0)
+        model = hf.build(auto_class, config=dict(sizes), vocab_size=512, num_classes=3,
+                         pad_token_id=pad)
+        assert (model.pad_id is None) == (pad is None)
+        counted.append(flops.training_flops_per_sample(model, (16,), tokens=True))
+    masked, unmasked = counted
+    assert masked is not None and masked == unmasked
+    # Mostly the layers' weights, at 6 FLOPs per weight and token (forward 2, backward 4).
+    weights = 2 * (4 * 32 * 32 + 2 * 32 * 64)
+    assert 6 * weights * 16 <= masked <= 3 * 6 * weights * 16
+
+
 def test_a_models_copies_on_the_meta_device_and_the_host_are_made_there() -> None:
     """The FLOPs count's shapes and the logged model's host copy (train/models/copies.py):
     each tensor made on the target device, not copied where the model is first (on a GPU, the

@@ -160,7 +160,7 @@ def prepare(job: Job, logger: RunLogger, stop: StopSignals) -> Prepared:
         logger.run.set_tags({"activation_checkpointing": recomputed})
     logger.training.throughput = flops.Throughput(
         shapes, bundle.input_shape, device, cfg.trainer.precision, cfg.trainer.peak_tflops,
-        env.world_size, tokens=bundle.vocab_size is not None)
+        env.world_size, tokens=bundle.vocab_size is not None or bundle.text is not None)
     torch.manual_seed(cfg.trainer.seed + env.rank)  # different augmentation per rank
     if resumed is not None:
         checkpoint.restore(state, resumed, env.rank, env.world_size)

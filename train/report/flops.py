@@ -35,8 +35,10 @@ PEAK_TFLOPS: tuple[tuple[str, float, float], ...] = (
 def training_flops_per_sample(model: nn.Module, input_shape: tuple[int, ...],
                               tokens: bool = False) -> float | None:
     """FLOPs of forward + backward for one sample; None when they cannot be counted. `tokens`:
-    the sample is a window of token ids; a model that says its FLOPs per token (model=gpt:
-    6N plus attention, as nanoGPT and PaLM count them) is taken at its word."""
+    the sample is a window of token ids (data=tokens, or data=arrow's texts); a model that
+    says its FLOPs per token (model=gpt: 6N plus attention, as nanoGPT and PaLM count them) is
+    taken at its word."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
     per_token = getattr(model, "flops_per_token", None)
@@ -46,12 +48,16 @@ def training_flops_per_sample(model: nn.Module, input_shape: tuple[int, ...],
         ghost = copy_on(model, "meta")
         ghost.train()
         batch = 2  # BatchNorm in training mode wants more than one value per channel
-        inputs = (torch.zeros(batch, *input_shape, dtype=torch.long, device="meta") if tokens
-                  else torch.empty(batch, *input_shape, device="meta"))
-        with FlopCounterMode(display=False) as counter:
-            output = ghost(inputs)
-            scores = output["out"] if isinstance(output, dict) else output
-            scores.float().sum().backward()
+        # Fake tensors over the meta copy: a model that reads a value to choose its path sees
+        # a trace, as under torch.compile, not a meta tensor's refusal (transformers asks
+        # whether a padding mask masks anything, `padding_mask.all()`, unless it is traced).
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            inputs = (torch.zeros(batch, *input_shape, dtype=torch.long, device="meta")
+                      if tokens else torch.empty(batch, *input_shape, device="meta"))
+            with FlopCounterMode(display=False) as counter:
+                output = ghost(inputs)
+                scores = output["out"] if isinstance(output, dict) else output
+                scores.float().sum().backward()
         total = counter.get_total_flops()
     except Exception as e:  # noqa: BLE001 - an exotic layer must not stop training
         log.info("model FLOPs not counted (%s: %s); no train/mfu", type(e).__name__, e)
