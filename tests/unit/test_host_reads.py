@@ -1,0 +1,156 @@
+"""No host sync in a training step that does not log (CONTRIBUTING.md's standard; the floor of
+`make bench-gpu` and of the step-time breakdown), checked where no GPU is.
+
+On a GPU, reading a tensor's value on the host - `.item()`, `float()`, `bool()`, `.tolist()`,
+`.numpy()`, a boolean mask's `nonzero` - waits for every kernel queued before it, and the
+device idles while the host queues the next ones. On a CPU such a read costs nothing, so it is
+counted instead: each job below trains in this process under a TorchDispatchMode that notes
+every such read by the optimiser step it falls in and the line of the project that asked for
+it. The optimisers take the fused kernels a GPU gets (train/engine/optim.py `fused_kernels`):
+the CPU's unfused Adam reads each parameter's step count. Reads of the samples on the host, in
+the DataLoader's fetch, are not syncs, and are left out.
+
+What this cannot see, and the GPU tests and `make bench-gpu` count with
+`torch.cuda.set_sync_debug_mode` instead: copies to the host (`.cpu()` of a CPU tensor copies
+nothing), DDP's and FSDP's internals (one rank here), the CUDA-only branches (the device clock,
+in-memory data on the GPU), and jobs that read their shards in their own processes (data=arrow:
+transformers' text models read their padding mask at every forward, `padding_mask.all()` in
+its `sdpa_mask`, as they do for every transformers user)."""
+
+from __future__ import annotations
+
+import traceback
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.conftest import SMALL_TEXT, TINY_GPT, composed
+from train.app import run
+from train.data import tokenize
+from train.engine import optim
+
+READING_OPS = {"aten._local_scalar_dense.default", "aten.nonzero.default",
+               "aten.masked_select.default", "aten._unique2.default", "aten.unique_dim.default",
+               "aten.equal.default", "aten.repeat_interleave.Tensor"}
+"""The ops whose result needs a value from the device: `.item()`, `bool()`, `float()` and
+`int()` of a tensor call the first; the others size their output by the data (as does indexing
+with a boolean mask, below)."""
+READING_METHODS = ("tolist", "numpy")
+"""Tensor methods that read values with no op of their own on a CPU tensor."""
+LOG_EVERY = 4
+STEPS = 9
+"""Steps 4 and 8 log; 1-3 and 5-7 must read nothing."""
+HOST_DATA = ("/torch/utils/data/",)
+
+
+class HostReads(TorchDispatchMode):
+    """Every read of a tensor's value on the host: (optimiser steps done, what, where)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps = 0
+        self.seen: Counter[tuple[int, str, str]] = Counter()
+
+    def note(self, what: str) -> None:
+        stack = traceback.extract_stack()[:-2]
+        if any(part in f.filename for f in stack for part in HOST_DATA):
+            return
+        ours = [f for f in stack if "/train/" in f.filename and "-packages/" not in f.filename]
+        where = f"{Path(ours[-1].filename).name}:{ours[-1].lineno} {ours[-1].name}" if ours \
+            else "outside the project"
+        self.seen[(self.steps, what, where)] += 1
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        name = str(func)
+        if name in READING_OPS or (name == "aten.index.Tensor" and any(
+                i is not None and i.dtype == torch.bool for i in args[1])):
+            self.note(name)
+        return func(*args, **(kwargs or {}))
+
+    def outside_logging(self) -> dict[tuple[int, str, str], int]:
+        """Reads in steps that do not log: after the first step started and before the last
+        ended, in no logging step's tail (its own logging, the next step's data and forward)."""
+        return {k: n for k, n in self.seen.items() if 0 < k[0] < STEPS and k[0] % LOG_EVERY}
+
+
+@pytest.fixture
+def host_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[HostReads]:
+    reads = HostReads()
+    fused = optim.fused_kernels
+    monkeypatch.setattr(optim, "fused_kernels",
+                        lambda name, params, on_gpu: fused(name, params, True))
+    for method in READING_METHODS:
+        real = getattr(torch.Tensor, method)
+
+        def read(self: torch.Tensor, *args: Any, _real: Any = real, _name: str = method,
+                 **kwargs: Any) -> Any:
+            reads.note(f"Tensor.{_name}")
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, method, read)
+
+    def stepped(*_: Any) -> None:
+        reads.steps += 1
+
+    hook = register_optimizer_step_post_hook(stepped)
+    try:
+        yield reads
+    finally:
+        hook.remove()
+
+
+@pytest.fixture(scope="module")
+def byte_tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SMALL_TEXT as `train prepare-text` writes it, written in this process."""
+    out = tmp_path_factory.mktemp("bytes") / "tokens"
+    tokenize.prepare([SMALL_TEXT], out, tokenize.ByteTokenizer(), val_fraction=0.05)
+    return out
+
+
+TOKENS = "data.root=<byte_tokens>"
+JOBS = {
+    "gpt, bf16, clipped, EMA, accumulated": (
+        *TINY_GPT, TOKENS, "data.batch_size=8", "optim.grad_clip=1.0",
+        "trainer.precision=bf16-mixed", "trainer.ema.enabled=true",
+        "trainer.accumulate_grad_batches=2"),
+    "transformers' GPT-2": (
+        "data=tokens", TOKENS, "task=language_model", "model=hf", "+model.config.n_layer=1",
+        "+model.config.n_head=2", "+model.config.n_embd=32", "data.seq_len=32", "optim=adamw",
+        "task.sample_tokens=0", "data.batch_size=8"),
+    "cnn, fp16's loss scaler, channels_last, clipped": (
+        "model=cnn", "data=synthetic", "data.num_samples=120", "data.image_size=8",
+        "data.batch_size=8", "trainer.channels_last=true", "trainer.precision=fp16-mixed",
+        "optim.grad_clip=1.0"),
+    "segmentation": (
+        "task=segmentation", "data=custom", "data.train._target_=userpkg.tasks.Shapes",
+        "+data.train.length=96", "model=custom", "model._target_=userpkg.tasks.TinySegmenter",
+        "data.batch_size=8"),
+    "regression": (
+        "task=regression", "data=custom", "data.train._target_=userpkg.tasks.Diabetes",
+        "+data.train.stop=96", "model=custom", "model._target_=userpkg.tasks.Regressor",
+        "data.batch_size=8"),
+}
+
+
+@pytest.mark.parametrize("job", JOBS)
+def test_a_step_that_does_not_log_reads_no_tensor_on_the_host(
+        job: str, host_reads: HostReads, byte_tokens: Path, tmp_path: Path,
+        no_launcher_env: None, user_path: None) -> None:
+    overrides = [o.replace("<byte_tokens>", str(byte_tokens)) for o in JOBS[job]]
+    cfg = composed(*overrides, "trainer.epochs=1", f"trainer.max_steps={STEPS}",
+                   f"trainer.log_every_n_steps={LOG_EVERY}", "data.num_workers=0",
+                   "trainer.checkpoint_every=0", "tracking.enabled=false")
+    with host_reads:
+        run(cfg, str(tmp_path / "job"), "test")
+    assert host_reads.steps == STEPS
+    assert host_reads.outside_logging() == {}
+    # The logging steps read the interval's loss: the count sees what a GPU would wait for.
+    logged = {(s, where) for s, _, where in host_reads.seen}
+    assert {(s, "metrics.py") for s in (4, 8)} <= {(s, w.split(":")[0]) for s, w in logged}
