@@ -1,5 +1,6 @@
 """No host sync in a training step that does not log (CONTRIBUTING.md's standard; the floor of
-`make bench-gpu` and of the step-time breakdown), checked where no GPU is.
+`make bench-gpu` and of the step-time breakdown), and none per validation batch, checked where
+no GPU is.
 
 On a GPU, reading a tensor's value on the host - `.item()`, `float()`, `bool()`, `.tolist()`,
 `.numpy()`, a boolean mask's `nonzero` - waits for every kernel queued before it, and the
@@ -154,3 +155,24 @@ def test_a_step_that_does_not_log_reads_no_tensor_on_the_host(
     # The logging steps read the interval's loss: the count sees what a GPU would wait for.
     logged = {(s, where) for s, _, where in host_reads.seen}
     assert {(s, "metrics.py") for s in (4, 8)} <= {(s, w.split(":")[0]) for s, w in logged}
+
+
+def test_validation_reads_its_sums_once_however_many_batches_it_has(
+        host_reads: HostReads, tmp_path: Path, no_launcher_env: None) -> None:
+    """After the last step (validation, the epoch's metrics, the checkpoint): the same reads for
+    9 validation batches as for 36 - none per batch."""
+    after: list[Counter[tuple[str, str]]] = []
+    for samples in (160, 520):  # 72 training samples (9 steps) and 9 or 36 batches to validate
+        host_reads.seen.clear()
+        host_reads.steps = 0
+        cfg = composed("model=cnn", "data=synthetic", f"data.num_samples={samples}",
+                       f"data.val_fraction={1 - 72 / samples}", "data.image_size=8",
+                       "data.batch_size=8", "trainer.epochs=1", "data.num_workers=0",
+                       f"trainer.log_every_n_steps={LOG_EVERY}", "tracking.enabled=false")
+        with host_reads:
+            run(cfg, str(tmp_path / f"job-{samples}"), "test")
+        assert host_reads.steps == STEPS
+        after.append(Counter({(what, where): n for (s, what, where), n in host_reads.seen.items()
+                              if s == STEPS}))
+    few, many = after
+    assert few and few == many
