@@ -13,94 +13,41 @@ the DataLoader's fetch, are not syncs, and are left out.
 
 What this cannot see, and the GPU tests and `make bench-gpu` count with
 `torch.cuda.set_sync_debug_mode` instead: copies to the host (`.cpu()` of a CPU tensor copies
-nothing), DDP's and FSDP's internals (one rank here), the CUDA-only branches (the device clock,
-in-memory data on the GPU), and jobs that read their shards in their own processes (data=arrow:
-transformers' text models read their padding mask at every forward, `padding_mask.all()` in
-its `sdpa_mask`, as they do for every transformers user)."""
+nothing), torch's C++ (DDP's reducer, the collectives), the CUDA-only branches (the device
+clock, in-memory data on the GPU), and jobs that read their shards in their own processes
+(data=arrow: transformers' text models read their padding mask at every forward,
+`padding_mask.all()` in its `sdpa_mask`, as they do for every transformers user). Two ranks,
+DDP and FSDP: tests/e2e/test_host_reads.py."""
 
 from __future__ import annotations
 
-import traceback
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.conftest import SMALL_TEXT, TINY_GPT, composed
+from tests.host_reads import HostReads, gpu_optimisers, outside_logging
 from train.app import run
 from train.data import tokenize
 from train.engine import optim
 
-READING_OPS = {"aten._local_scalar_dense.default", "aten.nonzero.default",
-               "aten.masked_select.default", "aten._unique2.default", "aten.unique_dim.default",
-               "aten.equal.default", "aten.repeat_interleave.Tensor"}
-"""The ops whose result needs a value from the device: `.item()`, `bool()`, `float()` and
-`int()` of a tensor call the first; the others size their output by the data (as does indexing
-with a boolean mask, below)."""
-READING_METHODS = ("tolist", "numpy")
-"""Tensor methods that read values with no op of their own on a CPU tensor."""
 LOG_EVERY = 4
 STEPS = 9
 """Steps 4 and 8 log; 1-3 and 5-7 must read nothing."""
-HOST_DATA = ("/torch/utils/data/",)
-
-
-class HostReads(TorchDispatchMode):
-    """Every read of a tensor's value on the host: (optimiser steps done, what, where)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.steps = 0
-        self.seen: Counter[tuple[int, str, str]] = Counter()
-
-    def note(self, what: str) -> None:
-        stack = traceback.extract_stack()[:-2]
-        if any(part in f.filename for f in stack for part in HOST_DATA):
-            return
-        ours = [f for f in stack if "/train/" in f.filename and "-packages/" not in f.filename]
-        where = f"{Path(ours[-1].filename).name}:{ours[-1].lineno} {ours[-1].name}" if ours \
-            else "outside the project"
-        self.seen[(self.steps, what, where)] += 1
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
-        name = str(func)
-        if name in READING_OPS or (name == "aten.index.Tensor" and any(
-                i is not None and i.dtype == torch.bool for i in args[1])):
-            self.note(name)
-        return func(*args, **(kwargs or {}))
-
-    def outside_logging(self) -> dict[tuple[int, str, str], int]:
-        """Reads in steps that do not log: after the first step started and before the last
-        ended, in no logging step's tail (its own logging, the next step's data and forward)."""
-        return {k: n for k, n in self.seen.items() if 0 < k[0] < STEPS and k[0] % LOG_EVERY}
 
 
 @pytest.fixture
 def host_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[HostReads]:
     reads = HostReads()
-    fused = optim.fused_kernels
-    monkeypatch.setattr(optim, "fused_kernels",
-                        lambda name, params, on_gpu: fused(name, params, True))
-    for method in READING_METHODS:
-        real = getattr(torch.Tensor, method)
-
-        def read(self: torch.Tensor, *args: Any, _real: Any = real, _name: str = method,
-                 **kwargs: Any) -> Any:
-            reads.note(f"Tensor.{_name}")
-            return _real(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, method, read)
-
-    def stepped(*_: Any) -> None:
-        reads.steps += 1
-
-    hook = register_optimizer_step_post_hook(stepped)
+    monkeypatch.setattr(optim, "fused_kernels", optim.fused_kernels)  # put back afterwards
+    gpu_optimisers()
+    for name, method in reads.counting_methods().items():
+        monkeypatch.setattr(torch.Tensor, name, method)
+    hook = register_optimizer_step_post_hook(reads.stepped)
     try:
         yield reads
     finally:
@@ -151,7 +98,7 @@ def test_a_step_that_does_not_log_reads_no_tensor_on_the_host(
     with host_reads:
         run(cfg, str(tmp_path / "job"), "test")
     assert host_reads.steps == STEPS
-    assert host_reads.outside_logging() == {}
+    assert outside_logging(host_reads.seen, STEPS, LOG_EVERY) == []
     # The logging steps read the interval's loss: the count sees what a GPU would wait for.
     logged = {(s, where) for s, _, where in host_reads.seen}
     assert {(s, "metrics.py") for s in (4, 8)} <= {(s, w.split(":")[0]) for s, w in logged}

@@ -1,0 +1,116 @@
+"""Reads of tensor values on the host, counted by optimiser step: on a GPU each is a host sync
+(tests/unit/test_host_reads.py in process, tests/e2e/test_host_reads.py in each rank).
+
+Counted: `.item()`, `bool()`, `float()` and `int()` of a tensor (all `_local_scalar_dense`),
+the ops that size their output by the data (`nonzero`, a boolean mask's index...), and
+`.tolist()` and `.numpy()` (no op of their own on a CPU tensor). Not counted: reads of the
+samples in the DataLoader's fetch, which are on the host anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+READING_OPS = {"aten._local_scalar_dense.default", "aten.nonzero.default",
+               "aten.masked_select.default", "aten._unique2.default", "aten.unique_dim.default",
+               "aten.equal.default", "aten.repeat_interleave.Tensor"}
+READING_METHODS = ("tolist", "numpy")
+HOST_DATA = "/torch/utils/data/"
+FOLDER_VAR = "HOST_READS_DIR"
+"""Where each rank of a counted job writes rank-<N>.json (CountedCrossEntropy)."""
+
+
+class HostReads(TorchDispatchMode):
+    """Every read of a tensor's value on the host: (optimiser steps done, what, where)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps = 0
+        self.seen: Counter[tuple[int, str, str]] = Counter()
+
+    def note(self, what: str) -> None:
+        stack = traceback.extract_stack()[:-2]
+        if any(HOST_DATA in f.filename for f in stack):
+            return
+        ours = [f for f in stack if "/train/" in f.filename and "-packages/" not in f.filename]
+        where = f"{Path(ours[-1].filename).name}:{ours[-1].lineno} {ours[-1].name}" if ours \
+            else "outside the project"
+        self.seen[(self.steps, what, where)] += 1
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        name = str(func)
+        if name in READING_OPS or (name == "aten.index.Tensor" and any(
+                i is not None and i.dtype == torch.bool for i in args[1])):
+            self.note(name)
+        return func(*args, **(kwargs or {}))
+
+    def counting_methods(self) -> dict[str, Callable[..., Any]]:
+        """Tensor.tolist and Tensor.numpy, each noting its call: to put on torch.Tensor."""
+        def counting(name: str) -> Callable[..., Any]:
+            real = getattr(torch.Tensor, name)
+
+            def read(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+                self.note(f"Tensor.{name}")
+                return real(tensor, *args, **kwargs)
+            return read
+        return {name: counting(name) for name in READING_METHODS}
+
+    def stepped(self, *_: Any) -> None:
+        """An optimiser step's post-hook."""
+        self.steps += 1
+
+
+def outside_logging(seen: Counter[tuple[int, str, str]] | list, last: int, log_every: int
+                    ) -> list[tuple[int, str, str, int]]:
+    """Reads in steps that do not log: after the first step started and before step `last`
+    ended, in no logging step's tail (its own logging, the next step's data and forward)."""
+    rows = [(*k, n) for k, n in seen.items()] if isinstance(seen, Counter) else seen
+    return [tuple(r) for r in rows if 0 < r[0] < last and r[0] % log_every]
+
+
+def gpu_optimisers() -> None:
+    """The fused optimiser kernels a GPU gets (train/engine/optim.py): the CPU's unfused Adam
+    reads each parameter's step count at every step."""
+    from train.engine import optim
+
+    fused = optim.fused_kernels
+    optim.fused_kernels = lambda name, params, on_gpu: fused(name, params, True)
+
+
+class CountedCrossEntropy(nn.CrossEntropyLoss):
+    """trainer.loss for a counted job: built in each rank before its first step, it starts the
+    count there, and writes it to $HOST_READS_DIR/rank-<RANK>.json after every optimiser step."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if getattr(CountedCrossEntropy, "reads", None) is None:  # once: evaluation builds one too
+            CountedCrossEntropy.reads = _count_this_rank()
+
+
+def _count_this_rank() -> HostReads:
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    reads = HostReads()
+    gpu_optimisers()
+    for name, method in reads.counting_methods().items():
+        setattr(torch.Tensor, name, method)
+    out = Path(os.environ[FOLDER_VAR]) / f"rank-{os.environ.get('RANK', '0')}.json"
+
+    def stepped(*args: Any) -> None:
+        reads.stepped(*args)
+        out.write_text(json.dumps([[*k, n] for k, n in sorted(reads.seen.items())]))
+
+    register_optimizer_step_post_hook(stepped)
+    reads.__enter__()  # for the rest of this rank's life, on its main thread
+    return reads
