@@ -3,8 +3,10 @@
 
 Counted: `.item()`, `bool()`, `float()` and `int()` of a tensor (all `_local_scalar_dense`),
 the ops that size their output by the data (`nonzero`, a boolean mask's index...), and
-`.tolist()` and `.numpy()` (no op of their own on a CPU tensor). Not counted: reads of the
-samples in the DataLoader's fetch, which are on the host anyway.
+`.tolist()`, `.numpy()` and `.cpu()` (no op of their own on a CPU tensor; on a GPU the last is
+a copy to the host, which waits). Not counted: reads of the samples in the DataLoader's fetch,
+which are on the host anyway, and `.to(device)` (on this CPU the job's device is the host: a
+copy to the host cannot be told from the batch's move to the device).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 READING_OPS = {"aten._local_scalar_dense.default", "aten.nonzero.default",
                "aten.masked_select.default", "aten._unique2.default", "aten.unique_dim.default",
                "aten.equal.default", "aten.repeat_interleave.Tensor"}
-READING_METHODS = ("tolist", "numpy")
+READING_METHODS = ("tolist", "numpy", "cpu")
 HOST_DATA = "/torch/utils/data/"
 FOLDER_VAR = "HOST_READS_DIR"
 """Where each rank of a counted job writes rank-<N>.json (CountedCrossEntropy)."""
@@ -56,7 +58,7 @@ class HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
     def counting_methods(self) -> dict[str, Callable[..., Any]]:
-        """Tensor.tolist and Tensor.numpy, each noting its call: to put on torch.Tensor."""
+        """READING_METHODS, each noting its call: to put on torch.Tensor."""
         def counting(name: str) -> Callable[..., Any]:
             real = getattr(torch.Tensor, name)
 

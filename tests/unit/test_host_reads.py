@@ -3,19 +3,19 @@
 no GPU is.
 
 On a GPU, reading a tensor's value on the host - `.item()`, `float()`, `bool()`, `.tolist()`,
-`.numpy()`, a boolean mask's `nonzero` - waits for every kernel queued before it, and the
-device idles while the host queues the next ones. On a CPU such a read costs nothing, so it is
-counted instead: each job below trains in this process under a TorchDispatchMode that notes
+`.numpy()`, `.cpu()`, a boolean mask's `nonzero` - waits for every kernel queued before it, and
+the device idles while the host queues the next ones. On a CPU such a read costs nothing, so it
+is counted instead: each job below trains in this process under a TorchDispatchMode that notes
 every such read by the optimiser step it falls in and the line of the project that asked for
 it. The optimisers take the fused kernels a GPU gets (train/engine/optim.py `fused_kernels`):
 the CPU's unfused Adam reads each parameter's step count. Reads of the samples on the host, in
 the DataLoader's fetch, are not syncs, and are left out.
 
 What this cannot see, and the GPU tests and `make bench-gpu` count with
-`torch.cuda.set_sync_debug_mode` instead: copies to the host (`.cpu()` of a CPU tensor copies
-nothing), torch's C++ (DDP's reducer, the collectives), the CUDA-only branches (the device
-clock, in-memory data on the GPU), and jobs that read their shards in their own processes
-(data=arrow: transformers' text models read their padding mask at every forward,
+`torch.cuda.set_sync_debug_mode` instead: copies to the host by `.to()` (on a CPU the job's
+device is the host), torch's C++ (DDP's reducer, the collectives), the CUDA-only branches (the
+device clock, in-memory data on the GPU), and jobs that read their shards in their own
+processes (data=arrow: transformers' text models read their padding mask at every forward,
 `padding_mask.all()` in its `sdpa_mask`, as they do for every transformers user). Two ranks,
 DDP and FSDP: tests/e2e/test_host_reads.py."""
 
