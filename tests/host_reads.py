@@ -96,7 +96,9 @@ class CountedCrossEntropy(nn.CrossEntropyLoss):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if getattr(CountedCrossEntropy, "reads", None) is None:  # once: evaluation builds one too
+        # Once per process. The launcher's pre-flight builds one too: its count writes nothing,
+        # as no optimiser steps there.
+        if getattr(CountedCrossEntropy, "reads", None) is None:
             CountedCrossEntropy.reads = _count_this_rank()
 
 
