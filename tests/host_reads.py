@@ -72,48 +72,55 @@ class HostReads(TorchDispatchMode):
         """An optimiser step's post-hook."""
         self.steps += 1
 
+    def rows(self) -> list[list[Any]]:
+        """[steps done, what, where, how many], in order: what a rank writes (JSON)."""
+        return [[*key, n] for key, n in sorted(self.seen.items())]
 
-def outside_logging(seen: Counter[tuple[int, str, str]] | list, last: int, log_every: int
-                    ) -> list[tuple[int, str, str, int]]:
+
+def outside_logging(rows: list[list[Any]], last: int, log_every: int) -> list[list[Any]]:
     """Reads in steps that do not log: after the first step started and before step `last`
     ended, in no logging step's tail (its own logging, the next step's data and forward)."""
-    rows = [(*k, n) for k, n in seen.items()] if isinstance(seen, Counter) else seen
-    return [tuple(r) for r in rows if 0 < r[0] < last and r[0] % log_every]
+    return [row for row in rows if 0 < row[0] < last and row[0] % log_every]
 
 
-def gpu_optimisers() -> None:
-    """The fused optimiser kernels a GPU gets (train/engine/optim.py): the CPU's unfused Adam
-    reads each parameter's step count at every step."""
+def fused_as_on_gpu() -> Callable[..., bool | None]:
+    """train/engine/optim.py's `fused_kernels` answering as on a GPU: the fused optimiser
+    kernels (the CPU's unfused Adam reads each parameter's step count at every step)."""
     from train.engine import optim
 
     fused = optim.fused_kernels
-    optim.fused_kernels = lambda name, params, on_gpu: fused(name, params, True)
+    return lambda name, params, on_gpu: fused(name, params, True)
 
 
 class CountedCrossEntropy(nn.CrossEntropyLoss):
     """trainer.loss for a counted job: built in each rank before its first step, it starts the
     count there, and writes it to $HOST_READS_DIR/rank-<RANK>.json after every optimiser step."""
 
+    reads: HostReads | None = None
+    """This process's count, started by the first loss built in it."""
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # Once per process. The launcher's pre-flight builds one too: its count writes nothing,
         # as no optimiser steps there.
-        if getattr(CountedCrossEntropy, "reads", None) is None:
+        if CountedCrossEntropy.reads is None:
             CountedCrossEntropy.reads = _count_this_rank()
 
 
 def _count_this_rank() -> HostReads:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
+    from train.engine import optim
+
     reads = HostReads()
-    gpu_optimisers()
+    optim.fused_kernels = fused_as_on_gpu()
     for name, method in reads.counting_methods().items():
         setattr(torch.Tensor, name, method)
     out = Path(os.environ[FOLDER_VAR]) / f"rank-{os.environ.get('RANK', '0')}.json"
 
     def stepped(*args: Any) -> None:
         reads.stepped(*args)
-        out.write_text(json.dumps([[*k, n] for k, n in sorted(reads.seen.items())]))
+        out.write_text(json.dumps(reads.rows()))
 
     register_optimizer_step_post_hook(stepped)
     reads.__enter__()  # for the rest of this rank's life, on its main thread

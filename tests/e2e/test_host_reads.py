@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SMALL_TEXT, TINY_GPT, USER_PATH, run_train
+from tests.conftest import TINY_GPT, USER_PATH, run_train
 from tests.host_reads import FOLDER_VAR, outside_logging
-from train.data import tokenize
 
 LOG_EVERY = 4
 STEPS = 9
@@ -25,19 +24,12 @@ JOBS = {
 }
 
 
-@pytest.fixture(scope="module")
-def byte_tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("bytes") / "tokens"
-    tokenize.prepare([SMALL_TEXT], out, tokenize.ByteTokenizer(), val_fraction=0.05)
-    return out
-
-
 @pytest.mark.parametrize("job", JOBS)
 def test_no_rank_reads_a_tensor_on_the_host_outside_logging_steps(
-        job: str, byte_tokens: Path, tmp_path: Path) -> None:
+        job: str, small_tokens: Path, tmp_path: Path) -> None:
     folder = tmp_path / "reads"
     folder.mkdir()
-    tokens = (f"data.root={byte_tokens}",) if "model=gpt" in JOBS[job] else ()
+    tokens = (f"data.root={small_tokens}",) if "model=gpt" in JOBS[job] else ()
     done = run_train(*JOBS[job], *tokens, *COUNTED, "distributed.nproc_per_node=2",
                      "data.num_workers=0", "trainer.epochs=1", f"trainer.max_steps={STEPS}",
                      f"trainer.log_every_n_steps={LOG_EVERY}", "trainer.checkpoint_every=0",

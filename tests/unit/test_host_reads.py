@@ -30,7 +30,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from tests.conftest import SMALL_TEXT, TINY_GPT, composed
-from tests.host_reads import HostReads, gpu_optimisers, outside_logging
+from tests.host_reads import HostReads, fused_as_on_gpu, outside_logging
 from train.app import run
 from train.data import tokenize
 from train.engine import optim
@@ -43,8 +43,7 @@ STEPS = 9
 @pytest.fixture
 def host_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[HostReads]:
     reads = HostReads()
-    monkeypatch.setattr(optim, "fused_kernels", optim.fused_kernels)  # put back afterwards
-    gpu_optimisers()
+    monkeypatch.setattr(optim, "fused_kernels", fused_as_on_gpu())
     for name, method in reads.counting_methods().items():
         monkeypatch.setattr(torch.Tensor, name, method)
     hook = register_optimizer_step_post_hook(reads.stepped)
@@ -98,7 +97,7 @@ def test_a_step_that_does_not_log_reads_no_tensor_on_the_host(
     with host_reads:
         run(cfg, str(tmp_path / "job"), "test")
     assert host_reads.steps == STEPS
-    assert outside_logging(host_reads.seen, STEPS, LOG_EVERY) == []
+    assert outside_logging(host_reads.rows(), STEPS, LOG_EVERY) == []
     # The logging steps read the interval's loss: the count sees what a GPU would wait for.
     logged = {(s, where) for s, _, where in host_reads.seen}
     assert {(s, "metrics.py") for s in (4, 8)} <= {(s, w.split(":")[0]) for s, w in logged}
