@@ -99,7 +99,7 @@ def _rank_after_rank_0_left(rank: int, port: int, out: Path, rank_0_writes: bool
                 {"cause": "rank 3 on node2: FailureDrill", "at": time.time(), "rank": 0}))
         gone.set()
         os._exit(0)
-    watch.start(out, rank, 2)  # its start time tells this start's cause from an earlier one's
+    watch.start(out, rank, 2, 60)  # its start time tells this start's cause from an earlier one's
     watching.set()
     gone.wait(30)
     while distributed.main_answers():  # until rank 0's process (the store) is gone

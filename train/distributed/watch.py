@@ -70,8 +70,10 @@ def all_gone(ranks: Iterable[int]) -> bool:
 class Watch:
     """The heartbeat file, the stack dumps and the watchdog thread of one rank."""
 
-    def __init__(self, out: Path, rank: int, world_size: int) -> None:
+    def __init__(self, out: Path, rank: int, world_size: int, timeout_s: float) -> None:
         self.out, self.rank, self.world_size = out, rank, world_size
+        self.birth_s = workers.birth_s(timeout_s)
+        """How long this rank's new DataLoader workers may take to come out of fork()."""
         self.host, self.pid = socket.gethostname(), os.getpid()
         self.main = threading.main_thread().ident or 0
         self.waited = ""
@@ -172,11 +174,12 @@ class Watch:
             self._answered = True
 
 
-def start(out: Path, rank: int, world_size: int) -> Watch:
-    """Start this rank's watch (after its process group exists); `stop` ends it."""
+def start(out: Path, rank: int, world_size: int, timeout_s: float) -> Watch:
+    """Start this rank's watch (after its process group exists, whose collectives time out
+    after `timeout_s`); `stop` ends it."""
     global _watch
     stop()
-    _watch = Watch(out, rank, world_size)
+    _watch = Watch(out, rank, world_size, timeout_s)
     return _watch
 
 

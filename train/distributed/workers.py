@@ -36,6 +36,8 @@ class Owner(Protocol):
     rank: int
     host: str
     main: int
+    birth_s: float
+    """How long its new workers may take to come out of fork() (`birth_s`)."""
 
 
 def follow_forks(own: Owner | None) -> None:
@@ -187,16 +189,30 @@ BIRTH_S = 10.0
 has not by then is stuck inside fork itself, on a C lock another thread of the rank held."""
 BIRTH_TRIES = 3
 """Iterators made (their workers forked) before a stuck worker is left to the hang watch."""
+SHORTEST_BIRTH_S = 2.0
+"""The least `birth_s` waits: a fork of a busy rank on a loaded node takes a good part of a
+second, and a healthy worker taken for a stuck one costs its loader's start again."""
+
+
+def birth_s(timeout_s: float) -> float:
+    """How long a rank waits for its new workers' birth with distributed.timeout_s =
+    `timeout_s`: BIRTH_S, or less where the peers would time out first. Up to BIRTH_TRIES - 1
+    waits can follow one another while the peers wait in a collective; a quarter of the timeout
+    each keeps them within half of it."""
+    return max(SHORTEST_BIRTH_S, min(BIRTH_S, timeout_s / 4))
+
+
 _born: set[int] = set()
 """The workers seen born (persistent workers are checked once)."""
 
 
 def iter_with_born_workers(loader: Any) -> Iterator[Any]:
     """`iter(loader)`, its new workers seen to come out of their fork: a worker that does not
-    within BIRTH_S is killed and the loader's workers made again, with a warning. A rank's
-    gloo and MLflow threads run while it forks its workers, and a child of a multithreaded
-    process can wait forever for a lock one of them held (the stall this ends cost a rank
-    distributed.timeout_s and the job). Without a watch (no birth files) it is iter(loader)."""
+    within the owner's `birth_s` is killed and the loader's workers made again, with a warning.
+    A rank's gloo and MLflow threads run while it forks its workers, and a child of a
+    multithreaded process can wait forever for a lock one of them held (the stall this ends
+    cost a rank distributed.timeout_s and the job). Without a watch (no birth files) it is
+    iter(loader)."""
     own, tries = _owner, 1
     while True:
         batches = iter(loader)
@@ -208,15 +224,15 @@ def iter_with_born_workers(loader: Any) -> Iterator[Any]:
             return batches
         log.warning("rank %d: DataLoader worker(s) %s stuck inside fork() for %.0f s (a lock "
                     "another thread held as they were forked): their loader's workers are "
-                    "started again", own.rank, ", ".join(f"pid {p}" for p in stuck), BIRTH_S)
+                    "started again", own.rank, ", ".join(f"pid {p}" for p in stuck), own.birth_s)
         _discard(loader, batches, stuck)
         tries += 1
 
 
 def _unborn(own: Owner, pids: list[int]) -> list[int]:
     """Those of `pids` whose birth dump file (named with their pid; worker_init_fn renames it
-    with the worker's number) is not there within BIRTH_S."""
-    deadline = time.monotonic() + BIRTH_S
+    with the worker's number) is not there within `own.birth_s`."""
+    deadline = time.monotonic() + own.birth_s
     files = {pid: worker_dump_path(own.out, own.rank, f"*.{pid}") for pid in pids}
     while True:
         for pid, path in list(files.items()):

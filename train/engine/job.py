@@ -218,7 +218,7 @@ def run_rank(config: dict[str, Any], output_dir: str, command: str, own_process:
     ending = JobEnding(cfg, env, out, command, logger)
     try:  # from the process group on: a job that fails in it has ended too (sweep, below)
         distributed.init(env, backend, device, cfg.distributed.timeout_s, fsdp.offloads(cfg))
-        watch.start(out, env.rank, env.world_size)
+        watch.start(out, env.rank, env.world_size, cfg.distributed.timeout_s)
         phase.use_device_clock(device)  # a GPU's phases on its own clock (time/*)
         drill.check(job.fail_at, 0, env.rank)
         with StopSignals(own_process) as stop:
