@@ -52,7 +52,11 @@ def test_two_nodes_four_ranks_make_one_run(cluster: None, store: dict[str, str],
         assert any(n.startswith("autograd::engine::evaluate_function: ConvolutionBackward")
                    for n in names)
 
-    # `python -m train eval` of that run on Slurm, 2 nodes: its last validation, exactly.
+    # `python -m train eval` of that run on Slurm, 2 nodes: its last validation, exactly. Its
+    # output directory moved out of sight first: rank 0 on node1 takes the store's copy of the
+    # final weights into the evaluating job's directory, which node2's ranks read.
+    trained = Path(tags["output_dir"])
+    trained.rename(trained.with_name(trained.name + "-elsewhere"))
     evaluated = run_train("eval", run.info.run_id, "eval.split=val", "+cluster=slurm",
                           "cluster.partition=debug", "cluster.time_min=10", "cluster.nodes=2",
                           "cluster.tasks_per_node=2", f"hydra.sweep.dir={tmp_path}/eval",
@@ -64,6 +68,8 @@ def test_two_nodes_four_ranks_make_one_run(cluster: None, store: dict[str, str],
     last_val = history(uri, run.info.run_id, "val/loss")[-1]
     assert history(uri, run.info.run_id, "eval/digits_val/loss") == [
         (2, pytest.approx(last_val[1], abs=1e-6))]
+    weights = f"runs:/{run.info.run_id}/weights/model.pt"
+    assert after.data.tags["eval/digits_val/weights"] == f"last: {weights}"
 
 
 def test_the_plain_sbatch_template_runs_the_same_code(cluster: None, store: dict[str, str],

@@ -118,6 +118,55 @@ def test_an_fsdp_runs_sharded_checkpoint_evaluates_at_any_world_size_and_strateg
         assert got["samples"] == 101
 
 
+def test_a_run_whose_output_directory_is_out_of_sight_is_evaluated_from_its_store(
+        store: dict[str, str], tmp_path: Path) -> None:
+    """The run trained on another machine's disk (here: its output directory moved away): eval
+    and predict take its final weights from the store (`weights/model.pt`), at another world
+    size, and give its own test metrics; weights the store does not keep are refused in one
+    line that says which it does."""
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    uri = store["MLFLOW_TRACKING_URI"]
+    trained = _train(store, tmp_path / "job")
+    run_id, test = trained.info.run_id, trained.data.metrics
+    shutil.move(tmp_path / "job", tmp_path / "elsewhere")
+
+    result = _eval(store, run_id, tmp_path / "eval", "distributed.nproc_per_node=3")
+    assert result.returncode == 0, result.stderr
+    in_store = f"runs:/{run_id}/weights/model.pt"
+    assert f"evaluating run {run_id}: {in_store}" in result.stderr
+    got = _evaluated(uri, run_id, "custom_test")
+    assert got["samples"] == 101
+    for metric in ("loss", "accuracy"):
+        assert got[metric] == pytest.approx(test[f"test/{metric}"], abs=1e-6), metric
+        assert [s for s, _ in history(uri, run_id, f"eval/custom_test/{metric}")] == [2]
+    tags = MlflowClient(tracking_uri=uri).get_run(run_id).data.tags
+    assert tags["eval/custom_test/weights"] == f"last: {in_store}"
+    copy = tmp_path / "eval" / "from-store" / "model.pt"
+    assert copy.read_bytes() == (tmp_path / "elsewhere" / "model.pt").read_bytes()
+    assert copy.stat().st_mode & 0o077 == 0 and copy.parent.stat().st_mode & 0o077 == 0
+
+    # The store's file named as MLflow names it, by predict at one rank: every test sample.
+    out = tmp_path / "predictions.parquet"
+    predicted = run_train("predict", run_id, f"predict.weights={in_store}", f"predict.out={out}",
+                          "distributed.nproc_per_node=1", f"hydra.run.dir={tmp_path}/predict",
+                          env={**store, **USERPKG})
+    assert predicted.returncode == 0, predicted.stderr
+    assert pq.read_table(out).column("index").to_pylist() == list(range(101))
+
+    # The store keeps the final weights only: the best ones, or a file it does not hold, are
+    # refused before anything starts, saying what it holds.
+    best = _refusal(_eval(store, run_id, tmp_path / "best", "eval.weights=best"))
+    assert "left no best weights" in best and "its store holds its final weights, the last: " \
+        "eval.weights=last" in best, best
+    nothing = _refusal(_eval(store, run_id, tmp_path / "none",
+                             f"eval.weights=runs:/{run_id}/weights/other.pt"))
+    assert "holds no file weights/other.pt" in nothing and in_store in nothing, nothing
+    assert not (tmp_path / "best").exists() and not (tmp_path / "none").exists()
+
+
 def _run_without_end(uri: str, params: dict[str, str]) -> str:
     """A run as a job that is still training leaves it: RUNNING, its config recorded."""
     client = MlflowClient(tracking_uri=uri)

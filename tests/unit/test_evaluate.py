@@ -75,18 +75,19 @@ def test_which_weights_each_word_finds_in_the_runs_output_directory(tmp_path: Pa
         evaluate.find_weights(_run(out), "last")
     for step in (23, 46, 9):
         (out / "checkpoints" / f"step-{step:09d}.pt").write_bytes(b"x")
-    assert evaluate.find_weights(_run(out), "last").name == "step-000000046.pt"
+    assert Path(evaluate.find_weights(_run(out), "last")).name == "step-000000046.pt"
     (out / "model.pt").write_bytes(b"x")
-    assert evaluate.find_weights(_run(out), "last") == (out / "model.pt").resolve()
-    assert evaluate.find_weights(_run(out, final="best"), "last").name == "step-000000046.pt"
-    assert evaluate.find_weights(_run(out, final="best"), "best") == (out / "model.pt").resolve()
+    final = str((out / "model.pt").resolve())
+    assert evaluate.find_weights(_run(out), "last") == final
+    assert Path(evaluate.find_weights(_run(out, final="best"), "last")).name == "step-000000046.pt"
+    assert evaluate.find_weights(_run(out, final="best"), "best") == final
     with pytest.raises(ConfigError, match="trainer.save_best=true keeps them"):
         evaluate.find_weights(_run(out), "best")
     (out / "checkpoints" / "best.pt").write_bytes(b"x")
-    assert evaluate.find_weights(_run(out), "best").name == "best.pt"
+    assert Path(evaluate.find_weights(_run(out), "best")).name == "best.pt"
     sharded = out / "checkpoints" / "step-000000050.dcp"
     sharded.mkdir()
-    assert evaluate.find_weights(_run(out), str(sharded)) == sharded.resolve()
+    assert evaluate.find_weights(_run(out), str(sharded)) == str(sharded.resolve())
     with pytest.raises(ConfigError, match="no such file or directory"):
         evaluate.find_weights(_run(out), str(out / "nope.pt"))
 
@@ -108,7 +109,7 @@ def _compose_eval(tmp_path: Path, overrides: list[str]):
     from hydra import compose, initialize_config_dir
 
     primary = evaluate.eval_config(_run(tmp_path), "sqlite:///x.db", REPO / "conf", overrides,
-                                   tmp_path / "model.pt", "1x8x8", 10)
+                                   str(tmp_path / "model.pt"), "1x8x8", 10)
     # `--config-dir` in the command; conf/ (the groups) searched after it, as there.
     primary["hydra"]["searchpath"] = [f"file://{REPO / 'conf'}"]
     (tmp_path / "eval.yaml").write_text(yaml.safe_dump(primary, sort_keys=False))

@@ -22,8 +22,10 @@ NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 class EvalConfig:
     weights: str = "last"
     """Which weights of the run: last (its final weights; with trainer.test_on=best the newest
-    checkpoint), best (checkpoints/best.pt: trainer.save_best), or the path of a checkpoint
-    (step-<N>.pt, a sharded step-<N>.dcp directory, best.pt or model.pt)."""
+    checkpoint), best (checkpoints/best.pt: trainer.save_best), the path of a checkpoint
+    (step-<N>.pt, a sharded step-<N>.dcp directory, best.pt or model.pt), or a file in the
+    store (runs:/<run_id>/weights/model.pt). Where the run's output directory does not hold its
+    final weights (another machine's disk), last or best takes the store's copy of them."""
     split: str = "test"
     """The data set's split evaluated: test, or val (the validation split)."""
     name: str | None = None
@@ -32,7 +34,8 @@ class EvalConfig:
     run_id: str | None = None
     """The run evaluated (set by the command: a job with it set evaluates instead of training)."""
     checkpoint: str | None = None
-    """The weights' file or directory, as the command resolved eval.weights (set by it)."""
+    """The weights' file or directory, or runs:/<run_id>/<path> in the store, as the command
+    resolved eval.weights (set by it)."""
     trained_shape: str | None = None
     """The run's input shape, e.g. 1x8x8 (set by the command: data of another shape is
     refused)."""
@@ -77,7 +80,8 @@ class PredictConfig:
     overwrite: bool = False
     """Replace an existing predict.out; otherwise one is refused before anything starts."""
     weights: str = "last"
-    """Which weights of the run, as eval.weights: last, best, or a checkpoint's path."""
+    """Which weights of the run, as eval.weights: last, best, a checkpoint's path, or
+    runs:/<run_id>/<path> of the store."""
     split: str = "test"
     """The data set's split predicted: test or val."""
     prompts: list[str] = field(default_factory=list)

@@ -7,7 +7,9 @@ eval-<name>.json beside the job's other files.
 
 Loading: a checkpoint file (step-<N>.pt, best.pt) or final weights (model.pt) is read with
 `torch.load(weights_only=True)` and loaded whole (FSDP: each rank keeps its shards); a sharded
-step-<N>.dcp directory is resharded for this world size by torch.distributed.checkpoint.
+step-<N>.dcp directory is resharded for this world size by torch.distributed.checkpoint. Weights
+the command found only in the store (`runs:/<run_id>/<path>`) are downloaded by rank 0 into the
+job's output directory first, where every rank reads them.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from train.config.groups import TrainConfig
 from train.data import build as data_lib
 from train.data.batches import Batches
 from train.distributed import phase
+from train.distributed import process_group as distributed
 from train.engine import evaluation, fsdp, sharded
 from train.engine import state as train_state
 from train.engine.prepare import Job, set_up_task
@@ -116,8 +119,33 @@ def load_run_model(job: Job, split: str | None) -> Loaded:
     phase.enter("model")
     torch.manual_seed(cfg.trainer.seed)
     state = train_state.build(cfg, spec, 1, device, resuming=True)
-    epoch = load_weights(state.module, Path(cfg.eval.checkpoint))
+    epoch = load_weights(state.module, weights_file(job))
     return Loaded(task, bundle, spec, state, batches, epoch)
+
+
+STORE_WEIGHTS_DIR = "from-store"
+"""Where in the job's output directory rank 0 puts weights downloaded from the store."""
+
+
+def weights_file(job: Job) -> Path:
+    """The weights this job loads: the path the command found, or the store's file it named
+    (`runs:/<run_id>/<path>`), downloaded by rank 0 into the job's output directory (shared by
+    a multi-node job's nodes, as its checkpoints are) while the others wait in a barrier."""
+    from train.tracking.files import download_weights, local_copy, split_runs_uri
+
+    ref = str(job.cfg.eval.checkpoint)
+    if (parts := split_runs_uri(ref)) is None:
+        return Path(ref)
+    folder = job.out / STORE_WEIGHTS_DIR
+    if job.env.is_main:
+        from train.tracking import resolve_uri
+
+        started = time.perf_counter()
+        path = download_weights(resolve_uri(job.cfg.tracking), ref, folder)
+        log.info("%s downloaded from the store to %s (%.1f MB, %.1f s)", ref, path,
+                 path.stat().st_size / 1e6, time.perf_counter() - started)
+    distributed.barrier()  # the file is whole before anyone reads it
+    return local_copy(folder, parts[1])
 
 
 def evaluate_run(job: Job) -> dict[str, float]:

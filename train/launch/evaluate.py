@@ -28,6 +28,7 @@ from train.config.evaluate import WEIGHTS_WORDS, EvalConfig
 from train.errors import ConfigError
 from train.launch.rerun import rerun_config, store_uri
 from train.tracking import REPO_ROOT
+from train.tracking.files import FINAL_WEIGHTS, artifact_size, runs_uri, split_runs_uri
 from train.tracking.recorded import RecordedRun, read_run
 
 CHECKPOINT_NAME = r"step-(\d+)\.(pt|dcp)$"
@@ -35,7 +36,9 @@ USAGE = """usage: python -m train eval RUN_ID [hydra flags] [key=value ...]
 
 Evaluates the finished run's weights on its own test split or any data set, at any world size,
 locally or on Slurm, and records eval/<name>/<metric> in the same run:
-  eval.weights=last|best|<checkpoint path>   which weights (default: last)
+  eval.weights=last|best|<checkpoint path>   which weights (default: last; the store's
+                                             copy of the final weights where the run's
+                                             output directory is out of sight)
   eval.split=test|val                        which split (default: test)
   eval.name=<name>                           the metrics' name (default: <data>_<split>)
   data=<option> data.<key>=...               another data set of the same shape
@@ -77,17 +80,25 @@ def _newest_checkpoint(folder: Path) -> Path | None:
     return max(found)[1] if found else None
 
 
-def find_weights(run: RecordedRun, weights: str, key: str = "eval.weights") -> Path:
+def find_weights(run: RecordedRun, weights: str, key: str = "eval.weights",
+                 uri: str | None = None) -> str:
     """The file or directory `eval.weights` (`key`: or predict.weights) names for this run: its
-    final model.pt or newest checkpoint (last), its best.pt (best), or a path; ConfigError if
-    there is none."""
+    final model.pt or newest checkpoint (last), its best.pt (best), a path, or a file in the
+    store (`runs:/<run_id>/<path>`); ConfigError if there is none. Where the run's final
+    weights are asked for and its output directory does not have them (another machine's
+    disk, or gone), the copy its store (`uri`) keeps is taken: `runs:/<run_id>/weights/model.pt`."""
+    if (parts := split_runs_uri(weights)) is not None:
+        if uri is None or artifact_size(uri, *parts) is None:
+            raise ConfigError(f"{key}={weights}: run {parts[0]} holds no file {parts[1]} in "
+                              f"the tracking store; its final weights are {runs_uri(parts[0])}.")
+        return weights
     if weights not in WEIGHTS_WORDS:
         path = Path(weights).expanduser().resolve()
         if not path.exists():
             raise ConfigError(f"{key}={weights}: no such file or directory; give a "
                               "checkpoint (step-<N>.pt, step-<N>.dcp, best.pt or model.pt), "
-                              "or best or last.")
-        return path
+                              "best or last, or runs:/<run_id>/<path> of the store.")
+        return str(path)
     out = Path(run.tags.get("output_dir", ""))
     final = out / "model.pt" if run.tags.get("final_weights") == weights else None
     if weights == "best":
@@ -96,16 +107,22 @@ def find_weights(run: RecordedRun, weights: str, key: str = "eval.weights") -> P
     else:
         found = final if final is not None and final.is_file() else \
             _newest_checkpoint(out / "checkpoints")
-    if found is None or not found.exists():
-        what = ("best weights (trainer.save_best=true keeps them)" if weights == "best"
-                else "final weights or checkpoint")
-        raise ConfigError(f"{key}={weights}: run {run.run_id} left no {what} in its output "
-                          f"directory {out}; give a checkpoint's path with {key}=<path>.")
-    return found.resolve()
+    if found is not None and found.exists():
+        return str(found.resolve())
+    in_store = uri is not None and artifact_size(uri, run.run_id, FINAL_WEIGHTS) is not None
+    if final is not None and in_store:
+        return runs_uri(run.run_id)
+    what = ("best weights (trainer.save_best=true keeps them)" if weights == "best"
+            else "final weights or checkpoint")
+    other = run.tags.get("final_weights")
+    hint = (f"; its store holds its final weights, the {other}: {key}={other}" if in_store
+            else "")
+    raise ConfigError(f"{key}={weights}: run {run.run_id} left no {what} in its output "
+                      f"directory {out}{hint}; give a checkpoint's path with {key}=<path>.")
 
 
 def eval_config(run: RecordedRun, uri: str, conf_dir: Path, overrides: list[str],
-                checkpoint: Path, shape: str, outputs: int) -> dict[str, Any]:
+                checkpoint: str, shape: str, outputs: int) -> dict[str, Any]:
     """The primary config of the evaluating job: the run's recorded config (as a rerun's),
     without its cluster (`+cluster=slurm` adds one) and, under `data=<option>`, without its
     data set; tracking off (the job logs to the evaluated run itself, once, at its end)."""
@@ -118,7 +135,7 @@ def eval_config(run: RecordedRun, uri: str, conf_dir: Path, overrides: list[str]
         defaults.insert(defaults.index("_self_"), {"data": data})
     config["defaults"] = defaults
     config["eval"] = {**(config.get("eval") or {}), "run_id": run.run_id,
-                      "checkpoint": str(checkpoint), "trained_shape": shape,
+                      "checkpoint": checkpoint, "trained_shape": shape,
                       "trained_outputs": outputs}
     return config
 
@@ -135,9 +152,12 @@ def start(purpose: str, run_id: str, overrides: list[str]) -> int:
         if problem := settings.problem():
             raise ConfigError(problem)
     key = f"{purpose}.weights"
-    checkpoint = find_weights(run, given_value(overrides, key) or "last", key)
+    asked = given_value(overrides, key) or "last"
+    checkpoint = find_weights(run, asked, key, uri)
+    copy = "" if asked not in WEIGHTS_WORDS or split_runs_uri(checkpoint) is None \
+        else f" (the store's copy: {run.tags.get('output_dir')} does not hold them here)"
     print(f"{'evaluating' if purpose == 'eval' else 'predicting with'} run {run_id}: "
-          f"{checkpoint}", file=sys.stderr, flush=True)
+          f"{checkpoint}{copy}", file=sys.stderr, flush=True)
     config_dir = Path(tempfile.mkdtemp(prefix=f"train-{purpose}-"))  # private (0700)
     try:
         config = eval_config(run, uri, REPO_ROOT / "conf", overrides, checkpoint, shape, outputs)
