@@ -144,9 +144,10 @@ def test_a_run_whose_output_directory_is_out_of_sight_is_evaluated_from_its_stor
         assert [s for s, _ in history(uri, run_id, f"eval/custom_test/{metric}")] == [2]
     tags = MlflowClient(tracking_uri=uri).get_run(run_id).data.tags
     assert tags["eval/custom_test/weights"] == f"last: {in_store}"
-    copy = tmp_path / "eval" / "from-store" / "model.pt"
-    assert copy.read_bytes() == (tmp_path / "elsewhere" / "model.pt").read_bytes()
-    assert copy.stat().st_mode & 0o077 == 0 and copy.parent.stat().st_mode & 0o077 == 0
+    size = (tmp_path / "elsewhere" / "model.pt").stat().st_size
+    assert f"{in_store} downloaded from the store to {tmp_path}/eval/from-store/model.pt " \
+        f"({size / 1e6:.1f} MB" in (tmp_path / "eval" / "train.log").read_text()
+    assert not (tmp_path / "eval" / "from-store").exists()  # the copy is gone once loaded
 
     # The store's file named as MLflow names it, by predict at one rank: every test sample.
     out = tmp_path / "predictions.parquet"
@@ -156,15 +157,19 @@ def test_a_run_whose_output_directory_is_out_of_sight_is_evaluated_from_its_stor
     assert predicted.returncode == 0, predicted.stderr
     assert pq.read_table(out).column("index").to_pylist() == list(range(101))
 
-    # The store keeps the final weights only: the best ones, or a file it does not hold, are
-    # refused before anything starts, saying what it holds.
+    # The store keeps the final weights only: the best ones, a file it does not hold, or
+    # another run's file are refused before anything starts, saying what it holds.
     best = _refusal(_eval(store, run_id, tmp_path / "best", "eval.weights=best"))
-    assert "left no best weights" in best and "its store holds its final weights, the last: " \
+    assert f"output directory {tmp_path / 'job'} is not on this machine" in best, best
+    assert "keeps no checkpoints; the tracking store keeps its final weights, the last: " \
         "eval.weights=last" in best, best
     nothing = _refusal(_eval(store, run_id, tmp_path / "none",
                              f"eval.weights=runs:/{run_id}/weights/other.pt"))
     assert "holds no file weights/other.pt" in nothing and in_store in nothing, nothing
-    assert not (tmp_path / "best").exists() and not (tmp_path / "none").exists()
+    other = _refusal(_eval(store, run_id, tmp_path / "other",
+                           f"eval.weights=runs:/{'0' * 32}/weights/model.pt"))
+    assert f"is run {'0' * 32}'s file, not run {run_id}'s" in other, other
+    assert not [p.name for p in tmp_path.iterdir() if p.name in ("best", "none", "other")]
 
 
 def _run_without_end(uri: str, params: dict[str, str]) -> str:

@@ -92,6 +92,36 @@ def test_which_weights_each_word_finds_in_the_runs_output_directory(tmp_path: Pa
         evaluate.find_weights(_run(out), str(out / "nope.pt"))
 
 
+@pytest.mark.parametrize(("purpose", "overrides", "expected"), [
+    ("eval", [], "run aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa's data (data=digits) has no test split: use "
+                 "its validation split (eval.split=val)"),
+    ("predict", ["predict.out=x.parquet"], "no test split: use its validation split "
+                                           "(predict.split=val)"),
+    ("predict", ["predict.split=val", "eval.weights=best"],
+     "eval.weights=best: eval.* is `python -m train eval`'s; `predict` takes predict.weights."),
+    ("eval", ["eval.split=val", "predict.split=test"], "`eval` takes eval.split."),
+    ("eval", ["eval.split=val", "model=mlp"],
+     f"eval rebuilds run {'a' * 32}'s own model from its config"),
+    ("predict", ["predict.split=val", "+task=regression"], "another task needs a run trained"),
+])
+def test_what_eval_and_predict_cannot_take_is_refused_before_anything_starts(
+        tmp_path: Path, purpose: str, overrides: list[str], expected: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        evaluate.check_overrides(purpose, _run(tmp_path), overrides)
+    assert expected in str(refused.value)
+
+
+def test_the_test_split_is_checked_only_where_the_data_stays_the_runs_own(
+        tmp_path: Path) -> None:
+    run = _run(tmp_path)
+    for fine in (["eval.split=val"], ["data=cifar10"], ["data.test._target_=pkg.Test"],
+                 ["+data.test.length=9"]):
+        evaluate.check_overrides("eval", run, fine)
+    evaluate.check_overrides("predict", run, ["predict.prompts=['a']"])  # no split read
+    run.params["data.num_test"] = "101"  # a run whose data had a test split
+    evaluate.check_overrides("eval", run, [])
+
+
 @pytest.mark.parametrize(("status", "expected"), [
     ("RUNNING", "is still RUNNING"), ("FAILED", "ended FAILED"), ("KILLED", "ended KILLED")])
 def test_only_a_finished_run_is_evaluated(tmp_path: Path, status: str, expected: str) -> None:
@@ -127,3 +157,17 @@ def test_the_evaluating_job_keeps_the_runs_data_unless_data_is_swapped(tmp_path:
     swapped = _compose_eval(tmp_path, ["data=synthetic", "eval.name=noise"])
     assert (swapped.data.name, swapped.data.batch_size) == ("synthetic", 256)  # its defaults
     assert swapped.eval.name == "noise"
+
+
+@pytest.mark.parametrize(("verb", "did"), [("eval", "evaluating"), ("predict", "predicting")])
+def test_a_failed_evaluation_or_prediction_is_named_so_and_starts_again(
+        tmp_path: Path, verb: str, did: str) -> None:
+    """Not "the training job failed ... kept: nothing: no checkpoint yet": it kept nothing to
+    resume, and its command starts it again, without the output directory that failed."""
+    from train.launch.outcomes import failure_block
+
+    command = f"python -m train {verb} {'a' * 32} {verb}.split=val hydra.run.dir={tmp_path}"
+    block = failure_block("rank 1 on vm: ValueError: bad", tmp_path, command).splitlines()
+    assert block[0] == f"the {did} job failed; rank 1 on vm: ValueError: bad"
+    assert block[1] == f"  start again: python -m train {verb} {'a' * 32} {verb}.split=val"
+    assert not [line for line in block if "kept" in line or "resume" in line]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,7 +120,12 @@ def load_run_model(job: Job, split: str | None) -> Loaded:
     phase.enter("model")
     torch.manual_seed(cfg.trainer.seed)
     state = train_state.build(cfg, spec, 1, device, resuming=True)
-    epoch = load_weights(state.module, weights_file(job))
+    path = weights_file(job)
+    epoch = load_weights(state.module, path)
+    if str(path) != str(cfg.eval.checkpoint):  # the store's: once every rank holds them,
+        distributed.barrier()  # it goes (a model of gigabytes, downloaded at each eval)
+        if env.is_main:
+            shutil.rmtree(path.parent, ignore_errors=True)
     return Loaded(task, bundle, spec, state, batches, epoch)
 
 
@@ -182,7 +188,8 @@ def _log_to_run(cfg: TrainConfig, record: dict[str, Any], result_file: Path) -> 
     run_id, name = str(cfg.eval.run_id), record["name"]
     tags = {f"eval/{name}/data": f"data={record['data']} split={record['split']} "
                                  f"samples={record['samples']}",
-            f"eval/{name}/weights": f"{record['weights']}: {record['checkpoint']}"}
+            f"eval/{name}/weights": record["checkpoint"] if record["weights"] ==
+            record["checkpoint"] else f"{record['weights']}: {record['checkpoint']}"}
     log_to_finished_run(resolve_uri(cfg.tracking), run_id, record["metrics"],
                         int(record["epoch"] or 0), tags, result_file, "eval")
     log.info("logged to run %s as eval/%s/*", run_id, name)

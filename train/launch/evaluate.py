@@ -36,7 +36,8 @@ USAGE = """usage: python -m train eval RUN_ID [hydra flags] [key=value ...]
 
 Evaluates the finished run's weights on its own test split or any data set, at any world size,
 locally or on Slurm, and records eval/<name>/<metric> in the same run:
-  eval.weights=last|best|<checkpoint path>   which weights (default: last; the store's
+  eval.weights=last|best|<checkpoint path>|runs:/<run_id>/<path>
+                                             which weights (default: last; the store's
                                              copy of the final weights where the run's
                                              output directory is out of sight)
   eval.split=test|val                        which split (default: test)
@@ -54,6 +55,35 @@ def given_value(overrides: list[str], key: str) -> str | None:
         if eq and name == key:
             found = value.strip("'\"")
     return found
+
+
+FIXED_GROUPS = ("model", "task")
+"""Config groups an evaluation keeps as the run had them: its weights fit that model only."""
+
+
+def check_overrides(purpose: str, run: RecordedRun, overrides: list[str]) -> None:
+    """ConfigError for what `purpose` (eval or predict) cannot take: the other command's keys
+    (which it would ignore); another model or task; the test split of a run whose data has
+    none (data.num_test unrecorded), where the data stays the run's own."""
+    other = "predict" if purpose == "eval" else "eval"
+    for item in overrides:
+        name = item.lstrip("+~").partition("=")[0]
+        if name.startswith(f"{other}."):
+            raise ConfigError(f"{item}: {other}.* is `python -m train {other}`'s; `{purpose}` "
+                              f"takes {purpose}.{name.partition('.')[2]}.")
+        if name in FIXED_GROUPS:
+            raise ConfigError(f"{item}: {purpose} rebuilds run {run.run_id}'s own {name} from "
+                              f"its config, which its weights fit; another {name} needs a run "
+                              f"trained with it.")
+    split = given_value(overrides, f"{purpose}.split") or "test"
+    own_data = not any(o.lstrip("+~").partition("=")[0].partition(".")[0] == "data"
+                       for o in overrides)
+    prompts = given_value(overrides, "predict.prompts") is not None
+    if split == "test" and own_data and not prompts and "data.num_test" not in run.params:
+        data = (run.config.get("data") or {}).get("name", "?")
+        raise ConfigError(f"run {run.run_id}'s data (data={data}) has no test split: use its "
+                          f"validation split ({purpose}.split=val), or give a data set with "
+                          "one (data=<option>).")
 
 
 def check_run(run: RecordedRun) -> tuple[str, int]:
@@ -88,6 +118,10 @@ def find_weights(run: RecordedRun, weights: str, key: str = "eval.weights",
     weights are asked for and its output directory does not have them (another machine's
     disk, or gone), the copy its store (`uri`) keeps is taken: `runs:/<run_id>/weights/model.pt`."""
     if (parts := split_runs_uri(weights)) is not None:
+        if parts[0] != run.run_id:
+            raise ConfigError(f"{key}={weights} is run {parts[0]}'s file, not run "
+                              f"{run.run_id}'s: its metrics would be logged to the wrong run; "
+                              f"name {runs_uri(run.run_id)}, or evaluate run {parts[0]} itself.")
         if uri is None or artifact_size(uri, *parts) is None:
             raise ConfigError(f"{key}={weights}: run {parts[0]} holds no file {parts[1]} in "
                               f"the tracking store; its final weights are {runs_uri(parts[0])}.")
@@ -112,13 +146,18 @@ def find_weights(run: RecordedRun, weights: str, key: str = "eval.weights",
     in_store = uri is not None and artifact_size(uri, run.run_id, FINAL_WEIGHTS) is not None
     if final is not None and in_store:
         return runs_uri(run.run_id)
+    other = run.tags.get("final_weights")
+    in_store_too = (f"; the tracking store keeps its final weights, the {other}: {key}={other}"
+                    if in_store else "")
+    if not out.is_dir():
+        raise ConfigError(f"{key}={weights}: run {run.run_id}'s output directory {out} is not "
+                          "on this machine (moved, or another machine's disk), and the "
+                          f"tracking store keeps no checkpoints{in_store_too}.")
     what = ("best weights (trainer.save_best=true keeps them)" if weights == "best"
             else "final weights or checkpoint")
-    other = run.tags.get("final_weights")
-    hint = (f"; its store holds its final weights, the {other}: {key}={other}" if in_store
-            else "")
     raise ConfigError(f"{key}={weights}: run {run.run_id} left no {what} in its output "
-                      f"directory {out}{hint}; give a checkpoint's path with {key}=<path>.")
+                      f"directory {out}{in_store_too}; give a checkpoint's path with "
+                      f"{key}=<path>.")
 
 
 def eval_config(run: RecordedRun, uri: str, conf_dir: Path, overrides: list[str],
@@ -146,6 +185,7 @@ def start(purpose: str, run_id: str, overrides: list[str]) -> int:
     uri = store_uri()
     run = read_run(uri, run_id)
     shape, outputs = check_run(run)
+    check_overrides(purpose, run, overrides)
     if purpose == "eval":
         settings = EvalConfig(split=given_value(overrides, "eval.split") or "test",
                               name=given_value(overrides, "eval.name"))

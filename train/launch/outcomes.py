@@ -106,7 +106,7 @@ class Failure:
     trace: str | None
     after: tuple[str, ...]
     job: str = "training"
-    """What the job did: training, or evaluating (`python -m train eval`)."""
+    """What the job did: training, evaluating or predicting (`python -m train eval`, `predict`)."""
 
     def block(self) -> str:
         lines = [f"the {self.job} job failed; {self.cause}"]
@@ -142,9 +142,10 @@ def failure(cause: str, out: Path, command: str, trace: str | None = None,
         return Failure(cause, trace, (f"kept: the finished training: {out / 'summary.json'}, "
                                       "the weights and checkpoints beside it", *tail))
     words = [w for w in command.split()[3:] if not w.startswith(_PLACING)]
-    if words[:1] == ["eval"]:  # an evaluation keeps nothing to resume: it starts again
+    if words[:1] in (["eval"], ["predict"]):  # nothing to resume: it starts again
         again = " ".join(["python -m train", *map(shlex.quote, words)])
-        return Failure(cause, trace, (f"start again: {again}", *tail), job="evaluating")
+        return Failure(cause, trace, (f"start again: {again}", *tail),
+                       job="evaluating" if words[0] == "eval" else "predicting")
     if kept is not None:  # it resumes from its own checkpoint, not from where it began
         words = [w for w in words if not w.startswith("trainer.resume=")]
     again = " ".join(["python -m train", *map(shlex.quote, words),

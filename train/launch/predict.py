@@ -21,7 +21,8 @@ Parquet file (with the run, weights and data it came from), at any world size, l
 Slurm; or a language model's continuations of predict.prompts:
   predict.out=<file>               where (default: predictions.parquet in the job's directory)
   predict.overwrite=true           replace an existing predict.out
-  predict.weights=last|best|<path> which weights (default: last)
+  predict.weights=last|best|<path>|runs:/<run_id>/<path>
+                                   which weights (default: last; as eval's)
   predict.split=test|val           which split (default: test)
   predict.prompts='[...]' predict.max_new_tokens=N predict.temperature=T   language models
   data=<option> data.<key>=...     another data set of the same shape
