@@ -66,6 +66,8 @@ def job(cfg: DictConfig) -> float | None:
                 _sweep_stopped_by = e.signal_name
             raise  # Hydra marks this job FAILED; the other jobs of the sweep go on
         # A single job: the message alone, no stack of Hydra frames around it.
+        if distenv.external_world_size() is None:  # torchrun's ranks share the directory
+            rundir.discard_unused(Path(hydra_cfg.runtime.output_dir))
         print(f"\n{e.terminal_line()}\n", file=sys.stderr)
         raise SystemExit(e.exit_code) from None
 
@@ -91,6 +93,7 @@ def main() -> None:
     try:
         _hydra_main()
     except (HydraException, OmegaConfBaseException) as e:
+        rundir.discard_unused()
         print(f"\nerror: {one_line(e)}\n", file=sys.stderr)
         raise SystemExit(2) from None
     finally:

@@ -395,18 +395,28 @@ def test_a_killed_rank_0_fails_the_run_with_its_death(fresh_store: dict[str, str
 
 
 def test_command_line_mistakes_and_dry_runs_leave_nothing(tmp_path: Path) -> None:
-    """One line and exit code 2 for what the user typed wrong; a dry run leaves no empty
+    """One line and exit code 2 for what the user typed wrong, and no directory left: neither
+    outputs/<date>/<time>/ nor one named by hydra.run.dir; a dry run leaves no empty
     multirun/<date>/<time>/ in the directory it was started from."""
     for overrides, start in ((["+trainer.foo=1"], "error: trainer.foo: Key 'foo' not in"),
                              (["trainer.nope=1"], "error: Could not override 'trainer.nope'"),
                              (["distributed.nproc_per_node=1000", "data.batch_size=1000"],
-                              "error: distributed.nproc_per_node=1000 local ranks, but ")):
-        result = run_train(*overrides, f"hydra.run.dir={tmp_path}/job", cwd=tmp_path,
-                           timeout=60)
-        lines = result.stderr.strip().splitlines()
-        assert result.returncode == 2 and lines[-1].startswith(start), result.stderr
-        assert "Traceback" not in result.stderr
-    assert not any((tmp_path / "job").glob("*.pt")) and not list(tmp_path.glob("mlruns*"))
+                              "error: distributed.nproc_per_node=1000 local ranks, but "),
+                             (["trainer.epochs=-1"], "error: Refusing to start: trainer.epochs")):
+        for placed in ([f"hydra.run.dir={tmp_path}/job"], []):
+            result = run_train(*overrides, *placed, cwd=tmp_path, timeout=60)
+            lines = result.stderr.strip().splitlines()
+            assert result.returncode == 2 and lines[-1].startswith(start), result.stderr
+            assert "Traceback" not in result.stderr
+            assert sorted(p.name for p in tmp_path.iterdir()) == [], overrides
+    # A directory that holds a job already keeps all of it, and its parent.
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "summary.json").write_text("{}")
+    result = run_train("trainer.epochs=-1", f"hydra.run.dir={tmp_path}/job", cwd=tmp_path,
+                       timeout=60)
+    assert result.returncode == 2 and (tmp_path / "job" / "summary.json").is_file()
+    (tmp_path / "job" / "summary.json").unlink()
+    shutil.rmtree(tmp_path / "job")
     # A laptop without Slurm: a dry run prints the script and calls nothing; a submission is
     # refused in one line; neither leaves multirun/<date>/<time>/multirun.yaml behind.
     no_slurm = {"PATH": str(tmp_path / "bin")}

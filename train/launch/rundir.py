@@ -19,7 +19,9 @@ is: Hydra copies the cache into every config it composes again for the same job.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -28,6 +30,12 @@ from train.launch import joblock
 
 MOST_PER_SECOND = 1000
 """Directories tried for one second's name before giving up (a runaway loop, not a user)."""
+UNUSED = {".hydra", "train.log"}
+"""All a job directory holds when its command was refused before anything started: Hydra's
+record of the command and its (empty) log file, both made before the job's first line."""
+_made: list[Path] = []
+"""The directories this process made for its launch, in the order made: the parents the
+pattern's directory lacked (outputs/, outputs/<date>/), then the one it claimed."""
 
 
 def launch_dir(pattern: str) -> str:
@@ -36,13 +44,16 @@ def launch_dir(pattern: str) -> str:
     if distenv.external_world_size() is not None:
         return time.strftime(pattern, time.localtime(_started(os.getppid()) or time.time()))
     base = time.strftime(pattern)
-    Path(base).parent.mkdir(parents=True, exist_ok=True)
+    parent = Path(base).resolve().parent
+    _made.extend(reversed([d for d in (parent, *parent.parents) if not d.exists()]))
+    parent.mkdir(parents=True, exist_ok=True)
     for n in range(1, MOST_PER_SECOND + 1):
         candidate = base if n == 1 else f"{base}-{n}"
         try:
             os.mkdir(candidate)
         except FileExistsError:
             continue
+        _made.append(Path(candidate).resolve())
         return candidate
     raise FileExistsError(f"{base}: {MOST_PER_SECOND} launches in one second; give each its "
                           "own hydra.run.dir (hydra.sweep.dir with -m or +cluster=slurm)")
@@ -58,3 +69,16 @@ def _started(pid: int) -> float | None:
     except (OSError, ValueError, IndexError, StopIteration):
         return None
     return boot + int(ticks) / os.sysconf("SC_CLK_TCK") if ticks else None
+
+
+def discard_unused(out: Path | None = None) -> None:
+    """Remove what a refused command made: job directory `out` (a directory the user named
+    too) and the directories this process made for its launch, where each holds no more than
+    UNUSED with an empty log - a refusal leaves no empty outputs/<date>/<time>/ beside the
+    real jobs. A directory that holds anything else, and any that existed before, stay."""
+    for folder in [*([out.resolve()] if out is not None else []), *reversed(_made)]:
+        with contextlib.suppress(OSError):
+            log = folder / "train.log"
+            if {p.name for p in folder.iterdir()} <= UNUSED and not (
+                    log.exists() and log.stat().st_size):
+                shutil.rmtree(folder)
