@@ -183,6 +183,16 @@ def test_a_frozen_rank_is_named_as_not_answering(store: dict[str, str], tmp_path
     # The timeout, the check of who answers (3 s), the unanswered stack request (5 s), rank 0
     # ending its run, then rank 1 killed at once.
     assert took < TIMEOUT_S + 30, f"the job ended {took:.0f} s after rank 1 froze"
+    # Seen from outside once it ended: how it ended, and where its ranks last were - not two
+    # ranks whose watchdogs fell silent - and no stack request sent to processes long gone.
+    status = _inspect("status", out).splitlines()
+    assert status[0].startswith(f"the job failed: {line}") and status[0].endswith(
+        f"({out / 'failure.json'}); where its ranks last were:"), status
+    assert [x.split(" (pid")[0] for x in status[1:]] == [f"rank {r} on {socket.gethostname()}"
+                                                         for r in (0, 1)], status
+    assert "silent" not in "\n".join(status)
+    stacks = run_train("stacks", str(out), env=store)
+    assert stacks.returncode == 2 and "no rank is left to ask" in stacks.stderr, stacks.stderr
 
 
 def test_a_full_disk_at_a_checkpoint_is_one_line_in_the_terminal(

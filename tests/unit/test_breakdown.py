@@ -135,3 +135,20 @@ def test_status_shows_each_ranks_wait_for_data(tmp_path: Path) -> None:
     lines = inspect.status(tmp_path).splitlines()
     assert ", waited for data 46% of the last logging interval, heartbeat written" in lines[0]
     assert "waited for data" not in lines[1]  # before its first logging step
+
+
+def test_status_of_a_job_that_finished_says_so_unless_it_was_resumed_since(
+        tmp_path: Path) -> None:
+    ranks = tmp_path / "ranks"
+    ranks.mkdir()
+    now = time.time()
+    (ranks / "rank-0.json").write_text(json.dumps(
+        {"rank": 0, "host": "node1", "pid": 100, "step": 46, "phase": "collective",
+         "since": now - 370, "written": now - 369}))
+    (tmp_path / "summary.json").write_text("{}")
+    lines = inspect.status(tmp_path).splitlines()
+    assert lines == [f"the job finished training ({tmp_path / 'summary.json'}); where its ranks "
+                     "last were:", "rank 0 on node1 (pid 100): step 46, collective"]
+    # Resumed with more epochs: the earlier start's summary.json is older than its phases.
+    os.utime(tmp_path / "summary.json", (now - 400, now - 400))
+    assert inspect.status(tmp_path).startswith("rank 0 on node1 (pid 100): step 46, collective")

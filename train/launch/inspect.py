@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from train.distributed import rankfiles, stacks
-from train.errors import LaunchError, TrainError
+from train.errors import FAILURE_FILE, FailureRecord, LaunchError, TrainError
 
 ANSWER_S = 10.0
 """How long the ranks get to dump their stacks; one that has not by then did not answer."""
@@ -88,11 +88,31 @@ def beats(out: Path) -> dict[int, dict[str, Any]]:
     return dict(sorted(found.items()))
 
 
+def ended(out: Path, ranks: dict[int, dict[str, Any]]) -> str | None:
+    """How the job in `out` ended, where it has since its ranks entered their last phases (a
+    summary.json or failure.json from an earlier start of a job now resumed is not its end);
+    None while it runs."""
+    last = max((float(b["since"]) for b in ranks.values()), default=0.0)
+    summary, failure = out / "summary.json", out / FAILURE_FILE
+    with contextlib.suppress(OSError):
+        if summary.stat().st_mtime > last:
+            return f"the job finished training ({summary})"
+    with contextlib.suppress(OSError):
+        if failure.stat().st_mtime > last and (record := FailureRecord.read(out)) is not None:
+            return f"the job failed: {record.cause} ({failure})"
+    return None
+
+
 def status(out: Path) -> str:
     """One line per rank: its step and phase, for how long, its wait for data in the last
-    logging interval, when its watchdog last wrote."""
-    now, lines = time.time(), []
-    for rank, b in beats(out).items():
+    logging interval, when its watchdog last wrote; for a job that ended, how, and where each
+    rank last was."""
+    now, lines, ranks = time.time(), [], beats(out)
+    if (end := ended(out, ranks)) is not None:
+        return "\n".join([f"{end}; where its ranks last were:", *(
+            f"rank {rank} on {b['host']} (pid {b['pid']}): step {b['step']}, {b['phase']}"
+            for rank, b in ranks.items())])
+    for rank, b in ranks.items():
         written = now - float(b["written"])
         silent = " - its watchdog is silent (frozen or dead?)" \
             if written > 3 * rankfiles.REFRESH_S else ""
@@ -109,6 +129,9 @@ def dump(out: Path, slurm_job: str | None) -> str:
     ranks = beats(out)
     if not ranks:
         raise LaunchError(f"no rank of {out} has written a heartbeat yet: nothing to ask")
+    if (end := ended(out, ranks)) is not None:
+        raise LaunchError(f"{end}: no rank is left to ask; the stacks its ranks left, if any, "
+                          f"are in {out / rankfiles.STACKS_DIR}")
     sizes = {r: _size(rankfiles.dump_path(out, r)) for r in ranks}
     here = socket.gethostname()
     for b in ranks.values():
