@@ -71,6 +71,32 @@ def test_a_dirty_tree_is_recorded_without_ignored_secret_or_data_files(tmp_path:
     assert "torch==" in record.files[code.REQUIREMENTS_FILE]
 
 
+def test_what_jobs_wrote_inside_the_checkout_is_not_code(tmp_path: Path) -> None:
+    """A tracking store, a job's output directory and predictions kept in the checkout: the
+    next run records none of them as code, nor calls the tree dirty for them."""
+    repo = checkout(tmp_path / "project", {"main.py": "print(1)\n"})
+    run_id, model_id = "0123456789abcdef" * 2, "m-" + "fedcba9876543210" * 2
+    written = {f"artifacts/1/{run_id}/artifacts/config.yaml": "data: {}\n",
+               f"artifacts/1/models/{model_id}/artifacts/conda.yaml": "name: x\n",
+               "runs/eval-1/.hydra/config.yaml": "eval: {}\n",
+               "runs/eval-1/eval-digits_val.json": "{}\n",
+               "preds.parquet": "PAR1", "preds.parquet.json": "{}\n"}
+    for name, text in written.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(text)
+    record = code.collect({}, repo)
+    assert record.tags["git_dirty"] == "false"
+    assert not record.files.get(code.DIFF_FILE)
+    (repo / "conf").mkdir()
+    (repo / "conf" / "exp.yaml").write_text("lr: 1\n")  # the user's: code, and dirty
+    (repo / "config.json").write_text("{}\n")
+    record = code.collect({}, repo)
+    assert record.tags["git_dirty"] == "true"
+    patch = record.files[code.DIFF_FILE]
+    assert sorted(line[len("+++ b/"):] for line in patch.splitlines()
+                  if line.startswith("+++ b/")) == ["conf/exp.yaml", "config.json"]
+
+
 def test_a_diff_over_the_cap_is_cut_with_a_note(monkeypatch: pytest.MonkeyPatch,
                                                 tmp_path: Path) -> None:
     repo = checkout(tmp_path / "project", {"main.py": "print(1)\n"})

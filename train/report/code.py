@@ -17,6 +17,7 @@ import importlib.metadata
 import importlib.util
 import json
 import platform
+import re
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping
@@ -81,13 +82,44 @@ def _new_file_patch(path: str, text: str) -> str:
             f"+++ b/{path}\n{hunk}{body}")
 
 
+RUN_FOLDER = re.compile(r"(^|/)(m-)?[0-9a-f]{32}/")
+"""A folder named by an MLflow run or logged model id: a tracking store kept in the checkout
+(`<experiment>/<run id>/artifacts/config.yaml`, `models/m-<id>/artifacts/conda.yaml`)."""
+
+
+def written_by_jobs(top: Path, rel: str) -> bool:
+    """Whether the untracked file `rel` is what jobs wrote, not code: in a tracking store's run
+    folders, in a job's output directory (the one holding Hydra's `.hydra/` record), or a data
+    file's sidecar (predictions.parquet.json). A store or hydra.run.dir inside the checkout
+    otherwise put every earlier run's files into the next run's code/diff.patch."""
+    if RUN_FOLDER.search(rel):
+        return True
+    if rel.endswith(".json") and not rel[:-5].endswith(SOURCE_SUFFIXES) and \
+            (top / rel[:-5]).is_file():
+        return True  # the sidecar
+    if not rel.endswith(SOURCE_SUFFIXES) and (top / f"{rel}.json").is_file():
+        return True  # the data file it describes
+    return any((top / parent / ".hydra").is_dir() for parent in Path(rel).parents[:-1])
+
+
+def _untracked_entries(status: str) -> list[str]:
+    return [entry[3:] for entry in status.split("\0") if entry.startswith("?? ")]
+
+
+def is_dirty(top: Path, status: str) -> bool:
+    """git's dirty, less the files jobs wrote (`written_by_jobs`): a change to a tracked file,
+    or an untracked file the user made."""
+    changed = [e for e in status.split("\0") if e and not e.startswith("?? ")]
+    return bool(changed) or any(not written_by_jobs(top, rel)
+                                for rel in _untracked_entries(status))
+
+
 def untracked_sources(top: Path, status: str) -> list[str]:
     """The untracked source files (relative to `top`) that `git status -z` lists: no data,
-    nothing ignored, nothing over MAX_UNTRACKED_BYTES."""
+    nothing ignored, nothing jobs wrote, nothing over MAX_UNTRACKED_BYTES."""
     found = []
-    for entry in status.split("\0"):
-        rel = entry[3:]
-        if not entry.startswith("?? ") or not rel.endswith(SOURCE_SUFFIXES):
+    for rel in _untracked_entries(status):
+        if not rel.endswith(SOURCE_SUFFIXES) or written_by_jobs(top, rel):
             continue
         path = top / rel
         if path.is_file() and path.stat().st_size <= MAX_UNTRACKED_BYTES:
@@ -126,7 +158,7 @@ def git_state(where: Path, whole_tree: bool = True) -> dict[str, Any] | None:
     status = _git(top, "status", "--porcelain=v1", "-z", "--untracked-files=all", *spec) or ""
     tracked = _git(top, "diff", "HEAD", "--no-color", "--no-ext-diff", *spec) or ""
     diff = tracked + "".join(_untracked(top, status))
-    return {"top": top, "commit": commit.strip(), "dirty": bool(status.strip("\0")),
+    return {"top": top, "commit": commit.strip(), "dirty": is_dirty(top, status),
             "diff": diff}
 
 
