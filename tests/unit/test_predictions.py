@@ -99,3 +99,10 @@ def test_the_predict_command_makes_out_absolute_and_refuses_an_existing_one(
         checked_out([f"predict.out={tmp_path}", "predict.overwrite=true"])
     with pytest.raises(ConfigError, match="predict.split=train must be one of"):
         checked_out(["predict.split=train"])
+    with pytest.raises(ConfigError, match=r"predict.out=p.csv: the predictions are written as "
+                                          r"Parquet; name the file so, e.g. predict.out=p.parquet"):
+        checked_out(["predict.out=p.csv"])
+    with pytest.raises(ConfigError, match=r"continuations are written as JSON lines; .* "
+                                          r"predict.out=c.jsonl"):
+        checked_out(["predict.out=c.parquet", "predict.prompts=['a']"])
+    assert checked_out(["predict.out=c.jsonl", "predict.prompts=['a']"])[-1].endswith("c.jsonl'")

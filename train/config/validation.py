@@ -244,8 +244,10 @@ def monitor_problem(monitor: str, num_classes: int) -> str | None:
 def _ranges_and_batch_split(cfg: TrainConfig, world_size: int, p: list[str]) -> None:
     _require(0 < cfg.data.val_fraction < 1,
              f"data.val_fraction must be between 0 and 1 (got {cfg.data.val_fraction}).", p)
-    _require(cfg.distributed.nproc_per_node > 0, "distributed.nproc_per_node must be positive.", p)
-    _require(cfg.distributed.timeout_s > 0, "distributed.timeout_s must be positive.", p)
+    _require(cfg.distributed.nproc_per_node > 0, "distributed.nproc_per_node must be positive "
+             f"(got {cfg.distributed.nproc_per_node}).", p)
+    _require(cfg.distributed.timeout_s > 0,
+             f"distributed.timeout_s must be positive (got {cfg.distributed.timeout_s}).", p)
     _require(cfg.trainer.peak_tflops is None or cfg.trainer.peak_tflops > 0,
              "trainer.peak_tflops must be positive or null.", p)
     _require(cfg.optim.grad_clip is None or cfg.optim.grad_clip > 0,

@@ -68,7 +68,8 @@ def _slurm_output_dir(job: str) -> Path:
         raise LaunchError(f"Slurm job {job}: scontrol failed ({e})") from None
     out = re.search(r"\bStdOut=(\S+)", shown.stdout)
     if shown.returncode != 0 or out is None:
-        raise LaunchError(f"Slurm job {job} is not known to Slurm: {shown.stderr.strip()}")
+        said = (shown.stderr.strip().splitlines() or [""])[-1]  # scontrol's last word
+        raise LaunchError(f"Slurm job {job} is not known to Slurm: {said}")
     sweep = next((p.parent for p in Path(out[1]).parents if p.name == ".submitit"), None)
     found = sorted(p.parent for p in sweep.glob(f"*/{rankfiles.RANKS_DIR}")) if sweep else []
     task = re.search(r"\bArrayTaskId=(\d+)", shown.stdout)

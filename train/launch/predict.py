@@ -29,6 +29,11 @@ Slurm; or a language model's continuations of predict.prompts:
 Reads MLFLOW_TRACKING_URI, else the embedded store. docs/evaluation.md"""
 
 
+PARQUET_SUFFIXES = (".parquet", ".pq")
+JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
+"""What predict.out may be named: a name that says another format (p.csv) would hide Parquet."""
+
+
 def checked_out(overrides: list[str]) -> list[str]:
     """The overrides with predict.out made absolute (the job may run elsewhere: a Slurm node,
     another directory); an existing one refused unless predict.overwrite=true."""
@@ -46,6 +51,12 @@ def checked_out(overrides: list[str]) -> list[str]:
     if out.is_dir():
         raise ConfigError(f"predict.out={given} is a directory: give a file's path, e.g. "
                           f"predict.out={Path(given) / 'predictions.parquet'}.")
+    prompts = given_value(overrides, "predict.prompts") is not None
+    what, kind, suffixes = (("continuations", "JSON lines", JSONL_SUFFIXES) if prompts else
+                            ("predictions", "Parquet", PARQUET_SUFFIXES))
+    if out.suffix.lower() not in suffixes:
+        raise ConfigError(f"predict.out={given}: the {what} are written as {kind}; name the "
+                          f"file so, e.g. predict.out={Path(given).with_suffix(suffixes[0])}.")
     return [o for o in overrides if o.lstrip("+").split("=", 1)[0] != "predict.out"] + \
         [f"predict.out='{out}'"]
 

@@ -120,7 +120,8 @@ def diff(run_a: str, run_b: str) -> str:
                 ("packages", _changed(_requirements(a), _requirements(b)))]
     out = [f"runs {run_a} -> {run_b}"]
     for title, lines in sections:
-        out.append(f"{title}: " + ("same" if not lines else f"{len(lines)} differ"))
+        entries = [line for line in lines if not line.startswith("    ")]  # not a patch's
+        out.append(f"{title}: " + ("same" if not lines else f"{len(entries)} differ"))
         out += lines
     return "\n".join(out)
 
