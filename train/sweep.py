@@ -38,9 +38,10 @@ def __getattr__(name: str) -> object:
 
 def _record(sweep_dir: Path) -> dict[str, Any]:
     path = sweep_dir / "sweep.json"
-    if not path.is_file():
-        raise SystemExit(f"error: {path} does not exist: not the directory of a sweep of this "
-                         "project that started its jobs with tracking on (hydra.sweep.dir)")
+    if not path.is_file():  # a usage error: exit 2, as every other command's
+        print(f"error: {path} does not exist: not the directory of a sweep of this project "
+              "that started its jobs with tracking on (hydra.sweep.dir)", file=sys.stderr)
+        raise SystemExit(2)
     return json.loads(path.read_text())
 
 

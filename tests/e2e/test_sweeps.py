@@ -137,6 +137,10 @@ def test_a_failing_job_does_not_stop_the_sweep(store: dict[str, str], tmp_path: 
     sweep_dir = tmp_path / "sweep"
     status = run_train("sweep", "status", str(sweep_dir))
     assert status.returncode == 0, status.stderr
+    wrong = run_train("sweep", "status", str(sweep_dir / "0"))  # a job's, not the sweep's
+    assert wrong.returncode == 2 and wrong.stderr.strip() == (
+        f"error: {sweep_dir / '0' / 'sweep.json'} does not exist: not the directory of a sweep "
+        "of this project that started its jobs with tracking on (hydra.sweep.dir)")
     assert [line.split()[:2] for line in status.stdout.splitlines()[1:4]] == [
         ["0", "FAILED"], ["1", "FAILED"], ["2", "FINISHED"]], status.stdout
     finished = next(c for c in children if c.info.status == "FINISHED")
