@@ -135,8 +135,11 @@ def command_line(argv: list[str]) -> int:
     if argv and (line := unknown_command(argv[0])):
         print(line, file=sys.stderr)
         return 2
-    from train.app import help_group, main
+    from train.app import help_group, main, unknown_help_topic
 
+    if (line := unknown_help_topic(argv)) is not None:
+        print(line, file=sys.stderr)
+        return 2
     if any(flag in ("--help", "-h") for flag in argv) and help_group(argv) is None:
         print(commands_help())  # then Hydra's help: the groups, the options, the config
     main()

@@ -100,6 +100,17 @@ def main() -> None:
         _keep_hydras_short_errors()
 
 
+def unknown_help_topic(argv: list[str]) -> str | None:
+    """The one line for `--help <word>` where the word is no config group (Hydra would take it
+    for an override and say it misses its '='); None otherwise."""
+    for flag, word in zip(argv, argv[1:], strict=False):
+        if flag in ("--help", "-h") and not word.startswith("-") and "=" not in word and \
+                word not in keys.groups():
+            return (f"error: --help {word}: no config group {word}; the groups are "
+                    f"{', '.join(keys.groups())} (`python -m train --help` shows them all).")
+    return None
+
+
 def help_group(argv: list[str]) -> str | None:
     """`python -m train --help trainer`: the group whose keys and docs to show (Hydra's own
     --help shows the groups' options and the composed config)."""

@@ -67,6 +67,12 @@ def test_every_group_has_help_with_a_doc_for_every_key() -> None:
             assert doc and f"\n{key}=" in shown, key
     assert app.help_group(["--help", "trainer"]) == "trainer"
     assert app.help_group(["--help"]) is None and app.help_group(["trainer.epochs=1"]) is None
+    line = app.unknown_help_topic(["--help", "trainr"])
+    assert line is not None and line.startswith("error: --help trainr: no config group trainr; "
+                                                "the groups are model, data, optim, ")
+    for fine in (["--help", "trainer"], ["--help"], ["-h", "--cfg", "job"],
+                 ["--help", "trainer.epochs=1"]):
+        assert app.unknown_help_topic(fine) is None, fine
 
 
 def test_a_first_word_that_is_no_command_gets_a_did_you_mean_and_overrides_go_to_hydra(
