@@ -59,6 +59,25 @@ def _dataset_spec(target: str, args: list[str]) -> dict[str, Any]:
     return spec
 
 
+def out_problem(source: Path, out: Path) -> str | None:
+    """What is wrong with OUT, in one line: the source itself or inside it (the shards would
+    become part of the data: the next run finds a class folder `train/`), a file, or a folder
+    holding something else than an interrupted call's work (.prepare/ beside its shards)."""
+    from train.data.shards import MANIFEST, WORK_DIR
+
+    where = out.expanduser().resolve()
+    if source.is_dir() and where.is_relative_to(source.expanduser().resolve()):
+        return (f"OUT {out} is inside the source {source}: its shards would become part of the "
+                "data; give a folder outside it.")
+    if where.exists() and not where.is_dir():
+        return f"OUT {out} is a file: give a new folder's path."
+    finished_or_not = (where / WORK_DIR).is_dir() or (where / MANIFEST).exists()  # said later
+    if where.is_dir() and any(where.iterdir()) and not finished_or_not:
+        return (f"OUT {out} is not empty and holds no interrupted preparation ({WORK_DIR}/): "
+                "give a new or empty folder.")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
@@ -69,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     seed = None if args.source_order else args.seed
     if args.workers < 1 or args.shard_mb <= 0:
         print("error: --workers and --shard-mb must be positive.", file=sys.stderr)
+        return 2
+    if (problem := out_problem(source, Path(args.out))) is not None:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     command = shlex.join(["python", "-m", "train", "prepare-data", *(argv or sys.argv[1:])])
     started = time.monotonic()

@@ -41,6 +41,17 @@ def _read_only(root: Path) -> None:
 def test_prepared_shards_train_from_a_read_only_directory_and_bad_ones_are_named(
         tmp_path: Path, store: dict[str, str]) -> None:
     source = write_image_folder(tmp_path / "images", train_per_class=16, val_per_class=5)
+    # Shards inside the source would break it (its next scan finds a class folder train/), and
+    # a folder of the user's would be mixed with them: refused, nothing written.
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "readme.txt").write_text("mine\n")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    for out, said in ((source / "train", "is inside the source"),
+                      (tmp_path / "notes", "is not empty and holds no interrupted preparation")):
+        refused = run_train("prepare-data", str(source), str(out), timeout=120)
+        assert refused.returncode == 2 and said in refused.stderr, refused.stderr
+        assert "Traceback" not in refused.stderr
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
     out = tmp_path / "shards"
     prepared = run_train("prepare-data", str(source), str(out), "--workers", "2",
                          "--shard-mb", "0.02", timeout=120)
