@@ -409,6 +409,10 @@ def test_command_line_mistakes_and_dry_runs_leave_nothing(tmp_path: Path) -> Non
             assert result.returncode == 2 and lines[-1].startswith(start), result.stderr
             assert "Traceback" not in result.stderr
             assert sorted(p.name for p in tmp_path.iterdir()) == [], overrides
+    # A sweep whose second job does not compose: no multirun/<date>/<time>/multirun.yaml left.
+    result = run_train("-m", "optim.lr=0.1,abc", cwd=tmp_path, timeout=60)
+    assert result.returncode == 2 and "optim.lr=abc" in result.stderr, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
     # A directory that holds a job already keeps all of it, and its parent.
     (tmp_path / "job").mkdir()
     (tmp_path / "job" / "summary.json").write_text("{}")

@@ -30,9 +30,10 @@ from train.launch import joblock
 
 MOST_PER_SECOND = 1000
 """Directories tried for one second's name before giving up (a runaway loop, not a user)."""
-UNUSED = {".hydra", "train.log"}
-"""All a job directory holds when its command was refused before anything started: Hydra's
-record of the command and its (empty) log file, both made before the job's first line."""
+UNUSED = {".hydra", "train.log", "multirun.yaml"}
+"""All a job (or sweep) directory holds when its command was refused before anything started:
+Hydra's record of the command (a sweep's multirun.yaml) and its (empty) log file, made before
+the job's first line."""
 _made: list[Path] = []
 """The directories this process made for its launch, in the order made: the parents the
 pattern's directory lacked (outputs/, outputs/<date>/), then the one it claimed."""
