@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".json", ".csv", ".tex", ".html")
 """What a directory argument contributes: its files with these suffixes, recursively."""
@@ -38,6 +40,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def refuse(line: str) -> NoReturn:
+    """Bad input: one line and exit code 2, as every command of the service."""
+    print(f"error: {line}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def files_of(inputs: list[Path]) -> list[Path]:
     """The files named, and those under the directories named, in a stable order."""
     found: list[Path] = []
@@ -48,10 +56,9 @@ def files_of(inputs: list[Path]) -> list[Path]:
         elif item.is_file():
             found.append(item)
         else:
-            raise SystemExit(f"prepare_text: {item} is neither a file nor a directory.")
+            refuse(f"{item} is neither a file nor a directory.")
     if not found:
-        raise SystemExit("prepare_text: no text files found in " +
-                         ", ".join(map(str, inputs)))
+        refuse("no text files found in " + ", ".join(map(str, inputs)))
     return found
 
 
@@ -60,14 +67,18 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if not (0 < args.val_fraction < 1 and 0 <= args.test_fraction < 1
             and args.val_fraction + args.test_fraction < 1):
-        raise SystemExit("prepare_text: --val-fraction must be in (0, 1), --test-fraction in "
-                         "[0, 1), and the two together below 1.")
+        refuse("--val-fraction must be in (0, 1), --test-fraction in [0, 1), and the two "
+               "together below 1.")
     from train.data import tokenize
     from train.data.tokens import TokenDataError
 
     if args.tokenizer is not None and args.train_tokenizer is not None:
-        raise SystemExit("prepare_text: give --tokenizer (one you have) or --train-tokenizer "
-                         "(one trained on these files), not both.")
+        refuse("give --tokenizer (one you have) or --train-tokenizer (one trained on these "
+               "files), not both.")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        refuse(f"OUT {out} is a file: give a folder's path.")
+    made = not out.exists()
     try:
         files = files_of(args.inputs)
         if args.train_tokenizer is not None:
@@ -78,7 +89,15 @@ def main(argv: list[str] | None = None) -> None:
             tok = tokenize.ByteTokenizer()
         done = tokenize.prepare(files, args.out, tok, args.val_fraction, args.test_fraction)
     except TokenDataError as e:
-        raise SystemExit(f"prepare_text: {e}") from None
+        refuse(str(e))
+    except OSError as e:
+        refuse(f"{e.filename or out}: {e.strerror}: give a folder you can write to.")
+    short = {split: n for split, n in done.tokens.items() if split != "test" and n < 2}
+    if short:
+        if made:  # nothing half-made: no token files a job would refuse later
+            shutil.rmtree(out, ignore_errors=True)
+        refuse(f"the text gives {', '.join(f'{k} {v}' for k, v in short.items())} tokens: each "
+               "of train and val needs at least 2; give more text.")
     counts = ", ".join(f"{split} {n:,}" for split, n in done.tokens.items())
     print(f"prepare_text: {len(files)} files -> {done.out}: {counts} tokens ({done.dtype}, "
           f"vocabulary {done.vocab_size}, tokenizer {tok.name})")

@@ -103,6 +103,8 @@ def test_which_weights_each_word_finds_in_the_runs_output_directory(tmp_path: Pa
     ("eval", ["eval.split=val", "model=mlp"],
      f"eval rebuilds run {'a' * 32}'s own model from its config"),
     ("predict", ["predict.split=val", "+task=regression"], "another task needs a run trained"),
+    ("predict", ["predict.prompts=['a']"], "predict.prompts needs a language model's run"),
+    ("predict", ["predict.prompts=[]"], "predict.prompts=[] holds no prompt"),
 ])
 def test_what_eval_and_predict_cannot_take_is_refused_before_anything_starts(
         tmp_path: Path, purpose: str, overrides: list[str], expected: str) -> None:
@@ -117,6 +119,7 @@ def test_the_test_split_is_checked_only_where_the_data_stays_the_runs_own(
     for fine in (["eval.split=val"], ["data=cifar10"], ["data.test._target_=pkg.Test"],
                  ["+data.test.length=9"]):
         evaluate.check_overrides("eval", run, fine)
+    run.params["data.vocab_size"] = "256"  # a language model's run
     evaluate.check_overrides("predict", run, ["predict.prompts=['a']"])  # no split read
     run.params["data.num_test"] = "101"  # a run whose data had a test split
     evaluate.check_overrides("eval", run, [])

@@ -139,15 +139,37 @@ def test_a_bpe_trained_on_the_corpus_reads_it_back_in_fewer_tokens(tmp_path: Pat
     (["--train-tokenizer", "bpe", "--vocab-size", "256"], "--vocab-size 256: a byte-level BPE"),
     (["--train-tokenizer", "bpe", "--tokenizer", "x.json"], "give --tokenizer (one you have) or"),
 ])
-def test_a_tokenizer_that_cannot_be_trained_is_refused(tmp_path: Path, extra: list[str],
-                                                       expected: str) -> None:
+def test_a_tokenizer_that_cannot_be_trained_is_refused(
+        tmp_path: Path, extra: list[str], expected: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
     from train.prepare_text import main
 
     (tmp_path / "a.txt").write_text("some text\n" * 50)
     with pytest.raises(SystemExit) as stopped:
         main([str(tmp_path / "a.txt"), str(tmp_path / "out"), *extra])
-    assert expected in str(stopped.value)
+    [line] = capsys.readouterr().err.splitlines()
+    assert stopped.value.code == 2 and line.startswith("error: ") and expected in line, line
     assert not (tmp_path / "out" / "meta.json").exists()
+
+
+@pytest.mark.parametrize(("text", "out", "expected"), [
+    ("", "out", "the text gives train 0, val 0 tokens: each of train and val needs at least 2"),
+    ("ab", "out", "the text gives val 0 tokens"),
+    ("some text\n" * 50, "a.txt", "a.txt is a file: give a folder's path."),
+])
+def test_text_too_short_or_an_out_that_is_a_file_is_refused_leaving_nothing(
+        tmp_path: Path, text: str, out: str, expected: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused in one line (exit 2) with nothing written, not token files that every job on
+    them would refuse later."""
+    from train.prepare_text import main
+
+    (tmp_path / "a.txt").write_text(text)
+    with pytest.raises(SystemExit) as stopped:
+        main([str(tmp_path / "a.txt"), str(tmp_path / out)])
+    [line] = capsys.readouterr().err.splitlines()
+    assert stopped.value.code == 2 and line.startswith("error: ") and expected in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]
 
 
 @pytest.mark.parametrize(("bias", "tied"), [(False, True), (True, False)])

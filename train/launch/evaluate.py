@@ -78,7 +78,15 @@ def check_overrides(purpose: str, run: RecordedRun, overrides: list[str]) -> Non
     split = given_value(overrides, f"{purpose}.split") or "test"
     own_data = not any(o.lstrip("+~").partition("=")[0].partition(".")[0] == "data"
                        for o in overrides)
-    prompts = given_value(overrides, "predict.prompts") is not None
+    given_prompts = given_value(overrides, "predict.prompts")
+    prompts = given_prompts is not None
+    if prompts and given_prompts.replace(" ", "") in ("[]", "", "null"):
+        raise ConfigError(f"predict.prompts={given_prompts} holds no prompt: give one or more, "
+                          "or leave it out to predict the split's samples.")
+    if prompts and "data.vocab_size" not in run.params:
+        raise ConfigError(f"predict.prompts needs a language model's run; run {run.run_id} was "
+                          "trained on data that is no token windows: leave predict.prompts out "
+                          "to predict its split's samples.")
     if split == "test" and own_data and not prompts and "data.num_test" not in run.params:
         data = (run.config.get("data") or {}).get("name", "?")
         raise ConfigError(f"run {run.run_id}'s data (data={data}) has no test split: use its "
