@@ -14,6 +14,7 @@ from train.config.groups import DataConfig, ModelConfig
 from train.data import batches, datasets
 from train.data import build as data
 from train.distributed.env import DistEnv
+from train.errors import ConfigError
 from train.launch import preflight
 from train.models import build as models
 
@@ -272,3 +273,13 @@ def test_a_worker_collects_none_of_the_objects_it_inherits_and_the_rank_all_of_i
     frozen = [count for batch in loader for count in batch]
     assert min(frozen) > 10_000  # torch's and this process's objects, inherited
     assert gc.get_freeze_count() == 0
+
+
+def test_a_val_fraction_that_leaves_no_training_sample_is_named() -> None:
+    """Not the ZeroDivisionError the first epoch's end met with an empty training split."""
+    cfg = DataConfig(name="synthetic", num_samples=10, channels=1, image_size=4, num_classes=3,
+                     batch_size=2, num_workers=0, val_fraction=0.96)
+    with pytest.raises(ConfigError, match=r"data.val_fraction=0.96 of 10 samples leaves none to "
+                                          r"train on: lower it"):
+        data.build(cfg, DistEnv.on_one_node(0, 1), torch.device("cpu"), seed=0)
+    assert len(data.split(10, 0.9, 0).train_idx) == 1  # one sample is still a training split

@@ -40,6 +40,9 @@ def split(n: int, val_fraction: float, seed: int) -> Split:
     """The same train/val split on every rank and every restart."""
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     n_val = max(1, round(n * val_fraction))
+    if n_val >= n:  # no training sample: a division by zero at the first epoch's end
+        raise ConfigError(f"data.val_fraction={val_fraction} of {n} samples leaves none to "
+                          f"train on: lower it (e.g. data.val_fraction=0.2), or give more data.")
     return Split(train_idx=perm[n_val:], val_idx=perm[:n_val])
 
 
