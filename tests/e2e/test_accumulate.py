@@ -92,6 +92,9 @@ def test_accumulation_on_one_rank_equals_the_whole_batch_and_resumes_exactly(
     # 24 micro-batches in.
     mid = k3 / "checkpoints" / "step-000000008.pt"
     assert torch.load(mid, weights_only=True)["batch_in_epoch"] == 24
+    log = (k3 / "train.log").read_text()  # epochs numbered from 1, as everywhere
+    assert f"checkpoint {mid} (inside epoch 1, batch 24, step 8)" in log
+    assert f"checkpoint {k3 / 'checkpoints' / 'step-000000015.pt'} (epoch 1, step 15)" in log
     resumed = tmp_path / "resumed"
     result = run_train(*common, "trainer.accumulate_grad_batches=3", f"trainer.resume={mid}",
                        "tracking.run_name=resumed", f"hydra.run.dir={resumed}", env=store)

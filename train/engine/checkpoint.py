@@ -126,7 +126,11 @@ class Checkpointer:
             path = save(self.folder, {"model": weights, "optimizer": optimiser, **fields},
                         self.keep)
         if fields is not None:
-            log.info("checkpoint %s (epoch %d, step %d%s)", path, train.epoch, train.step,
+            # Epochs are numbered from 1: `epoch` counts those done, so one taken mid-epoch
+            # is inside the next.
+            where = (f"epoch {train.epoch}" if batch_in_epoch == 0 else
+                     f"inside epoch {train.epoch + 1}, batch {batch_in_epoch}")
+            log.info("checkpoint %s (%s, step %d%s)", path, where, train.step,
                      ", written in the background" if self.unfinished is not None else "")
         distributed.barrier()  # nobody stops (or goes on) before the checkpoint is complete
         self.last_save = time.monotonic()
