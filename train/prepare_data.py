@@ -107,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
                     sum(b - a for a, b in s.items) for s in plan.shards)
         with tqdm(total=total, unit=" samples", desc="prepare-data", file=sys.stderr) as bar:
             manifest = shards.prepare(plan, args.out, args.workers, command, bar.update)
+    except KeyboardInterrupt:
+        print(f"\nprepare-data: interrupted; the same command finishes it, keeping the shards "
+              f"already in {args.out}.", file=sys.stderr)
+        return 130
     except (shard_plan.PrepareError, TrainError, ValueError, OSError) as e:
         print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
               file=sys.stderr)

@@ -122,6 +122,9 @@ def test_webdataset_tars_become_shards_with_their_bytes_and_labels(tmp_path: Pat
     _tar(tmp_path / "tars" / "train" / "shard-002.tar", [("s999", samples[0][1], "cat")])
     with pytest.raises(shards.PrepareError, match=r"shard-002.tar: s999.cls holds b'cat', not"):
         shard_plan.plan_tars(tmp_path / "tars", limit=10_000)
+    (tmp_path / "tars" / "train" / "shard-002.tar").write_bytes(b"not a tar" * 100)
+    with pytest.raises(shards.PrepareError, match=r"shard-002.tar is no readable tar \("):
+        shard_plan.plan_tars(tmp_path / "tars", limit=10_000)  # named: not tarfile's ReadError
 
 
 def test_a_users_dataset_becomes_shards_read_back_as_its_tensors(

@@ -150,11 +150,15 @@ def _tar_samples(path: Path) -> Iterator[tuple[str, int, int, int]]:
     Offsets, not member names: a member is read with one seek, where tarfile looks a name up
     through the whole member list."""
     members: dict[str, dict[str, tarfile.TarInfo]] = {}
-    with tarfile.open(path) as tar:
-        for info in tar:
-            if info.isfile():
-                key, _, suffix = info.name.rpartition(".")
-                members.setdefault(key, {})["." + suffix.lower()] = info
+    try:
+        with tarfile.open(path) as tar:
+            for info in tar:
+                if info.isfile():
+                    key, _, suffix = info.name.rpartition(".")
+                    members.setdefault(key, {})["." + suffix.lower()] = info
+    except tarfile.TarError as e:
+        raise PrepareError(f"{path} is no readable tar ({e}): write it again, or move it out "
+                           "of the source.") from None
     for key, parts in members.items():
         image = next((parts[s] for s in IMAGE_SUFFIXES if s in parts), None)
         label = next((parts[s] for s in LABEL_SUFFIXES if s in parts), None)
