@@ -124,6 +124,9 @@ def cli() -> NoReturn:
         code = command_line(sys.argv[1:])
     except SystemExit as e:
         code = exit_code(e)
+    except BrokenPipeError:  # `train sweep status ... | head`: the reader left; no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 1
     end_process(code)
 
 

@@ -282,10 +282,10 @@ class ParentRunCallback(Callback):
                   f"{self.unwaited_jobs} jobs to end will summarise and end it.", flush=True)
             return
         best = summary.get("best_value")
-        best = f"{best:.4g}" if isinstance(best, float | int) else best
+        best = (f"best {objective} = {best:.4g} (run {summary.get('best_run_id')})"
+                if isinstance(best, float | int) else f"no job logged {objective}")
         print(f"Sweep parent run {parent}: {summary['children']} job(s), {summary['failed']} "
-              f"failed, {summary.get('pruned', 0)} pruned; best {objective} = {best} "
-              f"(run {summary.get('best_run_id')})", flush=True)
+              f"failed, {summary.get('pruned', 0)} pruned; {best}", flush=True)
         if summary.get("registered"):
             print(f"Sweep's best job registered as {summary['registered']}: "
                   f"mlflow.pytorch.load_model('models:/{summary['registered']}')", flush=True)
