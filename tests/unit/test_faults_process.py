@@ -40,6 +40,8 @@ def test_a_composition_error_is_one_line(override: str, expected: str) -> None:
      "needs a +: +model.hidden=32."),
     (("data=custom", "data.train._target_=userpkg.data.Lines", "data.train.length=48"),
      "a key of your own needs a +: +data.train.length=48."),
+    (("data.root=~/images",), "data.root=~/images ^; ~ is not expanded after '=': write "
+                              "data.root=$HOME/..., or an absolute path."),
 ])
 def test_an_unknown_key_gets_the_near_key_or_the_plus(overrides: tuple[str, ...],
                                                        expected: str) -> None:

@@ -114,6 +114,10 @@ def override_hint(message: str) -> str | None:
     """What to type instead, for Hydra's "Could not override 'KEY'" (a key the config lacks):
     `+KEY=VALUE` where the node takes keys of the user's own (a custom model's constructor
     arguments, a Dataset's), else the schema key closest to KEY."""
+    if tilde := re.search(r"LexerNoViableAltException: ([\w.+]+)=~", message):
+        # The shell expands ~ only at a word's start: Hydra's grammar then refuses it.
+        return (f"~ is not expanded after '=': write {tilde.group(1)}=$HOME/..., or an "
+                "absolute path.")
     found = re.search(r"Could not override '([^']+)'", message) or \
         re.search(r"^([\w.]+): Key '[^']+' not in '\w+'", message)
     if found is None:
