@@ -123,6 +123,8 @@ def test_a_killed_streaming_job_resumes_mid_epoch_into_the_same_run(
 @pytest.mark.parametrize(("overrides", "expected"), [
     (("data=imagefolder", "data.root=TMP/classes"), "class 'class_01' is in"),
     (("data=imagefolder", "data.root=TMP/none"), "does not exist"),
+    (("data=imagefolder", "data.root=TMP/classes/val"),  # class_00 alone
+     "data=imagefolder has 1 class: task=classification needs 2 or more"),
     (("data=custom", "data.train._target_=userpkg.data.Lines"),
      "no module named 'userpkg' is found. PYTHONPATH=''"),
     (("data=custom", "data.train._target_=collections.OrderedDict"),

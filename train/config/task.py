@@ -68,3 +68,12 @@ def metric_problem(name: str, task: str, metrics: tuple[str, ...], key: str,
         return None
     choices = ", ".join(f"val/{m}" for m in metrics)
     return f"{key}={name!r} is not a metric task={task} logs; choose one of {choices}."
+
+
+def classes_problem(task: str, num_classes: int | None, data: str) -> str | None:
+    """A classifier needs two classes or more: with one, its loss is 0 from the first step and
+    its accuracy 1, a run that finishes and means nothing."""
+    if task != "classification" or num_classes is None or num_classes >= 2:
+        return None
+    return (f"data={data} has {num_classes} class: task=classification needs 2 or more (an "
+            "image folder: one folder per class).")

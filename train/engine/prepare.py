@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from train import tracking
 from train.config.groups import TrainConfig
-from train.config.task import metric_problem
+from train.config.task import classes_problem, metric_problem
 from train.data import build as data_lib
 from train.distributed import env as distenv
 from train.distributed import phase, slurm
@@ -121,6 +121,8 @@ def set_up_task(cfg: TrainConfig, task: Task, bundle: data_lib.DataBundle,
     classes or a custom task's metrics are known at last."""
     classes = (cfg.task.num_classes if task.name == "segmentation" and cfg.task.num_classes
                else bundle.vocab_size or bundle.num_classes)
+    if problem := classes_problem(task.name, classes, cfg.data.name):
+        raise ConfigError(problem)
     task.setup(summed(models.build_loss(cfg.trainer.loss, device)), classes, bundle.class_names)
     if bundle.vocab_size is not None:  # token data: what a task that writes text decodes with
         task.tokenizer, task.seq_len = bundle.tokenizer, bundle.input_shape[0]

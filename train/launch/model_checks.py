@@ -7,6 +7,7 @@ torch at import time)."""
 from __future__ import annotations
 
 from train.config.groups import CustomModelConfig, DataConfig, TrainConfig, TrainerConfig
+from train.config.task import classes_problem
 from train.config.validation import monitor_problem
 from train.errors import ConfigError, LaunchError
 
@@ -134,10 +135,12 @@ def check_task(cfg: TrainConfig) -> None:
 
 
 def check_monitor(cfg: TrainConfig, classes: int | None) -> None:
-    """A top-5 monitor on a data set of TOP_K classes or fewer, where the classes are known:
-    before the data is read, or named by a custom Dataset (one that does not name them: on
-    every rank once it is built)."""
+    """A top-5 monitor on a data set of TOP_K classes or fewer, or a classifier of one class,
+    where the classes are known: before the data is read, or named by a custom Dataset (one
+    that does not name them: on every rank once it is built)."""
     if classes is not None and (problem := monitor_problem(cfg.trainer.monitor, classes)):
+        raise ConfigError(problem)
+    if problem := classes_problem(cfg.task.name, classes, cfg.data.name):
         raise ConfigError(problem)
 
 
