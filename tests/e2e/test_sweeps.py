@@ -62,6 +62,8 @@ def test_local_sweep_groups_jobs_under_a_parent_run(store: dict[str, str],
     # The closing line rounds the best value as every other line does.
     best_value = parent.data.metrics["best/val/accuracy"]
     assert f"best val/accuracy = {best_value:.4g} (run {best.info.run_id})" in result.stdout
+    # And where its jobs are, which a sweep that went well printed nowhere.
+    assert f"Its jobs: python -m train sweep status {sweep_dir}\n" in result.stdout
 
 
 

@@ -289,3 +289,4 @@ class ParentRunCallback(Callback):
         if summary.get("registered"):
             print(f"Sweep's best job registered as {summary['registered']}: "
                   f"mlflow.pytorch.load_model('models:/{summary['registered']}')", flush=True)
+        print(f"Its jobs: python -m train sweep status {self.sweep_dir}", flush=True)
