@@ -66,8 +66,8 @@ def check_overrides(purpose: str, run: RecordedRun, overrides: list[str]) -> Non
     (which it would ignore); another model or task; the test split of a run whose data has
     none (data.num_test unrecorded), where the data stays the run's own."""
     other = "predict" if purpose == "eval" else "eval"
-    for item in overrides:
-        name = item.lstrip("+~").partition("=")[0]
+    names = [item.lstrip("+~").partition("=")[0] for item in overrides]  # the keys set
+    for item, name in zip(overrides, names, strict=True):
         if name.startswith(f"{other}."):
             raise ConfigError(f"{item}: {other}.* is `python -m train {other}`'s; `{purpose}` "
                               f"takes {purpose}.{name.partition('.')[2]}.")
@@ -76,8 +76,7 @@ def check_overrides(purpose: str, run: RecordedRun, overrides: list[str]) -> Non
                               f"its config, which its weights fit; another {name} needs a run "
                               f"trained with it.")
     split = given_value(overrides, f"{purpose}.split") or "test"
-    own_data = not any(o.lstrip("+~").partition("=")[0].partition(".")[0] == "data"
-                       for o in overrides)
+    own_data = not any(name.partition(".")[0] == "data" for name in names)
     given_prompts = given_value(overrides, "predict.prompts")
     prompts = given_prompts is not None
     if prompts and given_prompts.replace(" ", "") in ("[]", "", "null"):

@@ -102,29 +102,23 @@ def written_by_jobs(top: Path, rel: str) -> bool:
     return any((top / parent / ".hydra").is_dir() for parent in Path(rel).parents[:-1])
 
 
-def _untracked_entries(status: str) -> list[str]:
-    return [entry[3:] for entry in status.split("\0") if entry.startswith("?? ")]
+def users_untracked(top: Path, status: str) -> list[str]:
+    """The untracked files (relative to `top`) that `git status -z` lists, less those jobs
+    wrote (`written_by_jobs`): what the user made."""
+    return [entry[3:] for entry in status.split("\0")
+            if entry.startswith("?? ") and not written_by_jobs(top, entry[3:])]
 
 
-def is_dirty(top: Path, status: str) -> bool:
-    """git's dirty, less the files jobs wrote (`written_by_jobs`): a change to a tracked file,
-    or an untracked file the user made."""
-    changed = [e for e in status.split("\0") if e and not e.startswith("?? ")]
-    return bool(changed) or any(not written_by_jobs(top, rel)
-                                for rel in _untracked_entries(status))
+def _sources(top: Path, untracked: list[str]) -> list[str]:
+    """Of `untracked`, the source files: no data, nothing over MAX_UNTRACKED_BYTES."""
+    return [rel for rel in untracked if rel.endswith(SOURCE_SUFFIXES) and
+            (top / rel).is_file() and (top / rel).stat().st_size <= MAX_UNTRACKED_BYTES]
 
 
 def untracked_sources(top: Path, status: str) -> list[str]:
     """The untracked source files (relative to `top`) that `git status -z` lists: no data,
     nothing ignored, nothing jobs wrote, nothing over MAX_UNTRACKED_BYTES."""
-    found = []
-    for rel in _untracked_entries(status):
-        if not rel.endswith(SOURCE_SUFFIXES) or written_by_jobs(top, rel):
-            continue
-        path = top / rel
-        if path.is_file() and path.stat().st_size <= MAX_UNTRACKED_BYTES:
-            found.append(rel)
-    return found
+    return _sources(top, users_untracked(top, status))
 
 
 def untracked_in(where: Path) -> list[str]:
@@ -137,9 +131,9 @@ def untracked_in(where: Path) -> list[str]:
     return untracked_sources(Path(top.strip()), status)
 
 
-def _untracked(top: Path, status: str) -> Iterator[str]:
+def _patches(top: Path, sources: list[str]) -> Iterator[str]:
     """The untracked source files as patches."""
-    for rel in untracked_sources(top, status):
+    for rel in sources:
         try:
             yield _new_file_patch(rel, (top / rel).read_text(encoding="utf-8"))
         except (UnicodeDecodeError, OSError):
@@ -157,9 +151,11 @@ def git_state(where: Path, whole_tree: bool = True) -> dict[str, Any] | None:
     spec = _pathspec("." if whole_tree else str(where.resolve().relative_to(top)))
     status = _git(top, "status", "--porcelain=v1", "-z", "--untracked-files=all", *spec) or ""
     tracked = _git(top, "diff", "HEAD", "--no-color", "--no-ext-diff", *spec) or ""
-    diff = tracked + "".join(_untracked(top, status))
-    return {"top": top, "commit": commit.strip(), "dirty": is_dirty(top, status),
-            "diff": diff}
+    mine = users_untracked(top, status)  # once: both the dirty flag and the diff read it
+    changed = any(e and not e.startswith("?? ") for e in status.split("\0"))
+    diff = tracked + "".join(_patches(top, _sources(top, mine)))
+    # git's dirty, less the files jobs wrote: a change to a tracked file, or one the user made
+    return {"top": top, "commit": commit.strip(), "dirty": changed or bool(mine), "diff": diff}
 
 
 def snapshot_state(project: Path) -> dict[str, Any] | None:
